@@ -1,0 +1,529 @@
+"""custagg's reverse-mode traversal of a `tf.Graph`: a drop-in for `tf.gradients`.
+
+The traversal does no maths of its own. It finds the ops between `ys` and
+`xs`, visits them in reverse order (an op is ready once every consumer on a
+path to `ys` has sent back its contribution), sums the contributions for each
+output (`aggregation.aggregate_contributions`), and calls the gradient
+function TensorFlow registered for the op.
+
+Semantics follow `tf.compat.v1.gradients` (TF 2.21): the same lookup of
+gradient functions (`gradient_override_map`, `tf.custom_gradient`,
+`tf.no_gradient`, function-call ops), `None` for unconnected `xs` unless
+`unconnected_gradients=ZERO`, `IndexedSlices` kept sparse, integer paths not
+differentiated, `stop_gradients` ops treated as constants.
+
+With `AggregationMethod.CUSTOM`, `ys` are per-example terms; they are weighted
+by `gradient_factors` before the pass starts (see `aggregation.custom_seeds`).
+
+Control flow: v2 (`While`/`If`, what TF 2.21 builds under
+`tf.compat.v1.disable_eager_execution()`) is supported; its gradients are
+registered functions like any other op's. v1 while loops (`Enter`/`Exit`,
+built under `tf.compat.v1.disable_v2_behavior()`) need TF's loop-state
+bookkeeping and are rejected with an error saying how to switch to v2; v1
+`cond` (`Switch`/`Merge` outside loops) works.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import indexed_slices as indexed_slices_lib
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_state
+from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import gen_functional_ops
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import object_identity
+
+from custagg import aggregation
+from custagg import errors
+from custagg.aggregation import AggregationMethod
+
+_V1_LOOP_OPS = frozenset(["Enter", "RefEnter", "Exit", "RefExit",
+                          "NextIteration", "RefNextIteration", "LoopCond"])
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _is_func_graph(graph):
+    return isinstance(graph, ops.Graph) and graph._building_function  # pylint: disable=protected-access
+
+
+def _outer_value(t):
+    """For a placeholder that captures an outer tensor, that outer tensor."""
+    graph = t.op.graph
+    if _is_func_graph(graph) and t.op.type == "Placeholder":
+        for outer, inner in graph.captures:
+            if inner is t:
+                return _outer_value(outer)
+    return t
+
+
+def _is_partitioned_call(op):
+    return op.type in ("PartitionedCall", "StatefulPartitionedCall")
+
+
+def _zeros_like(t):
+    """Zeros standing for the gradient of `t` (the variable's shape for handles)."""
+    dtype = default_gradient.get_zeros_dtype(t)
+    if t.dtype == tf.resource:
+        return tf.zeros(resource_variable_ops.variable_shape(t), dtype=dtype)
+    return tf.zeros_like(t, dtype=dtype)
+
+
+class _Backprop(object):
+    """State of one reverse pass: what is between ys and xs, and what is pending."""
+
+    def __init__(self, graph, ys, xs, stop_tensors, colocate, gate,
+                 sum_method, gradient_uid):
+        self.graph = graph
+        self.xs = xs
+        self.xs_set = object_identity.ObjectIdentitySet(xs)
+        self.colocate = colocate
+        self.gate = gate
+        self.sum_method = sum_method
+        self.gradient_uid = gradient_uid
+        # FuncGraphs enclosing the default graph: their captures are inputs.
+        self.func_graphs = []
+        g = graph
+        while _is_func_graph(g):
+            self.func_graphs.append(g)
+            g = g.outer_graph
+        # op -> list (one per output) of received contributions; replaced by
+        # the aggregated gradient once the op has been visited.
+        self.grads = {}
+        self._find_between([y.op for y in ys], [x.op for x in xs])
+        self.stop_ops = self._stop_ops([x.op for x in xs],
+                                       [t.op for t in stop_tensors])
+
+    # -- graph structure -------------------------------------------------
+
+    def inputs(self, op):
+        """Inputs of `op`, seen through captures of enclosing functions."""
+        if not _is_func_graph(op.graph):
+            return list(op.inputs)
+        return [t if t in self.xs_set else _outer_value(t) for t in op.inputs]
+
+    def _graph_inputs(self, op):
+        return [t for t in self.inputs(op) if not isinstance(t, ops.EagerTensor)]
+
+    def _consumers(self, t):
+        found = list(t.consumers())
+        for fg in self.func_graphs:
+            for outer, inner in fg.captures:
+                if outer is t:
+                    found.extend(self._consumers(inner))
+        return found
+
+    def _find_between(self, to_ops, from_ops):
+        """Marks the ops on a differentiable path from xs to ys; counts edges."""
+        reached = set()
+        queue = collections.deque(from_ops)
+        while queue:
+            op = queue.popleft()
+            if op in reached:
+                continue
+            reached.add(op)
+            for out in op.outputs:
+                if backprop_util.IsTrainable(out):
+                    queue.extend(self._consumers(out))
+        self.reachable_to_ops = set(op for op in to_ops if op in reached)
+        self.between = set()
+        order = []
+        queue = collections.deque(to_ops)
+        while queue:
+            op = queue.popleft()
+            if op in reached and op not in self.between:
+                self.between.add(op)
+                order.append(op)
+                queue.extend(t.op for t in self._graph_inputs(op))
+        loop_ops = [op for op in order if op.type in _V1_LOOP_OPS]
+        if loop_ops:
+            raise NotImplementedError(
+                "custagg.gradients: the path from ys to xs goes through a v1 "
+                "while loop (op '%s' of type %s, built under "
+                "tf.compat.v1.disable_v2_behavior()). custagg supports "
+                "control flow v2: call tf.compat.v1.enable_control_flow_v2() "
+                "after disable_v2_behavior() (or use only "
+                "tf.compat.v1.disable_eager_execution()) before building the "
+                "loop." % (loop_ops[0].name, loop_ops[0].type))
+        # pending[op]: contributions op still waits for (one per edge).
+        self.pending = collections.defaultdict(int)
+        for op in order:
+            for t in self._graph_inputs(op):
+                if t.op in self.between:
+                    self.pending[t.op] += 1
+
+    def _stop_ops(self, from_ops, stop_gradient_ops):
+        """xs ops with no xs ancestor on a path, plus stop_gradients ops."""
+        stop = set(op for op in from_ops
+                   if not any(self.pending[t.op] > 0
+                              for t in self._graph_inputs(op)))
+        stop.update(stop_gradient_ops)
+        return stop
+
+    # -- contributions ----------------------------------------------------
+
+    def add(self, t, grad):
+        per_output = self.grads.get(t.op)
+        if per_output is None:
+            per_output = [[] for _ in t.op.outputs]
+            self.grads[t.op] = per_output
+        per_output[t.value_index].append(grad)
+
+    def _aggregate(self, op):
+        """Sums each output's contributions in place; returns the sums."""
+        per_output = self.grads.get(op)
+        if per_output is None:
+            per_output = [[] for _ in op.outputs]
+            self.grads[op] = per_output
+        for i, contribs in enumerate(per_output):
+            per_output[i] = aggregation.aggregate_contributions(
+                contribs, self.sum_method, op, self.gradient_uid)
+        return list(per_output)
+
+    def result(self, x, unconnected):
+        per_output = self.grads.get(x.op)
+        grad = None if per_output is None else per_output[x.value_index]
+        if isinstance(grad, list):
+            # x's op was never visited: nothing reached it.
+            grad = aggregation.aggregate_contributions(
+                grad, self.sum_method, x.op, self.gradient_uid)
+        if grad is None and unconnected == tf.UnconnectedGradients.ZERO:
+            return _zeros_like(x)
+        return grad
+
+    # -- visiting ops -----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _maybe_colocate(self, op):
+        if self.colocate:
+            with ops._colocate_with_for_gradient(op, self.gradient_uid):  # pylint: disable=protected-access
+                yield
+        else:
+            yield
+
+    def _lookup(self, op):
+        """(gradient function, function-call flag) for `op`.
+
+        Order as in TF: ops without inputs have none; a function set on the
+        op (v2 control flow, tf.function call sites); the registry under
+        `_gradient_op_type` (gradient_override_map, tf.custom_gradient) or
+        the op type; then a function call's Python gradient or, failing
+        that, a SymbolicGradient node.
+        """
+        is_call = self.graph._is_function(op.type) or _is_partitioned_call(op)  # pylint: disable=protected-access
+        try:
+            return ops.get_gradient_function(op), is_call, None
+        except LookupError:
+            if not is_call:
+                raise LookupError(
+                    "custagg.gradients: no gradient is registered for op '%s' "
+                    "(type %s). Register one with @tf.RegisterGradient, or "
+                    "wrap the op's input in tf.stop_gradient if it should be "
+                    "treated as a constant." % (op.name, op.type))
+        func = self._called_function(op)
+        func = getattr(op, "__defun", func)
+        return func.python_grad_func if func is not None else None, True, func
+
+    def _called_function(self, op):
+        name = op.get_attr("f").name if _is_partitioned_call(op) else op.type
+        g = self.graph
+        while g is not None:
+            func = g._get_function(name)  # pylint: disable=protected-access
+            if func is not None:
+                return func
+            g = getattr(g, "outer_graph", None)
+        return None
+
+    def visit(self, op):
+        """Aggregates op's output gradients and sends its input gradients on."""
+        with self._maybe_colocate(op):
+            out_grads = self._aggregate(op)
+            has_grads = any(g is not None for g in out_grads)
+            grad_fn, is_call, func = None, False, None
+            if has_grads and op not in self.stop_ops:
+                grad_fn, is_call, func = self._lookup(op)
+            inputs = self.inputs(op)
+            if has_grads and (grad_fn is not None or is_call):
+                in_grads = self._call_gradient(op, grad_fn, func, out_grads)
+            else:
+                in_grads = [None] * len(inputs)
+            for i, (t_in, g) in enumerate(zip(inputs, in_grads)):
+                if g is None:
+                    continue
+                if isinstance(g, tf.Tensor) and t_in.dtype != tf.resource:
+                    try:
+                        g.set_shape(t_in.shape)
+                    except ValueError:
+                        raise ValueError(
+                            "custagg.gradients: the gradient function of op "
+                            "'%s' returned shape %s for input %d, whose shape "
+                            "is %s." % (op.name, g.shape, i, t_in.shape))
+                if not isinstance(t_in, ops.EagerTensor):
+                    self.add(t_in, g)
+
+    def _call_gradient(self, op, grad_fn, func, out_grads):
+        # The gradient of an output nothing depends on is zero; gradient
+        # functions expect a tensor for every trainable output.
+        for i, g in enumerate(out_grads):
+            if g is None and ((grad_fn is None) or
+                              backprop_util.IsTrainable(op.outputs[i])):
+                if default_gradient.supports_default_grad(op.outputs[i]):
+                    out_grads[i] = control_flow_state.ZerosLike(op, i)
+        with tf.name_scope(op.name + "_grad"):
+            with self.graph._original_op(op):  # pylint: disable=protected-access
+                with self._xla_scope(op, func):
+                    if grad_fn is not None:
+                        in_grads = grad_fn(op, *out_grads)
+                    else:
+                        in_grads = self._symbolic_gradient(op, out_grads)
+                in_grads = _as_list(in_grads)
+                # While ops grow inputs while their gradient is built.
+                if op.type not in ("While", "StatelessWhile") and \
+                        len(in_grads) != len(op.inputs):
+                    raise ValueError(
+                        "custagg.gradients: the gradient function of op '%s' "
+                        "(type %s) returned %d gradients for %d inputs."
+                        % (op.name, op.type, len(in_grads), len(op.inputs)))
+                if self.gate and sum(g is not None for g in in_grads) > 1:
+                    with tf.device(None):
+                        with ops._colocate_with_for_gradient(  # pylint: disable=protected-access
+                                None, self.gradient_uid, ignore_existing=True):
+                            in_grads = tf.tuple(in_grads)
+        return in_grads
+
+    def _symbolic_gradient(self, op, out_grads):
+        fn = attr_value_pb2.NameAttrList()
+        fn.name = op.get_attr("f").name if _is_partitioned_call(op) else op.type
+        for key in op.node_def.attr:
+            fn.attr[key].CopyFrom(op.node_def.attr[key])
+        return gen_functional_ops.symbolic_gradient(
+            input=list(op.inputs) + list(out_grads),
+            Tout=[default_gradient.get_zeros_dtype(t) for t in op.inputs],
+            f=fn)
+
+    @contextlib.contextmanager
+    def _xla_scope(self, op, func):
+        """Gradients of XLA-compiled ops are compiled too (as TF does)."""
+        try:
+            attrs = (func.cached_definition.attr if func is not None else None)
+            if attrs is not None:
+                compile_ = attrs["_XlaCompile"].b
+                separate = attrs["_XlaSeparateCompiledGradients"].b
+                scope = attrs["_XlaScope"].s.decode()
+            else:
+                compile_ = op.get_attr("_XlaCompile")
+                separate = op.get_attr("_XlaSeparateCompiledGradients")
+                scope = op.get_attr("_XlaScope").decode()
+        except (ValueError, KeyError, AttributeError):
+            compile_ = False
+        if not compile_:
+            yield
+            return
+        if separate:
+            scope = "%s_grad_%s" % (scope, self.gradient_uid)
+        new_attrs = {"_XlaCompile": attr_value_pb2.AttrValue(b=True),
+                     "_XlaScope": attr_value_pb2.AttrValue(s=scope.encode())}
+        with self.graph._attr_scope(new_attrs):  # pylint: disable=protected-access
+            yield
+
+    def run(self, ys, grad_ys):
+        for y, gy in zip(ys, grad_ys):
+            self.add(y, gy)
+        queue = collections.deque()
+        queued = set()
+        for y in ys:
+            op = y.op
+            if (self.pending[op] == 0 and op not in queued
+                    and op in self.reachable_to_ops):
+                queued.add(op)
+                queue.append(op)
+        while queue:
+            op = queue.popleft()
+            self.visit(op)
+            for t in self._graph_inputs(op):
+                self.pending[t.op] -= 1
+                if self.pending[t.op] == 0:
+                    queue.append(t.op)
+
+
+def _default_grad_ys(ys, grad_ys, colocate, gradient_uid):
+    """Ones for missing seeds; checks the given ones (as tf.gradients does)."""
+    seeds = []
+    for i, (y, gy) in enumerate(zip(ys, grad_ys)):
+        with (ops._colocate_with_for_gradient(y.op, gradient_uid)  # pylint: disable=protected-access
+              if colocate else contextlib.nullcontext()):
+            if gy is None:
+                if y.dtype.is_complex:
+                    raise TypeError(
+                        "custagg.gradients: ys[%d] (%s) is complex; pass "
+                        "grad_ys for it." % (i, y.name))
+                seeds.append(tf.ones(tf.shape(y), dtype=y.dtype,
+                                     name="grad_ys_%d" % i))
+                continue
+            gy = indexed_slices_lib.convert_to_tensor_or_indexed_slices(gy)
+            if isinstance(gy, indexed_slices_lib.IndexedSlices):
+                seeds.append(indexed_slices_lib.IndexedSlices(
+                    tf.identity(gy.values, name="grad_ys_%d_values" % i),
+                    tf.identity(gy.indices, name="grad_ys_%d_indices" % i),
+                    gy.dense_shape if gy.dense_shape is None else
+                    tf.identity(gy.dense_shape, name="grad_ys_%d_shape" % i)))
+                continue
+            real = y.dtype.is_floating or y.dtype.is_integer
+            if real and not (gy.dtype.is_floating or gy.dtype.is_integer):
+                raise TypeError(
+                    "custagg.gradients: grad_ys[%d] has dtype %s but ys[%d] is "
+                    "%s; expected a real dtype." % (i, gy.dtype.name, i,
+                                                    y.dtype.name))
+            if y.dtype.is_complex and not gy.dtype.is_complex:
+                raise TypeError(
+                    "custagg.gradients: grad_ys[%d] must be complex like "
+                    "ys[%d]." % (i, i))
+            seeds.append(tf.identity(gy, name="grad_ys_%d" % i))
+    return seeds
+
+
+def _graph_of(ts):
+    for t in ts:
+        g = getattr(t, "graph", None)
+        if g is not None:
+            return g
+    return None
+
+
+def _check_same_graph(ys, xs, graph):
+    for arg, ts in (("ys", ys), ("xs", xs)):
+        for i, t in enumerate(ts):
+            if getattr(t, "graph", graph) is not graph and \
+                    not _is_func_graph(graph):
+                raise ValueError(
+                    "custagg.gradients: %s[%d] (%s) is from another graph than "
+                    "ys[0]; all of ys and xs must come from the same tf.Graph "
+                    "(build them under one `with graph.as_default():`)."
+                    % (arg, i, getattr(t, "name", t)))
+
+
+def _convert_xs(xs):
+    converted = []
+    for i, x in enumerate(xs):
+        if resource_variable_ops.is_resource_variable(x):
+            x = x.handle
+        errors.check_graph_tensor(x, "xs[%d]" % i, "custagg.gradients")
+        converted.append(
+            indexed_slices_lib.internal_convert_to_tensor_or_indexed_slices(
+                x, name="x", as_ref=True))
+    return converted
+
+
+def gradients(ys,
+              xs,
+              grad_ys=None,
+              name="gradients",
+              colocate_gradients_with_ops=False,
+              gate_gradients=False,
+              aggregation_method=None,
+              stop_gradients=None,
+              unconnected_gradients=tf.UnconnectedGradients.NONE,
+              gradient_factors=None):
+    """Symbolic derivatives of `ys` w.r.t. `xs`; a drop-in for `tf.gradients`.
+
+    Without `gradient_factors` this returns what `tf.compat.v1.gradients`
+    returns: `sum over ys of d y / d x` for each `x` (seeded by `grad_ys`).
+
+    With `aggregation_method=AggregationMethod.CUSTOM` and `gradient_factors`
+    `f` of shape `[B]`, it returns, for each `x`,
+    `sum_i f[i] * d ys_i / d x`, the per-example terms being either
+
+    * `ys` given as a list of B per-example tensors, typically
+      `[loss[i] for i in range(B)]` (slices of one tensor are recognized and
+      differentiated in a single backward pass from that tensor), or
+    * `ys` given as one tensor (or a one-element list) of rank >= 1 whose
+      leading axis is the batch, e.g. a per-example loss `[B]`.
+
+    `grad_ys`, if also given, multiplies in. Integer factors are cast to the
+    dtype of `ys`. The gradients are of the terms as given: a mean loss
+    scales each example's term by 1/B.
+
+    Args:
+      ys: a `Tensor` or list of tensors to differentiate.
+      xs: a `Tensor`, `Variable` or list of them, to differentiate against.
+      grad_ys: optional list aligned with `ys`: the seeds (default ones).
+      name: name scope for the gradient ops.
+      colocate_gradients_with_ops: place each gradient op with its forward op.
+      gate_gradients: add a `tf.tuple` around each op's input gradients.
+      aggregation_method: an `AggregationMethod` (or `tf.AggregationMethod`)
+        value.
+      stop_gradients: tensors held constant (not differentiated through).
+      unconnected_gradients: `tf.UnconnectedGradients.NONE` (give `None`) or
+        `ZERO` (give zeros) for xs the ys do not depend on.
+      gradient_factors: `[B]` tensor of per-example factors, only with
+        `CUSTOM`; usually a `tf.compat.v1.placeholder` fed each step.
+
+    Returns:
+      A list aligned with `xs` of `Tensor`, `IndexedSlices` or `None`.
+
+    Raises:
+      RuntimeError: in eager mode (graph mode is needed).
+      ValueError / TypeError: bad `aggregation_method`, `gradient_factors`,
+        `unconnected_gradients`, or ys/xs from different graphs.
+
+    Example:
+      >>> x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+      >>> w = tf.compat.v1.get_variable("w", [3, 1])
+      >>> loss = tf.reshape(tf.matmul(x, w), [4])     # per-example loss
+      >>> f = tf.compat.v1.placeholder(tf.float32, [4])
+      >>> g, = custagg.gradients([loss[i] for i in range(4)], [w],
+      ...     aggregation_method=custagg.AggregationMethod.CUSTOM,
+      ...     gradient_factors=f)                    # sum_i f[i] x_i
+    """
+    aggregation.check_factors_usage(aggregation_method, gradient_factors)
+    sum_method = aggregation.check_method(aggregation_method)
+    try:
+        unconnected_gradients = tf.UnconnectedGradients(unconnected_gradients)
+    except ValueError:
+        raise ValueError(
+            "custagg.gradients: unknown unconnected_gradients %r; expected "
+            "tf.UnconnectedGradients.NONE or ZERO." % (unconnected_gradients,))
+
+    ys = [tf.convert_to_tensor(y) if isinstance(y, tf.Variable) else y
+          for y in _as_list(ys)]
+    for i, y in enumerate(ys):
+        errors.check_graph_tensor(y, "ys[%d]" % i, "custagg.gradients")
+    xs_in = _as_list(xs)
+    stop_gradients = [] if stop_gradients is None else _as_list(stop_gradients)
+    grad_ys = [None] * len(ys) if grad_ys is None else _as_list(grad_ys)
+    if len(grad_ys) != len(ys):
+        raise ValueError(
+            "custagg.gradients: grad_ys has %d entries but ys has %d; pass "
+            "one seed (or None) per y." % (len(grad_ys), len(ys)))
+    xs_in = [x.handle if resource_variable_ops.is_resource_variable(x) else x
+             for x in xs_in]
+    graph = _graph_of(ys) or ops.get_default_graph()
+    _check_same_graph(ys, xs_in, graph)
+
+    with graph.as_default() if not _is_func_graph(
+            ops.get_default_graph()) else contextlib.nullcontext():
+        with tf.name_scope(name or "gradients"):
+            gradient_uid = ops.get_default_graph().unique_name("uid")
+            ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
+                ys, name="y")
+            xs = _convert_xs(xs_in)
+            if aggregation_method == AggregationMethod.CUSTOM:
+                with tf.name_scope("custom_seeds"):
+                    ys, grad_ys = aggregation.custom_seeds(
+                        ys, grad_ys, gradient_factors)
+            grad_ys = _default_grad_ys(ys, grad_ys,
+                                       colocate_gradients_with_ops,
+                                       gradient_uid)
+            backprop = _Backprop(ops.get_default_graph(), ys, xs,
+                                 stop_gradients, colocate_gradients_with_ops,
+                                 gate_gradients, sum_method, gradient_uid)
+            backprop.run(ys, grad_ys)
+            return [backprop.result(x, unconnected_gradients) for x in xs]

@@ -1,0 +1,53 @@
+"""custagg: per-example gradients and custom gradient aggregation for TF graph mode."""
+import os
+
+from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version():
+    ns = {}
+    with open(os.path.join(HERE, "custagg", "_version.py")) as f:
+        exec(f.read(), ns)
+    return ns["__version__"]
+
+
+# The `tensorflow` distribution (not `tensorflow-cpu`) is pinned: on Linux it
+# runs on the CPU unless the `and-cuda` extra is asked for, and `tf-keras`
+# (needed for `tf.compat.v1.layers` on TF 2.21) depends on `tensorflow` by
+# name, so pinning `tensorflow-cpu` would install two copies over each other.
+INSTALL_REQUIRES = [
+    "tensorflow==2.21.0",
+    "numpy>=1.26",
+    "six>=1.12",
+    # Carries the 1,797 UCI handwritten digits, the main job's offline data.
+    "scikit-learn>=1.3",
+]
+
+TEST_REQUIRES = [
+    "pytest>=7",
+    # tf.compat.v1.layers / legacy Keras layers in graph mode (TF_USE_LEGACY_KERAS=1).
+    "tf-keras==2.21.0",
+    # Executes notebooks/ in the test suite.
+    "nbclient>=0.10",
+    "nbformat>=5.9",
+    "ipykernel>=6.29",
+    # The notebooks plot.
+    "matplotlib>=3.8",
+]
+
+setup(
+    name="custagg",
+    version=_version(),
+    description=("Per-example gradients and custom gradient aggregation for "
+                 "TensorFlow graph mode (tf.compat.v1)."),
+    long_description=open(os.path.join(HERE, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["custagg", "custagg.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": TEST_REQUIRES, "notebooks": TEST_REQUIRES[2:]},
+    entry_points={"console_scripts": ["custagg=custagg.__main__:main"]},
+    license="Apache-2.0",
+)
