@@ -10,5 +10,25 @@ pass the per-example loss vector to get each example's own gradient.
 from custagg._version import __version__
 from custagg.aggregation import AggregationMethod
 from custagg.gradients import gradients
+from custagg.per_example import STRATEGIES
+from custagg.per_example import Plan
+from custagg.per_example import clipped_gradients
+from custagg.per_example import gradient_second_moments
+from custagg.per_example import per_example_gradients
+from custagg.per_example import per_example_norms
+from custagg.per_example import plan_per_example
+from custagg.per_example import weighted_gradients
+from custagg.registry import Rule
+from custagg.registry import RuleContext
+from custagg.registry import RuleRegistry
+from custagg.registry import default_registry
+from custagg.registry import register_rule
+from custagg import testing  # noqa: F401
 
-__all__ = ["__version__", "AggregationMethod", "gradients"]
+__all__ = [
+    "__version__", "AggregationMethod", "gradients", "STRATEGIES", "Plan",
+    "clipped_gradients", "gradient_second_moments", "per_example_gradients",
+    "per_example_norms", "plan_per_example", "weighted_gradients", "Rule",
+    "RuleContext", "RuleRegistry", "default_registry", "register_rule",
+    "testing",
+]

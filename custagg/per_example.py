@@ -1,0 +1,603 @@
+"""Per-example gradients, norms, clipped and weighted sums: the front door.
+
+Every function takes a per-example loss `per_example_loss` of shape `[B]`
+(B may be unknown until run time) and a list `xs` of variables or tensors.
+Results are gradients of the per-example losses as given: a mean loss scales
+each example's gradient by 1/B. `None` stands for "no gradient" (the loss
+does not depend on that x), as in `tf.gradients`.
+
+Strategies (chosen per x by `plan_per_example`):
+
+* `"loop"`: one backward pass per example (`custagg.gradients(loss[i], x)`);
+  obviously correct, needs a static B, graph and time grow with B^2.
+* `"pfor"`: TF's vectorization (`parallel_for.pfor`) of the backward pass
+  seeded with `one_hot(i)`, in chunks of `pfor_chunk_size` examples so
+  memory stays bounded. Exact for any graph pfor can convert (it falls back
+  to a while loop for ops it cannot).
+* `"rules"`: one backward pass of the summed loss to the outputs of the ops
+  that consume x, then a per-op rule (`custagg.rules`) forms each example's
+  gradient from the op's inputs and that output gradient (outer products).
+  About one backward pass; norms and clipped sums never materialize
+  `[B, *x.shape]`. Needs a rule for every consumer and no batch coupling
+  downstream; otherwise it is an error that says what to use instead.
+* `"auto"`: "rules" for each x that qualifies, "pfor" for the others (and
+  "loop" if pfor cannot build and B is static).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import tensorflow as tf
+from tensorflow.python.framework import indexed_slices as indexed_slices_lib
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
+
+from custagg import errors
+from custagg import registry as registry_lib
+from custagg import separability
+from custagg.aggregation import AggregationMethod
+from custagg.gradients import gradients
+
+_LOG = logging.getLogger("custagg")
+
+STRATEGIES = ("auto", "rules", "pfor", "loop")
+
+# Ops between a parameter and the op that uses it that the rules see through:
+# they change neither values nor (up to a reshape) layout.
+_PASS_THROUGH = frozenset(["ReadVariableOp", "Identity", "Snapshot", "Cast",
+                           "ExpandDims", "Reshape", "Squeeze"])
+
+_Consumer = collections.namedtuple("_Consumer", ["op", "index", "rule"])
+
+
+class Assignment(object):
+    """How one x gets its per-example gradients.
+
+    Attributes:
+      x: the x as given (variable or tensor).
+      tensor: the graph tensor differentiated (a resource handle for
+        resource variables).
+      strategy: "rules", "pfor", "loop", or None when the loss does not
+        depend on x.
+      reason: why "rules" could not be used (None when it was, or not
+        considered).
+      consumers: the rule ops, for "rules".
+    """
+
+    def __init__(self, x, tensor, strategy, reason=None, consumers=()):
+        self.x, self.tensor = x, tensor
+        self.strategy, self.reason = strategy, reason
+        self.consumers = list(consumers)
+
+    @property
+    def name(self):
+        return getattr(self.x, "name", str(self.x))
+
+    def __repr__(self):
+        return "Assignment(%s: %s%s)" % (
+            self.name, self.strategy,
+            "" if not self.reason else ", because " + self.reason)
+
+
+class Plan(object):
+    """Which strategy each x got; `str(plan)` prints a small table."""
+
+    def __init__(self, loss, assignments, batch_size, requested):
+        self.loss = loss
+        self.assignments = assignments
+        self.batch_size = batch_size
+        self.requested = requested
+
+    def strategy_for(self, x):
+        for a in self.assignments:
+            if a.x is x or a.tensor is x:
+                return a.strategy
+        raise KeyError("custagg: %r is not one of the planned xs." % (x,))
+
+    def strategies(self):
+        """List aligned with xs: "rules" / "pfor" / "loop" / None."""
+        return [a.strategy for a in self.assignments]
+
+    def __str__(self):
+        lines = ["per-example plan (strategy=%r):" % self.requested]
+        for a in self.assignments:
+            what = a.strategy or "unconnected (None)"
+            if a.strategy == "rules":
+                what += " via " + ", ".join(sorted(set(
+                    c.op.type for c in a.consumers)))
+            if a.reason:
+                what += "  [no rules: %s]" % a.reason
+            lines.append("  %-40s %s" % (a.name, what))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+# --------------------------------------------------------------------------
+# Planning
+
+
+def _check_loss(per_example_loss, fn_name):
+    errors.check_not_eager(fn_name)
+    if isinstance(per_example_loss, (list, tuple)):
+        raise TypeError(
+            "%s: per_example_loss must be one tensor of shape [B] (the loss of "
+            "each example); got a %s. Use tf.stack(...) on the per-example "
+            "terms." % (fn_name, type(per_example_loss).__name__))
+    errors.check_graph_tensor(per_example_loss, "per_example_loss", fn_name)
+    loss = tf.convert_to_tensor(per_example_loss)
+    if loss.shape.rank != 1:
+        raise ValueError(
+            "%s: per_example_loss must have shape [B], one loss per example; "
+            "got shape %s. Reduce the other axes per example first (e.g. "
+            "tf.reduce_sum(loss, axis=1)), and do not average over the "
+            "batch." % (fn_name, loss.shape))
+    if not loss.dtype.is_floating:
+        raise TypeError("%s: per_example_loss must be floating point; got %s."
+                        % (fn_name, loss.dtype.name))
+    return loss
+
+
+def _check_strategy(strategy, fn_name):
+    if strategy not in STRATEGIES:
+        raise ValueError("%s: unknown strategy %r; expected one of %s."
+                         % (fn_name, strategy, ", ".join(map(repr,
+                                                             STRATEGIES))))
+
+
+def _as_tensor(x, i, fn_name):
+    if resource_variable_ops.is_resource_variable(x):
+        return x.handle
+    errors.check_graph_tensor(x, "xs[%d]" % i, fn_name)
+    return indexed_slices_lib.internal_convert_to_tensor_or_indexed_slices(
+        x, as_ref=True)
+
+
+def _find_consumers(x_tensor, loss_ancestors):
+    """(op, input index) pairs where x's value enters a non-pass-through op."""
+    found = []
+    stack = [x_tensor]
+    seen = set()
+    while stack:
+        t = stack.pop()
+        if t.ref() in seen:
+            continue
+        seen.add(t.ref())
+        for op in t.consumers():
+            if op not in loss_ancestors:
+                continue
+            for k, inp in enumerate(op.inputs):
+                if inp is not t:
+                    continue
+                if op.type in _PASS_THROUGH and k == 0:
+                    stack.append(op.outputs[0])
+                else:
+                    found.append((op, k))
+    return found
+
+
+def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size):
+    """(consumers, None) if every consumer of x has a usable rule, else
+    (None, reason)."""
+    consumers = []
+    for op, k in _find_consumers(x_tensor, loss_ancestors):
+        rule = registry.lookup(op.type)
+        if rule is None:
+            return None, ("no per-example rule for op type '%s' (op '%s')"
+                          % (op.type, op.name))
+        ctx = registry_lib.RuleContext(op, k, None, batch_size)
+        why = rule.unsupported(ctx)
+        if why:
+            return None, "the %s rule does not handle op '%s': %s" % (
+                op.type, op.name, why)
+        coupled = separability.coupling(op.outputs[0],
+                                        rule.output_batch_axis(ctx), loss,
+                                        loss_ancestors)
+        if coupled:
+            return None, ("batch coupling between op '%s' and the loss: %s; "
+                          "per-example rules assume examples do not interact"
+                          % (op.name, coupled))
+        consumers.append(_Consumer(op, k, rule))
+    if not consumers:
+        return None, "x reaches the loss through no op with a batch input"
+    return consumers, None
+
+
+def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
+    """Decides, per x, which strategy computes its per-example gradients.
+
+    Args:
+      per_example_loss: `[B]` tensor.
+      xs: list of variables or tensors.
+      strategy: "auto", "rules", "pfor" or "loop".
+      registry: a `custagg.RuleRegistry` (default: the built-in rules).
+
+    Returns:
+      A `Plan`; `str(plan)` shows the choice and, where rules were not used,
+      why.
+
+    Raises:
+      ValueError: a bad argument; "rules" asked for an x it cannot handle
+        (the message names the op and suggests a strategy); "loop" with an
+        unknown batch size.
+    """
+    fn = "custagg.plan_per_example"
+    loss = _check_loss(per_example_loss, fn)
+    _check_strategy(strategy, fn)
+    registry = registry or registry_lib.default_registry()
+    xs = list(xs) if isinstance(xs, (list, tuple)) else [xs]
+    static_b = tf.compat.dimension_value(loss.shape[0])
+    batch_size = tf.shape(loss)[0] if static_b is None else static_b
+    if strategy == "loop" and static_b is None:
+        raise ValueError(
+            "custagg: strategy='loop' needs a static batch size, but "
+            "per_example_loss has shape %s. Use strategy='pfor' or 'auto', "
+            "or give the input placeholder a fixed batch size." % loss.shape)
+    ancestors = separability.ancestors(loss)
+    assignments = []
+    for i, x in enumerate(xs):
+        t = _as_tensor(x, i, fn)
+        if t.graph is not loss.graph:
+            raise ValueError(
+                "custagg: xs[%d] (%s) is from another graph than "
+                "per_example_loss." % (i, getattr(x, "name", x)))
+        if t.op not in ancestors:
+            assignments.append(Assignment(x, t, None))
+            continue
+        if strategy in ("pfor", "loop"):
+            assignments.append(Assignment(x, t, strategy))
+            continue
+        consumers, reason = _rules_reason(t, loss, ancestors, registry,
+                                          batch_size)
+        if consumers is not None:
+            assignments.append(Assignment(x, t, "rules", None, consumers))
+        elif strategy == "rules":
+            raise ValueError(
+                "custagg: strategy='rules' cannot give per-example gradients "
+                "of %s: %s. Use strategy='auto' (falls back to 'pfor' for "
+                "this variable) or 'pfor', or register a rule with "
+                "@custagg.register_rule(...)." % (getattr(x, "name", x),
+                                                   reason))
+        else:
+            assignments.append(Assignment(x, t, "pfor", reason))
+    plan = Plan(loss, assignments, batch_size, strategy)
+    _LOG.debug("%s", plan)
+    return plan
+
+
+# --------------------------------------------------------------------------
+# Execution
+
+
+def _x_shape(a):
+    shape = a.x.shape if hasattr(a.x, "shape") else a.tensor.shape
+    shape = tf.TensorShape(shape)
+    if shape.is_fully_defined():
+        return shape.as_list()
+    value = a.x.value() if isinstance(a.x, tf.Variable) else a.tensor
+    return tf.unstack(tf.shape(value))
+
+
+def _x_dtype(a):
+    return tf.as_dtype(a.x.dtype).base_dtype
+
+
+def _dense(g):
+    if isinstance(g, indexed_slices_lib.IndexedSlices):
+        return tf.convert_to_tensor(g)
+    return g
+
+
+class _Engine(object):
+    """Builds the tensors a plan calls for, sharing the rules' backward pass."""
+
+    def __init__(self, plan, pfor_chunk_size):
+        self.plan = plan
+        self.loss = plan.loss
+        self.chunk = pfor_chunk_size
+        self._contexts = None
+        self._materialized = {}
+
+    # -- rules --
+
+    def contexts(self, a):
+        """RuleContexts (grads included) for an x planned as "rules"."""
+        if self._contexts is None:
+            self._contexts = {}
+            consumers = [c for x in self.plan.assignments
+                         if x.strategy == "rules" for c in x.consumers]
+            outs = [c.op.outputs[0] for c in consumers]
+            with tf.name_scope("per_example_rules"):
+                grads = gradients(self.loss, outs) if outs else []
+            for c, g in zip(consumers, grads):
+                ctx = None if g is None else registry_lib.RuleContext(
+                    c.op, c.index, _dense(g), self.plan.batch_size)
+                self._contexts[(c.op, c.index)] = ctx
+        return [(c.rule, self._contexts[(c.op, c.index)])
+                for c in a.consumers
+                if self._contexts[(c.op, c.index)] is not None]
+
+    def _to_x(self, t, a, batched):
+        """A rule result in the op input's layout -> x's layout and dtype."""
+        dtype = _x_dtype(a)
+        if isinstance(t, indexed_slices_lib.IndexedSlices):
+            return indexed_slices_lib.IndexedSlices(
+                tf.cast(t.values, dtype), t.indices, t.dense_shape)
+        lead = [tf.shape(t)[0]] if batched else []
+        return tf.cast(tf.reshape(t, lead + _x_shape(a)), dtype)
+
+    def _rules_per_example(self, a):
+        parts = [self._to_x(rule.per_example(ctx), a, True)
+                 for rule, ctx in self.contexts(a)]
+        return tf.add_n(parts) if len(parts) > 1 else parts[0]
+
+    # -- pfor and loop --
+
+    def _materialize(self, strategy):
+        """Per-example gradients of every x planned as `strategy`."""
+        if strategy in self._materialized:
+            return self._materialized[strategy]
+        group = [a for a in self.plan.assignments if a.strategy == strategy]
+        tensors = [a.tensor for a in group]
+        with tf.name_scope("per_example_" + strategy):
+            if strategy == "pfor":
+                try:
+                    stacked = self._pfor(group, tensors)
+                except Exception as e:  # pylint: disable=broad-except
+                    if (self.plan.requested != "auto"
+                            or not isinstance(self.plan.batch_size, int)):
+                        raise
+                    # "auto" never fails where the loop works.
+                    _LOG.debug("pfor failed (%s); using the loop", e)
+                    for a in group:
+                        a.strategy, a.reason = "loop", (
+                            (a.reason or "") + "; pfor failed: %s" % e)
+                    stacked = self._loop(tensors)
+            else:
+                stacked = self._loop(tensors)
+        result = {}
+        for a, s in zip(group, stacked):
+            result[id(a)] = tf.cast(s, _x_dtype(a))
+        self._materialized[strategy] = result
+        return result
+
+    def _pfor(self, group, tensors):
+        loss = self.loss
+        batch = self.plan.batch_size
+
+        def loop_fn(i):
+            seed = tf.one_hot(i, batch, dtype=loss.dtype)
+            grads = gradients(loss, tensors, grad_ys=seed)
+            return [_dense(g) if g is not None else
+                    tf.zeros(_x_shape(a), _x_dtype(a))
+                    for a, g in zip(group, grads)]
+
+        return pfor_ops.pfor(loop_fn, batch,
+                             parallel_iterations=self.chunk)
+
+    def _loop(self, tensors):
+        rows = []
+        for i in range(self.plan.batch_size):
+            grads = gradients(self.loss[i], tensors,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            rows.append([_dense(g) for g in grads])
+        return [tf.stack(list(col), axis=0) for col in zip(*rows)]
+
+    def per_example(self, a):
+        if a.strategy is None:
+            return None
+        if a.strategy == "rules":
+            return self._rules_per_example(a)
+        return self._materialize(a.strategy)[id(a)]
+
+    def squared_norms(self, a):
+        """[B] squared norms of x's per-example gradients (loss dtype)."""
+        dtype = self.loss.dtype
+        if a.strategy == "rules":
+            pairs = self.contexts(a)
+            if len(pairs) == 1:      # one consumer: the rule's own identity
+                rule, ctx = pairs[0]
+                return tf.cast(rule.squared_norms(ctx), dtype)
+            if not pairs:
+                return tf.zeros(tf.shape(self.loss), dtype)
+        g = tf.cast(self.per_example(a), dtype)
+        return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
+                             axis=1)
+
+    def weighted_sums(self, group, weights):
+        """sum_b weights[b] g_b for each x of `group` (one weights vector)."""
+        out = {}
+        by_pass = [a for a in group if a.strategy != "rules"]
+        for a in group:
+            if a.strategy == "rules":
+                parts = [self._to_x(rule.weighted_sum(ctx, weights), a, False)
+                         for rule, ctx in self.contexts(a)]
+                out[id(a)] = _sum_parts(parts, a)
+        if by_pass:
+            # Exact whatever the graph: d/dx sum_b w_b l_b with w constant.
+            grads = gradients(self.loss, [a.tensor for a in by_pass],
+                              aggregation_method=AggregationMethod.CUSTOM,
+                              gradient_factors=weights)
+            for a, g in zip(by_pass, grads):
+                out[id(a)] = g
+        return out
+
+    def squared_sum(self, a):
+        if a.strategy == "rules":
+            parts = self.contexts(a)
+            if len(parts) == 1:
+                rule, ctx = parts[0]
+                return self._to_x(rule.squared_sum(ctx), a, False)
+        return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _sum_parts(parts, a):
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, indexed_slices_lib.IndexedSlices) for p in parts):
+        return indexed_slices_lib.IndexedSlices(
+            tf.concat([p.values for p in parts], 0),
+            tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0),
+            parts[0].dense_shape)
+    return tf.add_n([_dense(p) for p in parts])
+
+
+def _engine(per_example_loss, xs, strategy, registry, pfor_chunk_size, fn):
+    _check_strategy(strategy, fn)
+    plan = plan_per_example(per_example_loss, xs, strategy, registry)
+    return plan, _Engine(plan, pfor_chunk_size)
+
+
+# --------------------------------------------------------------------------
+# Public functions
+
+
+def per_example_gradients(per_example_loss, xs, strategy="auto",
+                          registry=None, pfor_chunk_size=32,
+                          name="per_example_gradients"):
+    """The gradient of each example's loss, before TensorFlow sums them.
+
+    Args:
+      per_example_loss: `[B]` tensor, the loss of each example (B may be
+        unknown until run time). Gradients are of these losses as given: a
+        mean loss scales each one by 1/B.
+      xs: a variable/tensor or list of them.
+      strategy: "auto" (default), "rules", "pfor" or "loop" (see module doc).
+      registry: rule registry (default: the built-in rules).
+      pfor_chunk_size: examples vectorized at once by "pfor" (bounds memory).
+      name: name scope.
+
+    Returns:
+      List aligned with `xs`; entry j is `[B, *xs[j].shape]` whose row i is
+      `d per_example_loss[i] / d xs[j]`, or `None` if the loss does not
+      depend on `xs[j]`.
+
+    Example:
+      >>> loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      ...     labels=y, logits=tf.matmul(x, w) + b)          # [B]
+      >>> gw, gb = custagg.per_example_gradients(loss, [w, b])
+      >>> # gw: [B, 784, 10], gb: [B, 10]
+    """
+    fn = "custagg.per_example_gradients"
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        return [engine.per_example(a) for a in plan.assignments]
+
+
+def per_example_norms(per_example_loss, xs, strategy="auto", registry=None,
+                      pfor_chunk_size=32, name="per_example_norms"):
+    """`[B]` global L2 norms of the per-example gradients over all `xs`.
+
+    With rules, computed without materializing per-example gradients
+    (`||a_b|| ||dz_b||` for dense layers, the Gram form for sequences, sparse
+    rows for embeddings). Unconnected xs count as zero.
+    """
+    fn = "custagg.per_example_norms"
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        return tf.sqrt(_total_squared_norms(plan, engine, plan.assignments))
+
+
+def _total_squared_norms(plan, engine, group):
+    parts = [engine.squared_norms(a) for a in group if a.strategy]
+    if not parts:
+        return tf.zeros(tf.shape(plan.loss), plan.loss.dtype)
+    return tf.add_n(parts)
+
+
+def _clip_factors(sq_norms, clip, dtype):
+    """min(1, C / norm), written C / max(norm, C) so norm 0 gives 1."""
+    c = tf.cast(clip, dtype)
+    return tf.stop_gradient(c / tf.maximum(tf.sqrt(sq_norms), c))
+
+
+def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
+                      return_norms=False, registry=None, pfor_chunk_size=32,
+                      name="clipped_gradients"):
+    """`sum_b min(1, C / ||g_b||) g_b`: the per-example clipped sum (DP-SGD).
+
+    The clip factors are constants (never differentiated through). For xs
+    covered by rules the sum is formed from the norm pass's own activations
+    and output gradients (`a^T diag(c) dz` for a MatMul): about one backward
+    pass, no per-example gradient materialized. Other xs get a second
+    backward pass weighted by the factors (`AggregationMethod.CUSTOM`).
+
+    Args:
+      per_example_loss: `[B]` per-example losses.
+      xs: variables/tensors.
+      l2_norm_clip: C, a float or scalar tensor (one global norm over all
+        xs), or a list aligned with xs (each x clipped by its own norm).
+      strategy: as for `per_example_gradients`.
+      return_norms: also return the `[B]` norms before clipping (global, or
+        a list of per-x norms with per-x clip norms).
+
+    Returns:
+      List aligned with xs (`Tensor`, `IndexedSlices` for embedding tables,
+      or `None`), and the norms if `return_norms`.
+    """
+    fn = "custagg.clipped_gradients"
+    per_x = isinstance(l2_norm_clip, (list, tuple))
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        live = [a for a in plan.assignments if a.strategy]
+        dtype = plan.loss.dtype
+        if per_x:
+            if len(l2_norm_clip) != len(plan.assignments):
+                raise ValueError(
+                    "%s: l2_norm_clip has %d entries but xs has %d; give one "
+                    "clip norm per x, or one number." % (
+                        fn, len(l2_norm_clip), len(plan.assignments)))
+            sums, norms = {}, []
+            for a, clip in zip(plan.assignments, l2_norm_clip):
+                if not a.strategy:
+                    norms.append(tf.zeros(tf.shape(plan.loss), dtype))
+                    continue
+                sq = engine.squared_norms(a)
+                norms.append(tf.sqrt(sq))
+                sums.update(engine.weighted_sums(
+                    [a], _clip_factors(sq, clip, dtype)))
+        else:
+            sq = _total_squared_norms(plan, engine, live)
+            norms = tf.sqrt(sq)
+            sums = engine.weighted_sums(live,
+                                        _clip_factors(sq, l2_norm_clip, dtype))
+        grads = [sums.get(id(a)) for a in plan.assignments]
+        return (grads, norms) if return_norms else grads
+
+
+def weighted_gradients(per_example_loss, xs, weights, name="weighted_gradients"):
+    """`sum_b weights[b] * d per_example_loss[b] / dx` in one backward pass.
+
+    The same as `custagg.gradients(per_example_loss, xs,
+    aggregation_method=CUSTOM, gradient_factors=weights)`; exact for any
+    graph, batch coupling included, since the weights are constants.
+    """
+    _check_loss(per_example_loss, "custagg.weighted_gradients")
+    with tf.name_scope(name):
+        return gradients(per_example_loss, xs,
+                         aggregation_method=AggregationMethod.CUSTOM,
+                         gradient_factors=weights)
+
+
+def gradient_second_moments(per_example_loss, xs, strategy="auto",
+                            registry=None, pfor_chunk_size=32,
+                            name="gradient_second_moments"):
+    """`sum_b g_b ** 2` (elementwise) for each x.
+
+    With the gradient sum `sum_b g_b` this gives the per-coordinate variance
+    of per-example gradients: `E[g^2] - E[g]^2`. Rules give it without
+    materializing for dense layers (`(a^2)^T (dz^2)`) and embeddings.
+    """
+    fn = "custagg.gradient_second_moments"
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        return [engine.squared_sum(a) if a.strategy else None
+                for a in plan.assignments]

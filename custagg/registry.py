@@ -1,0 +1,171 @@
+"""The per-example rule registry: TF op type -> `Rule`.
+
+The contract
+------------
+Take an op `z = op(..., p, ...)` whose input `p = op.inputs[ctx.input_index]`
+carries a parameter (no batch axis), and a per-example loss `l` of shape
+`[B]` whose entries depend on `z` only through the example's own rows of `z`
+(no batch coupling downstream; `custagg.separability` checks this). Let
+`dz = d(sum_i l_i)/dz` (`ctx.grad`). Because examples do not interact, row
+`i` of `dz` is example `i`'s own `d l_i / dz`, so the contribution of this op
+to example `i`'s gradient is
+
+    g_i = (d z_i / d p)^T dz_i                    (shape p.shape)
+
+A `Rule` computes, from the op's inputs and `dz` alone (one backward pass),
+
+    per_example(ctx)        -> [B, *p.shape]      g_i stacked
+    squared_norms(ctx)      -> [B]                ||g_i||^2
+    weighted_sum(ctx, c)    -> p.shape            sum_i c_i g_i   (c: [B])
+    squared_sum(ctx)        -> p.shape            sum_i g_i ** 2  (elementwise)
+    output_batch_axis(ctx)  -> int                axis of op.outputs[0] that is the batch
+    unsupported(ctx)        -> None or a reason   (attributes the rule does not handle)
+
+Only `per_example` is required; the defaults of the others reduce it, and a
+rule overrides them when it can avoid materializing `[B, *p.shape]` (the
+outer-product identities `||a (x) g|| = ||a|| ||g||` and
+`sum_i c_i a_i (x) g_i = A^T diag(c) G`). `weighted_sum` may return
+`IndexedSlices` (embedding tables stay sparse).
+
+Gradients are of the per-example losses as given: a mean loss scales each
+example's gradient by 1/B.
+
+Registries are objects so a test (or a user) can build one with a single
+rule; `default_registry()` holds the rules in `custagg.rules`.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+
+import tensorflow as tf
+
+
+class RuleContext(collections.namedtuple(
+        "RuleContext", ["op", "input_index", "grad", "batch_size"])):
+    """What a rule receives.
+
+    Attributes:
+      op: the forward `tf.Operation` that consumes the parameter.
+      input_index: which of `op.inputs` carries the parameter.
+      grad: `[B, ...]` dense gradient of the summed loss w.r.t.
+        `op.outputs[0]`.
+      batch_size: scalar int32 tensor B (static value when known).
+    """
+
+    @property
+    def param(self):
+        """The parameter input `p`."""
+        return self.op.inputs[self.input_index]
+
+    def other_input(self):
+        """The input that is not the parameter (two-input ops)."""
+        return self.op.inputs[1 - self.input_index]
+
+
+class Rule(object):
+    """Per-example maths of one op type (see the module docstring)."""
+
+    def unsupported(self, ctx):
+        """A reason string when this op instance is not handled, else None."""
+        del ctx
+        return None
+
+    def output_batch_axis(self, ctx):
+        del ctx
+        return 0
+
+    def per_example(self, ctx):
+        raise NotImplementedError
+
+    def squared_norms(self, ctx):
+        g = self.per_example(ctx)
+        return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
+                             axis=1)
+
+    def weighted_sum(self, ctx, weights):
+        g = self.per_example(ctx)
+        return tf.tensordot(tf.cast(weights, g.dtype), g, axes=1)
+
+    def squared_sum(self, ctx):
+        return tf.reduce_sum(tf.square(self.per_example(ctx)), axis=0)
+
+
+def _caller_location(depth):
+    frame = inspect.stack()[depth]
+    return "%s:%d" % (frame.filename, frame.lineno)
+
+
+class RuleRegistry(object):
+    """Maps TF op types to `Rule` instances."""
+
+    def __init__(self):
+        self._rules = {}
+        self._where = {}
+
+    def register(self, op_type, rule, overwrite=False, _depth=2):
+        """Registers `rule` for `op_type`.
+
+        Raises:
+          KeyError: `op_type` already has a rule (and `overwrite` is False);
+            the message says where the first one was registered.
+        """
+        if not isinstance(rule, Rule):
+            raise TypeError("custagg: a rule must be a custagg.Rule instance; "
+                            "got %r for op type %r." % (rule, op_type))
+        if op_type in self._rules and not overwrite:
+            raise KeyError(
+                "custagg: a per-example rule for op type %r is already "
+                "registered (at %s). Pass overwrite=True to replace it."
+                % (op_type, self._where[op_type]))
+        self._rules[op_type] = rule
+        self._where[op_type] = _caller_location(_depth)
+
+    def lookup(self, op_type):
+        """The `Rule` for `op_type`, or None."""
+        return self._rules.get(op_type)
+
+    def op_types(self):
+        return sorted(self._rules)
+
+    def copy(self):
+        other = RuleRegistry()
+        other._rules = dict(self._rules)
+        other._where = dict(self._where)
+        return other
+
+    def __contains__(self, op_type):
+        return op_type in self._rules
+
+
+_DEFAULT = RuleRegistry()
+
+
+def default_registry():
+    """The registry holding custagg's built-in rules (and yours)."""
+    # Importing the rules package registers the built-in rules once.
+    import custagg.rules  # pylint: disable=g-import-not-at-top,unused-import
+    return _DEFAULT
+
+
+def register_rule(*op_types, registry=None, overwrite=False):
+    """Class decorator: registers an instance of the class for `op_types`.
+
+    Example:
+      >>> @custagg.register_rule("MyMatMul")
+      ... class MyMatMulRule(custagg.Rule):
+      ...     def per_example(self, ctx):
+      ...         ...  # [B, *ctx.param.shape]
+    """
+    if not op_types:
+        raise ValueError("custagg.register_rule: name at least one op type.")
+
+    def decorate(cls):
+        target = _DEFAULT if registry is None else registry
+        instance = cls()
+        for op_type in op_types:
+            target.register(op_type, instance, overwrite=overwrite, _depth=3)
+        return cls
+
+    return decorate

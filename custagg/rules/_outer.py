@@ -1,0 +1,113 @@
+"""Shared maths for ops whose parameter gradient is a sum of outer products.
+
+For `z[b, t, k] = sum_d a[b, t, d] * w[d, k]` (MatMul, Einsum, BatchMatMul,
+convolutions after patch extraction) example `b`'s gradient is
+`G_b = sum_t a[b, t] (x) dz[b, t]`, shape `[D, K]`. Everything a rule needs
+follows from `a` `[B, T, D]` and `g = dz` `[B, T, K]` without materializing
+`[B, D, K]` where an identity allows it:
+
+* `||G_b||^2 = ||a_b||^2 ||g_b||^2` when T = 1, else
+  `sum_{t,s} (a_bt . a_bs)(g_bt . g_bs)` (the Gram form, cheaper when
+  `T (D + K) < D K`), else materialize.
+* `sum_b c_b G_b = (c a)^T g`.
+* `sum_b G_b ** 2`: `(a^2)^T (g^2)` when T = 1, else materialize.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+
+def _static(dim):
+    return tf.compat.dimension_value(dim)
+
+
+class Outer(object):
+    """Per-example gradients `sum_t a[b,t] (x) g[b,t]` and their reductions.
+
+    Args:
+      a: `[B, D]` or `[B, T, D]` activations (T may be several axes already
+        flattened by the caller).
+      g: `[B, K]` or `[B, T, K]` output gradients.
+      to_param: maps a `[..., D, K]` tensor (leading `B` or not) to the
+        parameter's layout `[..., *p.shape]`.
+    """
+
+    def __init__(self, a, g, to_param):
+        if a.shape.rank == 2:
+            a, g = a[:, None, :], g[:, None, :]
+        self.a, self.g = a, g
+        self.to_param = to_param
+        self.seq_len = _static(a.shape[1])
+
+    def per_example(self):
+        if self.seq_len == 1:
+            return self.to_param(self.a[:, 0, :, None] * self.g[:, 0, None, :])
+        return self.to_param(tf.einsum("btd,btk->bdk", self.a, self.g))
+
+    def _gram_is_cheaper(self):
+        t, d, k = self.seq_len, _static(self.a.shape[2]), _static(
+            self.g.shape[2])
+        if None in (t, d, k):
+            return False
+        return t * (d + k) < d * k
+
+    def squared_norms(self):
+        if self.seq_len == 1:
+            return (tf.reduce_sum(tf.square(self.a[:, 0]), axis=1) *
+                    tf.reduce_sum(tf.square(self.g[:, 0]), axis=1))
+        if self._gram_is_cheaper():
+            gram_a = tf.matmul(self.a, self.a, transpose_b=True)
+            gram_g = tf.matmul(self.g, self.g, transpose_b=True)
+            return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+        full = tf.einsum("btd,btk->bdk", self.a, self.g)
+        return tf.reduce_sum(tf.square(full), axis=[1, 2])
+
+    def weighted_sum(self, weights):
+        c = tf.cast(weights, self.a.dtype)[:, None, None]
+        d = tf.shape(self.a)[2]
+        k = tf.shape(self.g)[2]
+        total = tf.matmul(tf.reshape(self.a * c, [-1, d]),
+                          tf.reshape(self.g, [-1, k]), transpose_a=True)
+        return self.to_param(total)
+
+    def squared_sum(self):
+        if self.seq_len == 1:
+            return self.to_param(tf.matmul(tf.square(self.a[:, 0]),
+                                           tf.square(self.g[:, 0]),
+                                           transpose_a=True))
+        full = tf.einsum("btd,btk->bdk", self.a, self.g)
+        return self.to_param(tf.reduce_sum(tf.square(full), axis=0))
+
+
+def layout(d_dims, k_dims, perm):
+    """A `to_param` for parameters of shape `transpose(d_dims + k_dims, perm)`.
+
+    Args:
+      d_dims, k_dims: static lists of the contracted and output dims.
+      perm: permutation taking `d_dims + k_dims` order to the parameter's
+        axis order (None for identity).
+    """
+    n = len(d_dims) + len(k_dims)
+
+    def to_param(t):
+        batched = t.shape.rank == 3
+        lead = [tf.shape(t)[0]] if batched else []
+        out = tf.reshape(t, lead + list(d_dims) + list(k_dims))
+        if perm is not None and list(perm) != list(range(n)):
+            shift = 1 if batched else 0
+            full_perm = list(range(shift)) + [p + shift for p in perm]
+            out = tf.transpose(out, full_perm)
+        return out
+
+    return to_param
+
+
+def static_dims(t):
+    dims = [_static(d) for d in t.shape] if t.shape.rank is not None else None
+    if dims is None or any(d is None for d in dims):
+        return None
+    return dims
+
+
+def prod(dims):
+    return int(np.prod(dims)) if dims else 1

@@ -1,0 +1,132 @@
+"""Rules for convolution filters: `Conv2D` and `DepthwiseConv2dNative`.
+
+A convolution is a matmul of image patches with the flattened filter:
+`z[b, p, :] = patches[b, p, :] @ W.reshape(kh*kw*Cin, Cout)`, so example b's
+filter gradient is `sum_p patches[b, p] (x) dz[b, p]` (the `_outer` family,
+with T = the output positions). Patches come from `tf.image.extract_patches`
+with the op's strides, dilations and padding. Weighted sums use the op's own
+backprop-filter kernel on `c_b * dz_b`. `Conv1D` reaches `Conv2D` through an
+`ExpandDims` of its filter, which the front door follows.
+"""
+
+import tensorflow as tf
+
+from custagg import registry
+from custagg.rules import _outer
+
+
+def _nhwc(t, data_format):
+    return tf.transpose(t, [0, 2, 3, 1]) if data_format == "NCHW" else t
+
+
+def _hw(values, data_format):
+    values = list(values)
+    return values[2:4] if data_format == "NCHW" else values[1:3]
+
+
+class _ConvBase(registry.Rule):
+
+    def unsupported(self, ctx):
+        if ctx.input_index != 1:
+            return "the parameter is the image, not the filter"
+        if _outer.static_dims(ctx.param) is None:
+            return "the filter shape is not static"
+        fmt = ctx.op.get_attr("data_format").decode()
+        if fmt not in ("NHWC", "NCHW"):
+            return "data_format %s" % fmt
+        return None
+
+    def _attrs(self, ctx):
+        op = ctx.op
+        fmt = op.get_attr("data_format").decode()
+        strides = _hw(op.get_attr("strides"), fmt)
+        dilations = _hw(op.get_attr("dilations"), fmt)
+        padding = op.get_attr("padding").decode()
+        return fmt, strides, dilations, padding
+
+    def _patches(self, ctx):
+        """`[B, P, kh*kw*Cin]` patches and `[B, P, C_out]` output gradients."""
+        fmt, strides, dilations, padding = self._attrs(ctx)
+        kh, kw = _outer.static_dims(ctx.param)[:2]
+        x = _nhwc(ctx.op.inputs[0], fmt)
+        if padding == "EXPLICIT":
+            pads = list(ctx.op.get_attr("explicit_paddings"))
+            pairs = [pads[i:i + 2] for i in range(0, 8, 2)]
+            if fmt == "NCHW":
+                pairs = [pairs[0], pairs[2], pairs[3], pairs[1]]
+            x = tf.pad(x, pairs)
+            padding = "VALID"
+        patches = tf.image.extract_patches(
+            x, sizes=[1, kh, kw, 1], strides=[1] + strides + [1],
+            rates=[1] + dilations + [1], padding=padding)
+        batch = tf.shape(x)[0]
+        patches = tf.reshape(patches, [batch, -1, tf.shape(patches)[3]])
+        g = _nhwc(ctx.grad, fmt)
+        g = tf.reshape(g, [batch, -1, tf.shape(g)[3]])
+        return patches, g
+
+    def _backprop_filter(self, ctx, g):
+        raise NotImplementedError
+
+    def weighted_sum(self, ctx, weights):
+        c = tf.cast(weights, ctx.grad.dtype)
+        return self._backprop_filter(ctx, ctx.grad * c[:, None, None, None])
+
+
+@registry.register_rule("Conv2D")
+class Conv2DRule(_ConvBase):
+    """`Conv2D` filter `[kh, kw, Cin, Cout]`; per-example `[B, kh, kw, Cin, Cout]`."""
+
+    def _outer(self, ctx):
+        patches, g = self._patches(ctx)
+        kh, kw, cin, cout = _outer.static_dims(ctx.param)
+        # extract_patches orders each patch as (kh, kw, Cin).
+        return _outer.Outer(patches, g,
+                            _outer.layout([kh, kw, cin], [cout], None))
+
+    def per_example(self, ctx):
+        return self._outer(ctx).per_example()
+
+    def squared_norms(self, ctx):
+        return self._outer(ctx).squared_norms()
+
+    def squared_sum(self, ctx):
+        return self._outer(ctx).squared_sum()
+
+    def _backprop_filter(self, ctx, g):
+        fmt, _, _, padding = self._attrs(ctx)
+        op = ctx.op
+        return tf.raw_ops.Conv2DBackpropFilter(
+            input=op.inputs[0], filter_sizes=tf.shape(op.inputs[1]),
+            out_backprop=g, strides=op.get_attr("strides"),
+            use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
+            padding=padding,
+            explicit_paddings=op.get_attr("explicit_paddings"),
+            data_format=fmt, dilations=op.get_attr("dilations"))
+
+
+@registry.register_rule("DepthwiseConv2dNative")
+class DepthwiseConv2dRule(_ConvBase):
+    """Depthwise filter `[kh, kw, Cin, M]`; output channel `c * M + m`.
+
+    Example b's gradient: `sum_p patches[b, p, k, c] * dz[b, p, c, m]`,
+    per-example `[B, kh, kw, Cin, M]`.
+    """
+
+    def per_example(self, ctx):
+        patches, g = self._patches(ctx)
+        kh, kw, cin, m = _outer.static_dims(ctx.param)
+        batch = tf.shape(patches)[0]
+        patches = tf.reshape(patches, [batch, -1, kh * kw, cin])
+        g = tf.reshape(g, [batch, -1, cin, m])
+        per = tf.einsum("bpkc,bpcm->bkcm", patches, g)
+        return tf.reshape(per, [batch, kh, kw, cin, m])
+
+    def _backprop_filter(self, ctx, g):
+        fmt, _, _, padding = self._attrs(ctx)
+        op = ctx.op
+        return tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+            input=op.inputs[0], filter_sizes=tf.shape(op.inputs[1]),
+            out_backprop=g, strides=op.get_attr("strides"), padding=padding,
+            explicit_paddings=op.get_attr("explicit_paddings"),
+            data_format=fmt, dilations=op.get_attr("dilations"))

@@ -1,0 +1,107 @@
+"""Rules for embedding lookups: `ResourceGather` and `GatherV2` on a table.
+
+`z = table[ids]` with ids `[B, ...]`: example b's gradient has the rows
+`dz[b, t]` at rows `ids[b, t]` of the `[V, *D]` table, nothing elsewhere.
+Norms and sums never densify a `[V, *D]` table per example: rows are keyed by
+`b * V + id`, repeated ids of one example are merged with a segment sum
+(so `||g_b||` counts them correctly), and weighted sums stay `IndexedSlices`
+like TF's own embedding gradients. Only `per_example` (asked for explicitly)
+builds the dense `[B, V, *D]`.
+"""
+
+import tensorflow as tf
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import resource_variable_ops
+
+from custagg import registry
+
+
+def _table_shape(ctx):
+    """Static dims of the table `[V, *D]` (from the handle for resources)."""
+    p = ctx.param
+    if p.dtype == tf.resource:
+        data = resource_variable_ops.get_eager_safe_handle_data(p)
+        if data is None or not data.is_set or len(data.shape_and_type) != 1:
+            return None
+        shape = tf.TensorShape(data.shape_and_type[0].shape)
+    else:
+        shape = p.shape
+    if shape.rank is None or not shape.is_fully_defined():
+        return None
+    return shape.as_list()
+
+
+class _Rows(object):
+    """Example-keyed rows of the per-example table gradients."""
+
+    def __init__(self, ctx):
+        dims = _table_shape(ctx)
+        self.vocab, self.row_dims = dims[0], dims[1:]
+        ids = ctx.op.inputs[1]
+        self.batch = tf.shape(ids, out_type=tf.int64)[0]
+        width = 1
+        for d in self.row_dims:
+            width *= d
+        self.ids = tf.reshape(tf.cast(ids, tf.int64), [-1])          # [B*T]
+        self.values = tf.reshape(ctx.grad, [-1, width])               # [B*T, Dp]
+        per_ex = tf.size(ids, out_type=tf.int64) // tf.maximum(
+            self.batch, 1)
+        example = tf.range(tf.size(self.ids, out_type=tf.int64)) // \
+            tf.maximum(per_ex, 1)
+        self.keys = example * self.vocab + self.ids                   # [B*T]
+
+    def merged(self):
+        """(unique keys, summed rows): repeated ids within an example merged."""
+        unique, idx = tf.unique(self.keys, out_idx=tf.int64)
+        rows = tf.math.unsorted_segment_sum(self.values, idx,
+                                            tf.size(unique, out_type=tf.int64))
+        return unique, rows
+
+
+@registry.register_rule("ResourceGather", "GatherV2")
+class GatherRule(registry.Rule):
+    """Per-example gradient of a gathered table: `[B, V, *D]` (dense only here)."""
+
+    def unsupported(self, ctx):
+        op = ctx.op
+        if ctx.input_index != 0:
+            return "the parameter is the indices, not the table"
+        if op.get_attr("batch_dims") != 0:
+            return "batch_dims != 0"
+        if op.type == "GatherV2":
+            axis = tensor_util.constant_value(op.inputs[2])
+            if axis is None or int(axis) != 0:
+                return "a gather along an axis other than 0"
+        if _table_shape(ctx) is None:
+            return "the table shape is not static"
+        if ctx.op.inputs[1].shape.rank in (None, 0):
+            return "the ids have no batch axis"
+        return None
+
+    def per_example(self, ctx):
+        rows = _Rows(ctx)
+        dense = tf.math.unsorted_segment_sum(rows.values, rows.keys,
+                                             rows.batch * rows.vocab)
+        return tf.reshape(dense, [-1, rows.vocab] + rows.row_dims)
+
+    def squared_norms(self, ctx):
+        rows = _Rows(ctx)
+        unique, merged = rows.merged()
+        return tf.math.unsorted_segment_sum(
+            tf.reduce_sum(tf.square(merged), axis=1), unique // rows.vocab,
+            rows.batch)
+
+    def weighted_sum(self, ctx, weights):
+        rows = _Rows(ctx)
+        c = tf.gather(tf.cast(weights, rows.values.dtype),
+                      rows.keys // rows.vocab)
+        return tf.IndexedSlices(
+            tf.reshape(rows.values * c[:, None], [-1] + rows.row_dims),
+            rows.ids, tf.constant([rows.vocab] + rows.row_dims, tf.int64))
+
+    def squared_sum(self, ctx):
+        rows = _Rows(ctx)
+        unique, merged = rows.merged()
+        table = tf.math.unsorted_segment_sum(tf.square(merged),
+                                             unique % rows.vocab, rows.vocab)
+        return tf.reshape(table, [rows.vocab] + rows.row_dims)

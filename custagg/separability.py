@@ -1,0 +1,343 @@
+"""Batch-coupling detection: do examples stay apart from a rule's op to the loss?
+
+Rules are exact only when example b's loss depends on the op's output only
+through row b (no batch statistics, no reductions or reshapes across the
+batch). `coupling(start, batch_axis, loss)` follows every differentiable path
+from `start` to `loss` and tracks which axis holds the batch; it returns
+`None` when the batch reaches axis 0 of the `[B]` loss on every path, else a
+short description of the first op that mixes examples.
+
+The table is a whitelist: an op type it does not know counts as mixing, so
+"auto" falls back to an exact strategy instead of risking a wrong answer.
+Each entry maps (op, input index, batch axis of that input) to the batch axis
+of the op's outputs, or None when the op mixes examples.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import tensor_util
+
+import tensorflow as tf
+
+_ELEMENTWISE_UNARY = frozenset("""
+Abs Acos Acosh Asin Asinh Atan Atanh Cast Ceil Cos Cosh Digamma Elu Erf Erfc
+Exp Expm1 Floor Identity IdentityN Inv Lgamma Log Log1p LeakyRelu Neg
+PreventGradient Reciprocal Relu Relu6 Round Rsqrt Selu Sigmoid Sign Sin Sinh
+Snapshot Softplus Softsign Sqrt Square StopGradient Tan Tanh CheckNumerics
+EnsureShape Gelu""".split())
+
+_ELEMENTWISE_BINARY = frozenset("""
+Add AddV2 AddN Atan2 BiasAdd BiasAddV1 Div DivNoNan FloorDiv FloorMod Maximum
+Minimum Mod Mul MulNoNan Pow RealDiv SquaredDifference Sub TruncateDiv Xdivy
+Xlogy Select SelectV2 ClipByValue""".split())
+
+_SPATIAL = frozenset("""
+Conv2D Conv3D DepthwiseConv2dNative MaxPool MaxPoolV2 AvgPool MaxPool3D
+AvgPool3D LRN""".split())
+
+_REDUCTIONS = frozenset("Sum Mean Max Min Prod All Any EuclideanNorm".split())
+
+
+def _const(t):
+    value = tensor_util.constant_value(t)
+    return None if value is None else [int(v) for v in value.reshape(-1)]
+
+
+def _rank(t):
+    return t.shape.rank
+
+
+def _elementwise(op, index, axis):
+    in_rank, out_rank = _rank(op.inputs[index]), _rank(op.outputs[0])
+    if in_rank is None or out_rank is None:
+        return None
+    return axis + out_rank - in_rank
+
+
+def _last_axis_op(op, index, axis):
+    rank = _rank(op.inputs[index])
+    return None if rank is None or axis == rank - 1 else axis
+
+
+def _matmul(op, index, axis):
+    ta, tb = op.get_attr("transpose_a"), op.get_attr("transpose_b")
+    if index == 0:
+        row_axis = 1 if ta else 0
+        return 0 if axis == row_axis else None
+    col_axis = 0 if tb else 1
+    return 1 if axis == col_axis else None
+
+
+def _batch_matmul(op, index, axis):
+    rank, out_rank = _rank(op.inputs[index]), _rank(op.outputs[0])
+    if rank is None or out_rank is None:
+        return None
+    if axis < rank - 2:
+        return axis + out_rank - rank
+    adj = op.get_attr("adj_x" if index == 0 else "adj_y")
+    kept = (rank - 1 if adj else rank - 2) if index == 0 else \
+        (rank - 2 if adj else rank - 1)
+    if axis != kept:
+        return None
+    return out_rank - 2 if index == 0 else out_rank - 1
+
+
+def _einsum(op, index, axis):
+    eq = op.get_attr("equation").decode().replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return None
+    ins, out = eq.split("->")
+    sub = ins.split(",")[index]
+    letter = sub[axis]
+    return out.index(letter) if letter in out else None
+
+
+def _reshape(op, index, axis):
+    if index != 0 or axis != 0:
+        return None
+    x, z = op.inputs[0], op.outputs[0]
+    if x.shape.rank is None or z.shape.rank is None or z.shape.rank == 0:
+        return None
+    in_rest, out_rest = x.shape[1:], z.shape[1:]
+    if not (in_rest.is_fully_defined() and out_rest.is_fully_defined()):
+        return None
+    if in_rest.num_elements() != out_rest.num_elements():
+        return None
+    b_in = tf.compat.dimension_value(x.shape[0])
+    b_out = tf.compat.dimension_value(z.shape[0])
+    if b_in is not None and b_out is not None and b_in != b_out:
+        return None
+    return 0
+
+
+def _squeeze(op, index, axis):
+    dims = list(op.get_attr("squeeze_dims"))
+    rank = _rank(op.inputs[0])
+    if not dims:
+        if rank is None or not op.inputs[0].shape.is_fully_defined():
+            return None
+        dims = [i for i, d in enumerate(op.inputs[0].shape.as_list())
+                if d == 1]
+    if rank is not None:
+        dims = [d % rank for d in dims]
+    if axis in dims:
+        return None
+    return axis - sum(1 for d in dims if d < axis)
+
+
+def _expand_dims(op, index, axis):
+    dim = _const(op.inputs[1])
+    out_rank = _rank(op.outputs[0])
+    if index != 0 or dim is None or out_rank is None:
+        return None
+    d = dim[0] % out_rank
+    return axis + 1 if d <= axis else axis
+
+
+def _transpose(op, index, axis):
+    perm = _const(op.inputs[1])
+    if index != 0 or perm is None:
+        return None
+    return perm.index(axis)
+
+
+def _reduction(op, index, axis):
+    axes = _const(op.inputs[1])
+    rank = _rank(op.inputs[0])
+    if index != 0 or axes is None or rank is None:
+        return None
+    axes = [a % rank for a in axes]
+    if axis in axes:
+        return None
+    if op.get_attr("keep_dims"):
+        return axis
+    return axis - sum(1 for a in axes if a < axis)
+
+
+def _first_axis_only(op, index, axis):
+    return 0 if index == 0 and axis == 0 else None
+
+
+def _xent(op, index, axis):
+    return 0 if axis == 0 else None
+
+
+def _batch_norm(op, index, axis):
+    if op.get_attr("is_training"):
+        return None
+    return 0 if index == 0 and axis == 0 else None
+
+
+def _pad(op, index, axis):
+    pads = _const(op.inputs[1])
+    if index != 0 or pads is None or pads[2 * axis] or pads[2 * axis + 1]:
+        return None
+    return axis
+
+
+def _concat(op, index, axis):
+    n = op.get_attr("N")
+    concat_axis = _const(op.inputs[n])
+    rank = _rank(op.outputs[0])
+    if index >= n or concat_axis is None or rank is None:
+        return None
+    return None if concat_axis[0] % rank == axis else axis
+
+
+def _pack(op, index, axis):
+    pack_axis = op.get_attr("axis")
+    rank = _rank(op.outputs[0])
+    if rank is None:
+        return None
+    pack_axis %= rank
+    return axis + 1 if pack_axis <= axis else axis
+
+
+def _strided_slice(op, index, axis):
+    if index != 0:
+        return None
+    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+        return None
+    begin = _const(op.inputs[1])
+    if begin is None:
+        return None
+    shrink = op.get_attr("shrink_axis_mask")
+    if axis < len(begin):
+        full = (op.get_attr("begin_mask") >> axis & 1 and
+                op.get_attr("end_mask") >> axis & 1 and
+                not shrink >> axis & 1)
+        strides = _const(op.inputs[3])
+        if not full or strides is None or strides[axis] != 1:
+            return None
+    return axis - sum(1 for i in range(min(axis, len(begin)))
+                      if shrink >> i & 1)
+
+
+def _slice(op, index, axis):
+    begin, size = _const(op.inputs[1]), _const(op.inputs[2])
+    if index != 0 or begin is None or size is None:
+        return None
+    if begin[axis] != 0 or size[axis] != -1:
+        return None
+    return axis
+
+
+def _gather(op, index, axis):
+    if op.get_attr("batch_dims") != 0:
+        return None
+    if op.type == "GatherV2":
+        gaxis = _const(op.inputs[2])
+        if gaxis is None:
+            return None
+        gaxis = gaxis[0]
+    else:
+        gaxis = 0
+    if index == 1:          # the ids carry the batch: out = ids.shape + rest
+        return axis + gaxis
+    if index == 0 and op.inputs[0].dtype != tf.resource:
+        rank = _rank(op.inputs[0])
+        if rank is None or axis == gaxis % rank:
+            return None
+        ids_rank = _rank(op.inputs[1])
+        if ids_rank is None:
+            return None
+        return axis if axis < gaxis % rank else axis + ids_rank - 1
+    return None
+
+
+def _tile(op, index, axis):
+    multiples = _const(op.inputs[1])
+    if index != 0 or multiples is None or multiples[axis] != 1:
+        return None
+    return axis
+
+
+_TABLE = {}
+for _t in _ELEMENTWISE_UNARY | _ELEMENTWISE_BINARY:
+    _TABLE[_t] = _elementwise
+for _t in _SPATIAL:
+    _TABLE[_t] = _first_axis_only
+for _t in _REDUCTIONS:
+    _TABLE[_t] = _reduction
+_TABLE.update({
+    "Softmax": _last_axis_op, "LogSoftmax": _last_axis_op,
+    "MatMul": _matmul, "BatchMatMul": _batch_matmul,
+    "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
+    "Einsum": _einsum, "Reshape": _reshape, "Squeeze": _squeeze,
+    "ExpandDims": _expand_dims, "Transpose": _transpose,
+    "SparseSoftmaxCrossEntropyWithLogits": _xent,
+    "SoftmaxCrossEntropyWithLogits": _xent,
+    "FusedBatchNorm": _batch_norm, "FusedBatchNormV2": _batch_norm,
+    "FusedBatchNormV3": _batch_norm, "Pad": _pad, "PadV2": _pad,
+    "MirrorPad": _pad, "ConcatV2": _concat, "Pack": _pack,
+    "StridedSlice": _strided_slice, "Slice": _slice, "GatherV2": _gather,
+    "ResourceGather": _gather, "Tile": _tile,
+})
+
+
+def propagate(op, index, axis):
+    """Batch axis of `op`'s outputs given the batch at `axis` of input `index`."""
+    fn = _TABLE.get(op.type)
+    if fn is None:
+        return None
+    try:
+        return fn(op, index, axis)
+    except (ValueError, TypeError, IndexError):
+        return None
+
+
+def ancestors(t):
+    """Ops the tensor `t` depends on (through data inputs)."""
+    seen = set()
+    queue = collections.deque([t.op])
+    while queue:
+        op = queue.popleft()
+        if op in seen:
+            continue
+        seen.add(op)
+        queue.extend(i.op for i in op.inputs)
+    return seen
+
+
+def coupling(start, batch_axis, loss, loss_ancestors):
+    """None if examples stay apart from `start` to `loss`, else a reason.
+
+    Args:
+      start: the rule op's output tensor.
+      batch_axis: the axis of `start` that holds the batch.
+      loss: the per-example loss `[B]`.
+      loss_ancestors: `ancestors(loss)`.
+    """
+    seen = set()
+    queue = collections.deque([(start, batch_axis)])
+    while queue:
+        t, axis = queue.popleft()
+        if (t.ref(), axis) in seen:
+            continue
+        seen.add((t.ref(), axis))
+        if t is loss:
+            if axis != 0:
+                return ("the batch reaches axis %d of the loss, not axis 0"
+                        % axis)
+            continue
+        for consumer in t.consumers():
+            if consumer not in loss_ancestors:
+                continue
+            for index, inp in enumerate(consumer.inputs):
+                if inp is not t:
+                    continue
+                out_axis = propagate(consumer, index, axis)
+                if out_axis is None:
+                    return ("op '%s' (type %s) mixes examples or is not known "
+                            "to keep them apart" % (consumer.name,
+                                                    consumer.type))
+                for out in consumer.outputs:
+                    if (backprop_util.IsTrainable(out) and
+                            (out.op in loss_ancestors) and
+                            any(c in loss_ancestors for c in out.consumers())
+                            or out is loss):
+                        queue.append((out, out_axis))
+    return None
