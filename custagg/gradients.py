@@ -57,6 +57,10 @@ def _is_func_graph(graph):
 
 def _outer_value(t):
     """For a placeholder that captures an outer tensor, that outer tensor."""
+    # A function traced from eager code captures EagerTensors, which have no
+    # op: they are where the walk outwards ends.
+    if isinstance(t, ops.EagerTensor):
+        return t
     graph = t.op.graph
     if _is_func_graph(graph) and t.op.type == "Placeholder":
         for outer, inner in graph.captures:
@@ -81,8 +85,11 @@ class _Backprop(object):
     """State of one reverse pass: what is between ys and xs, and what is pending."""
 
     def __init__(self, graph, ys, xs, stop_tensors, colocate, gate,
-                 sum_method, gradient_uid):
+                 sum_method, gradient_uid, scope_name):
         self.graph = graph
+        # The gradients call's name scope ("gradients/"): TF names the XLA
+        # scope of separately compiled gradients after it.
+        self.scope_name = scope_name
         self.xs = xs
         self.xs_set = object_identity.ObjectIdentitySet(xs)
         self.colocate = colocate
@@ -178,7 +185,14 @@ class _Backprop(object):
         per_output[t.value_index].append(grad)
 
     def _aggregate(self, op):
-        """Sums each output's contributions in place; returns the sums."""
+        """Sums each output's contributions in place; returns the sums.
+
+        The list returned is the one stored for `op`, not a copy: the zeros
+        `_call_gradient` makes for an unused output are then that output's
+        gradient when it is also an x, as in `tf.gradients` (asking for the
+        second output of a `tf.split` whose first output is used gives zeros,
+        not None).
+        """
         per_output = self.grads.get(op)
         if per_output is None:
             per_output = [[] for _ in op.outputs]
@@ -186,7 +200,7 @@ class _Backprop(object):
         for i, contribs in enumerate(per_output):
             per_output[i] = aggregation.aggregate_contributions(
                 contribs, self.sum_method, op, self.gradient_uid)
-        return list(per_output)
+        return per_output
 
     def result(self, x, unconnected):
         per_output = self.grads.get(x.op)
@@ -328,7 +342,8 @@ class _Backprop(object):
             yield
             return
         if separate:
-            scope = "%s_grad_%s" % (scope, self.gradient_uid)
+            scope = "%s_grad_%s" % (
+                scope, self.scope_name.rstrip("/").replace("/", "_"))
         new_attrs = {"_XlaCompile": attr_value_pb2.AttrValue(b=True),
                      "_XlaScope": attr_value_pb2.AttrValue(s=scope.encode())}
         with self.graph._attr_scope(new_attrs):  # pylint: disable=protected-access
@@ -354,8 +369,35 @@ class _Backprop(object):
                     queue.append(t.op)
 
 
+def _check_seed_dtype(i, y, gy):
+    """A seed must be a possible gradient of its y (TF's rules)."""
+    if y.dtype.is_floating or y.dtype.is_integer:
+        ok = gy.dtype.is_floating or gy.dtype.is_integer
+        expected = "a real or integer dtype"
+    elif y.dtype.is_complex:
+        ok, expected = gy.dtype.is_complex, "a complex dtype"
+    elif y.dtype == tf.variant:
+        ok, expected = gy.dtype == tf.variant, "variant"
+    elif y.dtype == tf.resource:
+        # A resource y is a variable's handle; its gradient is numeric.
+        ok, expected = gy.dtype != tf.resource, "a numeric dtype"
+    else:
+        raise TypeError(
+            "custagg.gradients: ys[%d] (%s) has dtype %s, which has no "
+            "gradient; ys must be numeric." % (i, y.name, y.dtype.name))
+    if not ok:
+        raise TypeError(
+            "custagg.gradients: grad_ys[%d] has dtype %s but ys[%d] (%s) is "
+            "%s; expected %s." % (i, gy.dtype.name, i, y.name, y.dtype.name,
+                                  expected))
+
+
 def _default_grad_ys(ys, grad_ys, colocate, gradient_uid):
     """Ones for missing seeds; checks the given ones (as tf.gradients does)."""
+    # Converted together and named "grad_y" as TF does, so that constants
+    # given as seeds get the same names in both.
+    grad_ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
+        grad_ys, name="grad_y")
     seeds = []
     for i, (y, gy) in enumerate(zip(ys, grad_ys)):
         with (ops._colocate_with_for_gradient(y.op, gradient_uid)  # pylint: disable=protected-access
@@ -368,7 +410,7 @@ def _default_grad_ys(ys, grad_ys, colocate, gradient_uid):
                 seeds.append(tf.ones(tf.shape(y), dtype=y.dtype,
                                      name="grad_ys_%d" % i))
                 continue
-            gy = indexed_slices_lib.convert_to_tensor_or_indexed_slices(gy)
+            _check_seed_dtype(i, y, gy)
             if isinstance(gy, indexed_slices_lib.IndexedSlices):
                 seeds.append(indexed_slices_lib.IndexedSlices(
                     tf.identity(gy.values, name="grad_ys_%d_values" % i),
@@ -376,16 +418,6 @@ def _default_grad_ys(ys, grad_ys, colocate, gradient_uid):
                     gy.dense_shape if gy.dense_shape is None else
                     tf.identity(gy.dense_shape, name="grad_ys_%d_shape" % i)))
                 continue
-            real = y.dtype.is_floating or y.dtype.is_integer
-            if real and not (gy.dtype.is_floating or gy.dtype.is_integer):
-                raise TypeError(
-                    "custagg.gradients: grad_ys[%d] has dtype %s but ys[%d] is "
-                    "%s; expected a real dtype." % (i, gy.dtype.name, i,
-                                                    y.dtype.name))
-            if y.dtype.is_complex and not gy.dtype.is_complex:
-                raise TypeError(
-                    "custagg.gradients: grad_ys[%d] must be complex like "
-                    "ys[%d]." % (i, i))
             seeds.append(tf.identity(gy, name="grad_ys_%d" % i))
     return seeds
 
@@ -510,7 +542,7 @@ def gradients(ys,
 
     with graph.as_default() if not _is_func_graph(
             ops.get_default_graph()) else contextlib.nullcontext():
-        with tf.name_scope(name or "gradients"):
+        with tf.name_scope(name or "gradients") as scope_name:
             gradient_uid = ops.get_default_graph().unique_name("uid")
             ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
                 ys, name="y")
@@ -524,6 +556,9 @@ def gradients(ys,
                                        gradient_uid)
             backprop = _Backprop(ops.get_default_graph(), ys, xs,
                                  stop_gradients, colocate_gradients_with_ops,
-                                 gate_gradients, sum_method, gradient_uid)
+                                 gate_gradients, sum_method, gradient_uid,
+                                 scope_name)
             backprop.run(ys, grad_ys)
-            return [backprop.result(x, unconnected_gradients) for x in xs]
+        # Outside the name scope, as in tf.gradients: the zeros made for
+        # unconnected xs (unconnected_gradients=ZERO) get the same names.
+        return [backprop.result(x, unconnected_gradients) for x in xs]

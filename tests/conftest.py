@@ -1,0 +1,88 @@
+"""Fixtures shared by custagg's tests.
+
+custagg builds graphs, so this file turns eager execution off for the whole
+test process when it is imported (pytest imports it before any test module).
+Every test then runs inside its own fresh `tf.Graph` (the autouse `graph`
+fixture), so names, seeds and leftover ops never leak from one test into the
+next. Tests that need eager mode, or the global switches of
+`tf.compat.v1.disable_v2_behavior()`, run Python in a subprocess
+(`run_python`): eager cannot be turned back on once a graph-mode test ran.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+# Before TensorFlow is imported: quiet C++ logs, and let graph-mode code use
+# tf.compat.v1.layers / legacy Keras (needs the tf-keras package on TF 2.21).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from tensorflow.python.ops import control_flow_util  # noqa: E402
+
+tf.compat.v1.disable_eager_execution()
+
+SEED = 1234
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def graph():
+    """A fresh default `tf.Graph` for each test, with a fixed graph seed."""
+    g = tf.Graph()
+    with g.as_default():
+        tf.compat.v1.set_random_seed(SEED)
+        yield g
+
+
+@pytest.fixture
+def sess(graph):
+    """A `tf.compat.v1.Session` on the test's graph (closed afterwards)."""
+    with tf.compat.v1.Session(graph=graph) as s:
+        yield s
+
+
+@pytest.fixture
+def rng():
+    """A seeded numpy Generator, the same stream in every test."""
+    return np.random.default_rng(SEED)
+
+
+@pytest.fixture
+def control_flow_v1():
+    """Builds v1 control flow (Switch/Merge/Enter/Exit) during the test.
+
+    `tf.compat.v1.disable_v2_behavior()` does this too but also turns other
+    process-wide switches; this fixture flips only the control-flow one and
+    restores it afterwards.
+    """
+    was_v2 = control_flow_util.ENABLE_CONTROL_FLOW_V2
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
+
+
+def _run_python(code, timeout=180):
+    """Runs `code` in a fresh Python (this interpreter), repo on sys.path.
+
+    Returns the `subprocess.CompletedProcess` (text stdout/stderr). Each call
+    pays TensorFlow's import (several seconds): put many checks in one call.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=REPO_ROOT)
+
+
+@pytest.fixture
+def run_python():
+    """`run_python(code) -> CompletedProcess`: Python code in a subprocess."""
+    return _run_python
