@@ -37,6 +37,7 @@ from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 from custagg import errors
 from custagg import registry as registry_lib
 from custagg import separability
+from custagg import vectorized
 from custagg.aggregation import AggregationMethod
 from custagg.gradients import gradients
 
@@ -364,18 +365,34 @@ class _Engine(object):
         return result
 
     def _pfor(self, group, tensors):
-        loss = self.loss
-        batch = self.plan.batch_size
-
-        def loop_fn(i):
-            seed = tf.one_hot(i, batch, dtype=loss.dtype)
-            grads = gradients(loss, tensors, grad_ys=seed)
-            return [_dense(g) if g is not None else
-                    tf.zeros(_x_shape(a), _x_dtype(a))
-                    for a, g in zip(group, grads)]
-
-        return pfor_ops.pfor(loop_fn, batch,
-                             parallel_iterations=self.chunk)
+        """Boundary-op form where it applies, the whole-pass form elsewhere."""
+        loss, batch = self.loss, self.plan.batch_size
+        ancestors = separability.ancestors(loss)
+        region = vectorized.batch_region(ancestors)
+        static_b = batch if isinstance(batch, int) else None
+        fast, fast_bounds, slow = [], [], []
+        for a in group:
+            bounds, why = vectorized.find_boundary(a.tensor, loss, ancestors,
+                                                   region, static_b)
+            if bounds is None:
+                a.reason = ((a.reason + "; ") if a.reason else "") + (
+                    "pfor over the whole backward pass: " + why)
+                slow.append(a)
+            else:
+                fast.append(a)
+                fast_bounds.append(bounds)
+        result = {}
+        if fast:
+            stacked = vectorized.boundary_per_example(
+                loss, fast, fast_bounds, batch, self.chunk)
+            result.update(zip([id(a) for a in fast], stacked))
+        if slow:
+            stacked = vectorized.whole_pass_per_example(
+                loss, [a.tensor for a in slow],
+                [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a)) for a in slow],
+                batch, self.chunk)
+            result.update(zip([id(a) for a in slow], stacked))
+        return [result[id(a)] for a in group]
 
     def _loop(self, tensors):
         rows = []

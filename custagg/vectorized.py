@@ -1,0 +1,171 @@
+"""The "pfor" strategy: TF's vectorization of per-example backward passes.
+
+Two forms, tried in order for each x:
+
+1. Boundary ops (fast, about B times one op's backward). The ops where x's
+   value first meets batch data ("boundary ops": a MatMul of activations and
+   `inv(W)`, say) are re-created inside a `pfor` body on example i's rows
+   of their batch inputs, and differentiated from there back to x with the
+   seed `dz[i]`, the example's own row of the summed loss's gradient
+   (valid because nothing downstream mixes examples: checked by
+   `separability`). Everything between x and the boundary (the parameter
+   side, e.g. `inv`) is differentiated inside the body too, so no rule is
+   needed for any op.
+2. Whole backward pass (exact for any graph): the loss's backward pass
+   seeded with `one_hot(i)`, vectorized over i. Each example's pass goes
+   through the whole batch, so cost grows with B^2; chunks of
+   `parallel_iterations` examples bound the memory.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import indexed_slices as indexed_slices_lib
+from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
+
+from custagg import separability
+from custagg.gradients import gradients
+
+# Ops that bring batch data into a graph.
+_BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
+                            "IteratorGetNext", "IteratorGetNextSync",
+                            "OptionalGetValue"])
+
+_Boundary = collections.namedtuple("_Boundary", ["op", "batch_inputs"])
+
+
+def _dense(g):
+    if isinstance(g, indexed_slices_lib.IndexedSlices):
+        return tf.convert_to_tensor(g)
+    return g
+
+
+def batch_region(loss_ancestors):
+    """Ops among the loss's ancestors that depend on batch data."""
+    region = set()
+    queue = collections.deque(op for op in loss_ancestors
+                              if op.type in _BATCH_SOURCES)
+    while queue:
+        op = queue.popleft()
+        if op in region:
+            continue
+        region.add(op)
+        for out in op.outputs:
+            queue.extend(c for c in out.consumers() if c in loss_ancestors)
+    return region
+
+
+def _is_batch_tensor(t, region, batch_static):
+    if t.op not in region or t.shape.rank in (None, 0):
+        return t.op in region and t.shape.rank is None
+    lead = tf.compat.dimension_value(t.shape[0])
+    return lead is None or batch_static is None or lead == batch_static
+
+
+def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
+    """The boundary ops of x, or (None, reason) when the fast form does not apply."""
+    found, seen_ops, seen = [], set(), set()
+    stack = [x_tensor]
+    while stack:
+        t = stack.pop()
+        if t.ref() in seen:
+            continue
+        seen.add(t.ref())
+        if t is loss:
+            return None, "x reaches the loss without meeting batch data"
+        for op in t.consumers():
+            if op not in loss_ancestors or op in seen_ops:
+                continue
+            seen_ops.add(op)
+            batch_inputs = [k for k, inp in enumerate(op.inputs)
+                            if _is_batch_tensor(inp, region, batch_static)]
+            if not batch_inputs:
+                stack.extend(out for out in op.outputs
+                             if backprop_util.IsTrainable(out))
+                continue
+            for k in batch_inputs:
+                if separability.propagate(op, k, 0) != 0:
+                    return None, ("op '%s' (type %s) does not keep examples "
+                                  "apart" % (op.name, op.type))
+            for out in op.outputs:
+                if out.op in loss_ancestors and backprop_util.IsTrainable(out):
+                    why = separability.coupling(out, 0, loss, loss_ancestors)
+                    if why:
+                        return None, why
+            found.append(_Boundary(op, batch_inputs))
+    if not found:
+        return None, "no op where x meets batch data"
+    return found, None
+
+
+def _copy_on_rows(op, batch_inputs, i):
+    """Re-creates `op` on rows [i:i+1] of its batch inputs."""
+    inputs = [tf.gather(inp, tf.reshape(i, [1])) if k in batch_inputs
+              else inp for k, inp in enumerate(op.inputs)]
+    graph = tf.compat.v1.get_default_graph()
+    attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
+    new = graph._create_op_internal(  # pylint: disable=protected-access
+        op.type, inputs, dtypes=[o.dtype for o in op.outputs],
+        name=op.name.split("/")[-1] + "_example", attrs=attrs,
+        op_def=op.op_def)
+    return new, [inputs[k] for k in batch_inputs]
+
+
+def boundary_per_example(loss, group, boundaries, batch, chunk):
+    """Per-example gradients of each x in `group` through its boundary ops.
+
+    Args:
+      loss: `[B]` loss.
+      group: assignments, each with `.tensor`.
+      boundaries: list aligned with group: the x's boundary ops.
+      batch: B (int or scalar tensor).
+      chunk: examples vectorized at once.
+
+    Returns:
+      List aligned with group of `[B, *x.shape]` tensors.
+    """
+    outs = []
+    for bounds in boundaries:
+        for b in bounds:
+            outs.extend(o for o in b.op.outputs
+                        if backprop_util.IsTrainable(o))
+    unique = list({o.ref(): o for o in outs}.values())
+    dz = dict(zip([o.ref() for o in unique], gradients(loss, unique)))
+
+    def loop_fn(i):
+        results = []
+        for a, bounds in zip(group, boundaries):
+            ys, seeds, held = [], [], []
+            for b in bounds:
+                new, sliced = _copy_on_rows(b.op, b.batch_inputs, i)
+                held.extend(sliced)
+                for old, out in zip(b.op.outputs, new.outputs):
+                    g = dz.get(old.ref())
+                    if g is None:
+                        continue
+                    ys.append(out)
+                    seeds.append(tf.gather(_dense(g), tf.reshape(i, [1])))
+            # The sliced batch inputs are held constant: other uses of x
+            # upstream of them are other boundary ops, counted there.
+            g, = gradients(ys, [a.tensor], grad_ys=seeds,
+                           stop_gradients=held,
+                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            results.append(_dense(g))
+        return results
+
+    return pfor_ops.pfor(loop_fn, batch, parallel_iterations=chunk)
+
+
+def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
+    """Per-example gradients by the one-hot-seeded full backward pass."""
+
+    def loop_fn(i):
+        seed = tf.one_hot(i, batch, dtype=loss.dtype)
+        grads = gradients(loss, tensors, grad_ys=seed)
+        return [_dense(g) if g is not None else z()
+                for g, z in zip(grads, zeros)]
+
+    return pfor_ops.pfor(loop_fn, batch, parallel_iterations=chunk)
