@@ -1,0 +1,771 @@
+"""TF1 optimizers that aggregate per-example gradients: weighted, clipped, DP-SGD.
+
+Each class wraps any `tf.compat.v1.train.Optimizer` (GradientDescent,
+Momentum, Adam, ...) and is itself one. It changes only how gradients are
+computed; applying them, the slots (`get_slot`, `get_slot_names`),
+`variables()`, `global_step` and the update op's `name` are the wrapped
+optimizer's, so checkpoints hold exactly what they would hold without the
+wrapper (plus a noise counter for seeded DP-SGD).
+
+The loss passed to `compute_gradients` / `minimize` is the per-example loss
+vector `[B]` (e.g. `tf.nn.sparse_softmax_cross_entropy_with_logits(...)`
+without `tf.reduce_mean`). Which gradient each class returns, with `g_i` the
+gradient of `per_example_loss[i]`:
+
+| class                 | gradient                                                   |
+|-----------------------|------------------------------------------------------------|
+| `PerExampleOptimizer` | `sum_i g_i` (what TF1 computes for a vector loss)          |
+| `WeightedOptimizer`   | `sum_i f_i g_i`, `f` = `gradient_factors` fed each step     |
+| `ClippedOptimizer`    | `(1/M) sum_m clip(g_m)`                                    |
+| `DPOptimizer`         | `(1/M) (sum_m clip(g_m) + N(0, (noise_multiplier * C)^2))` |
+
+where `clip(g) = g * min(1, C / ||g||)` with `C = l2_norm_clip`, and
+`m` runs over `M = num_microbatches` microbatches (default: `M = B`, each
+example its own microbatch). As in TF Privacy, a microbatch's gradient is
+that of its *mean* loss, and it is the unit that is clipped. With per-layer
+clip norms `C_l`, each variable is clipped by its own norm and the noise is
+scaled by the global bound `C = sqrt(sum_l C_l^2)`, so `noise_multiplier`
+keeps its meaning for privacy accounting.
+
+Every class exposes `per_example_norms` after `compute_gradients`: the
+`[B]` (or `[M]`) global L2 norms of the per-example (per-microbatch)
+gradients before clipping.
+
+Example:
+
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=z)
+    opt = custagg.optimizers.DPOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1),
+        l2_norm_clip=1.0, noise_multiplier=1.1, seed=0)
+    train_op = opt.minimize(loss, global_step=global_step)
+    norms = opt.per_example_norms   # fetch with train_op to watch clipping
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+from custagg import aggregation
+from custagg import errors
+
+__all__ = [
+    "PerExampleOptimizer",
+    "WeightedOptimizer",
+    "ClippedOptimizer",
+    "DPOptimizer",
+    "make_gaussian_optimizer_class",
+    "DPGradientDescentGaussianOptimizer",
+    "DPMomentumGaussianOptimizer",
+    "DPAdagradGaussianOptimizer",
+    "DPAdamGaussianOptimizer",
+    "DPGradientDescentOptimizer",
+    "DPAdagradOptimizer",
+    "DPAdamOptimizer",
+]
+
+_Optimizer = tf.compat.v1.train.Optimizer
+
+
+def _api(name):
+    """custagg's public function `name` (late import: custagg imports us)."""
+    import custagg  # pylint: disable=g-import-not-at-top
+    fn = getattr(custagg, name, None)
+    if fn is None:
+        from custagg import per_example  # pylint: disable=g-import-not-at-top
+        fn = getattr(per_example, name)
+    return fn
+
+
+def _is_number(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_positive(value, arg, cls_name, allow_zero=False):
+    """Python numbers are checked now; tensors are taken as they are."""
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        if value.shape.rank not in (None, 0):
+            raise ValueError("%s: %s must be a scalar; got a tensor of shape "
+                             "%s." % (cls_name, arg, value.shape))
+        return value
+    if not _is_number(value) or not np.isfinite(value) or (
+            value < 0 if allow_zero else value <= 0):
+        raise ValueError("%s: %s must be a %s number; got %r." % (
+            cls_name, arg, "non-negative" if allow_zero else "positive",
+            value))
+    return float(value)
+
+
+def _to_dtype(value, dtype):
+    """A Python number straight to `dtype` (tf.cast would round via float32)."""
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        return tf.cast(value, dtype)
+    return tf.constant(value, dtype)
+
+
+def _var_name(v):
+    return v.name[:-2] if v.name.endswith(":0") else v.name
+
+
+class PerExampleOptimizer(_Optimizer):
+    """Wraps a TF1 optimizer; takes the per-example loss `[B]`, sums over it.
+
+    The gradient is `sum_i g_i`, exactly what the wrapped optimizer computes
+    for the same vector loss; in addition the per-example gradient norms are
+    available as `per_example_norms` (built on first access). Subclasses
+    change `_aggregate`.
+
+    Args:
+      optimizer: the `tf.compat.v1.train.Optimizer` that applies the
+        gradients (and owns the slots).
+      strategy: how per-example quantities are computed: "auto", "rules",
+        "pfor" or "loop" (see `custagg.per_example_gradients`).
+      name: the wrapper's name; defaults to the class name plus the wrapped
+        optimizer's name. Slots are named by the wrapped optimizer.
+    """
+
+    def __init__(self, optimizer, strategy="auto", name=None):
+        cls_name = type(self).__name__
+        if not isinstance(optimizer, _Optimizer):
+            hint = ""
+            if isinstance(optimizer, type) and issubclass(optimizer,
+                                                          _Optimizer):
+                hint = (" Pass an instance, e.g. %s(learning_rate=0.1)."
+                        % optimizer.__name__)
+            elif hasattr(optimizer, "build") or hasattr(optimizer,
+                                                        "iterations"):
+                hint = (" Keras optimizers (tf.keras.optimizers.*) are not "
+                        "TF1 optimizers; use tf.compat.v1.train.* instead.")
+            raise TypeError(
+                "%s: optimizer must be a tf.compat.v1.train.Optimizer "
+                "instance (GradientDescentOptimizer, MomentumOptimizer, "
+                "AdamOptimizer, ...); got %r.%s" % (cls_name, optimizer, hint))
+        if not isinstance(strategy, str):
+            raise TypeError("%s: strategy must be a string such as 'auto', "
+                            "'rules', 'pfor' or 'loop'; got %r."
+                            % (cls_name, strategy))
+        super().__init__(use_locking=False,
+                         name=name or cls_name.replace("Optimizer", "") +
+                         optimizer.get_name())
+        self._optimizer = optimizer
+        self._strategy = strategy
+        self._last_loss = None
+        self._last_var_list = None
+        self._norms = None
+        # Object-based checkpoints (tf.train.Checkpoint) reach the slots
+        # through the wrapped optimizer.
+        self._track_trackable(optimizer, name="optimizer")
+
+    # ---------------------------------------------------------------- access
+
+    @property
+    def optimizer(self):
+        """The wrapped `tf.compat.v1.train.Optimizer`."""
+        return self._optimizer
+
+    @property
+    def strategy(self):
+        return self._strategy
+
+    @property
+    def per_example_norms(self):
+        """`[B]` L2 norms (over all variables) of the per-example gradients of
+        the last `compute_gradients` call, before any clipping."""
+        if self._last_loss is None:
+            raise ValueError(
+                "%s.per_example_norms is available after compute_gradients() "
+                "or minimize() has been called." % type(self).__name__)
+        if self._norms is None:
+            with self._last_loss.graph.as_default():
+                self._norms = _api("per_example_norms")(
+                    self._last_loss, self._last_var_list,
+                    strategy=self._strategy)
+        return self._norms
+
+    # ------------------------------------------------------ TF1 optimizer API
+
+    def compute_gradients(self, per_example_loss, var_list=None,
+                          gate_gradients=_Optimizer.GATE_OP,
+                          aggregation_method=None,
+                          colocate_gradients_with_ops=False, grad_loss=None):
+        """Aggregated gradients of a per-example loss, as `[(grad, var)]`.
+
+        Args:
+          per_example_loss: float `[B]` tensor, one loss per example (do not
+            reduce it to a mean).
+          var_list: variables to differentiate; defaults to the graph's
+            trainable variables (as in TF1).
+          gate_gradients: `GATE_NONE`, `GATE_OP` or `GATE_GRAPH` (TF1's
+            meaning).
+          aggregation_method: a summing `tf.AggregationMethod` / custagg
+            method for contributions inside the graph, or None.
+          colocate_gradients_with_ops: as in TF1.
+          grad_loss: optional `[B]` tensor multiplying each example's loss
+            (TF1's seed of the backward pass).
+
+        Returns:
+          A list of `(gradient, variable)` pairs; the gradient is None for
+          variables the loss does not depend on.
+        """
+        loss, var_list = self._prepare(per_example_loss, var_list,
+                                       gate_gradients, aggregation_method,
+                                       grad_loss)
+        with tf.name_scope(self._name + "_gradients"):
+            grads = self._aggregate(
+                loss, var_list, grad_loss=grad_loss,
+                gate_gradients=gate_gradients == _Optimizer.GATE_OP,
+                aggregation_method=aggregation_method,
+                colocate_gradients_with_ops=colocate_gradients_with_ops)
+        if gate_gradients == _Optimizer.GATE_GRAPH:
+            present = [i for i, g in enumerate(grads) if g is not None]
+            gated = tf.tuple([grads[i] for i in present])
+            for i, g in zip(present, gated):
+                grads[i] = g
+        return list(zip(grads, var_list))
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """Applies gradients with the wrapped optimizer (TF1 semantics)."""
+        return self._optimizer.apply_gradients(
+            grads_and_vars, global_step=global_step, name=name or self._name)
+
+    def minimize(self, per_example_loss, global_step=None, var_list=None,
+                 gate_gradients=_Optimizer.GATE_OP, aggregation_method=None,
+                 colocate_gradients_with_ops=False, name=None,
+                 grad_loss=None):
+        """`compute_gradients` then `apply_gradients`, as TF1's `minimize`.
+
+        Returns:
+          The update op; it increments `global_step` when one is given.
+
+        Raises:
+          ValueError: no variable receives a gradient.
+        """
+        grads_and_vars = self.compute_gradients(
+            per_example_loss, var_list=var_list,
+            gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            grad_loss=grad_loss)
+        if all(g is None for g, _ in grads_and_vars):
+            raise ValueError(
+                "%s.minimize: no gradients for any variable: %s. The "
+                "per-example loss %s does not depend on them." % (
+                    type(self).__name__,
+                    [_var_name(v) for _, v in grads_and_vars],
+                    per_example_loss.name))
+        return self.apply_gradients(grads_and_vars, global_step=global_step,
+                                    name=name)
+
+    def get_slot(self, var, name):
+        return self._optimizer.get_slot(var, name)
+
+    def get_slot_names(self):
+        return self._optimizer.get_slot_names()
+
+    def variables(self):
+        """The wrapped optimizer's variables plus this wrapper's own (the DP
+        noise counter), in the current graph, sorted by name."""
+        graph = tf.compat.v1.get_default_graph()
+        own = [v for v in self._non_slot_variables() if v.graph is graph]
+        return sorted(list(self._optimizer.variables()) + own,
+                      key=lambda v: v.name)
+
+    # -------------------------------------------------------------- helpers
+
+    def _prepare(self, per_example_loss, var_list, gate_gradients,
+                 aggregation_method, grad_loss):
+        """Checks arguments; returns `(loss [B], var_list)`."""
+        cls_name = type(self).__name__
+        errors.check_not_eager(cls_name + ".compute_gradients")
+        if callable(per_example_loss) and not isinstance(
+                per_example_loss, (tf.Tensor, tf.Variable)):
+            raise TypeError(
+                "%s.compute_gradients: per_example_loss must be a graph "
+                "tensor of shape [B]; a callable loss is an eager-mode "
+                "feature and custagg builds graphs." % cls_name)
+        if not isinstance(per_example_loss, tf.Tensor):
+            raise TypeError(
+                "%s.compute_gradients: per_example_loss must be a tf.Tensor "
+                "of shape [B]; got %r." % (cls_name, per_example_loss))
+        errors.check_graph_tensor(per_example_loss, "per_example_loss",
+                                  cls_name + ".compute_gradients")
+        loss = per_example_loss
+        if not loss.dtype.is_floating:
+            raise TypeError(
+                "%s.compute_gradients: per_example_loss must be a float "
+                "tensor; got dtype %s." % (cls_name, loss.dtype.name))
+        if loss.shape.rank != 1:
+            raise ValueError(
+                "%s.compute_gradients: per_example_loss must be the vector of "
+                "per-example losses, shape [B]; got shape %s. Pass e.g. "
+                "tf.nn.sparse_softmax_cross_entropy_with_logits(...) without "
+                "tf.reduce_mean; reshape other shapes to [B]."
+                % (cls_name, loss.shape))
+        if gate_gradients not in (_Optimizer.GATE_NONE, _Optimizer.GATE_OP,
+                                  _Optimizer.GATE_GRAPH):
+            raise ValueError(
+                "%s.compute_gradients: gate_gradients must be one of "
+                "Optimizer.GATE_NONE (0), GATE_OP (1), GATE_GRAPH (2); got "
+                "%r." % (cls_name, gate_gradients))
+        if aggregation_method is not None:
+            if aggregation_method == aggregation.AggregationMethod.CUSTOM:
+                raise ValueError(
+                    "%s.compute_gradients: aggregation_method=CUSTOM is what "
+                    "WeightedOptimizer does; here pass None or a summing "
+                    "method." % cls_name)
+            aggregation.check_method(aggregation_method)
+        if grad_loss is not None:
+            grad_loss = tf.convert_to_tensor(grad_loss, dtype=loss.dtype)
+            if not grad_loss.shape.is_compatible_with(loss.shape):
+                raise ValueError(
+                    "%s.compute_gradients: grad_loss must have the shape of "
+                    "per_example_loss %s; got %s." % (cls_name, loss.shape,
+                                                      grad_loss.shape))
+        if var_list is None:
+            var_list = (tf.compat.v1.trainable_variables() +
+                        tf.compat.v1.get_collection(
+                            tf.compat.v1.GraphKeys.TRAINABLE_RESOURCE_VARIABLES))
+            # A resource variable may be in both collections.
+            seen, unique = set(), []
+            for v in var_list:
+                if id(v) not in seen:
+                    seen.add(id(v))
+                    unique.append(v)
+            var_list = unique
+        else:
+            var_list = tf.nest.flatten(var_list)
+        if not var_list:
+            raise ValueError("%s.compute_gradients: no variables to optimize "
+                             "(var_list is empty and the graph has no "
+                             "trainable variables)." % cls_name)
+        for v in var_list:
+            if not isinstance(v, tf.Variable):
+                raise TypeError(
+                    "%s.compute_gradients: var_list must hold tf.Variables; "
+                    "got %r." % (cls_name, v))
+            if not v.dtype.base_dtype.is_floating:
+                raise TypeError(
+                    "%s.compute_gradients: variable %s has dtype %s; only "
+                    "float variables can be optimized." % (
+                        cls_name, _var_name(v), v.dtype.base_dtype.name))
+        self._last_loss = loss
+        self._last_var_list = list(var_list)
+        self._norms = None
+        return loss, list(var_list)
+
+    def _aggregate(self, loss, var_list, grad_loss, gate_gradients,
+                   aggregation_method, colocate_gradients_with_ops):
+        """Returns the list of aggregated gradients aligned with `var_list`."""
+        return list(_api("gradients")(
+            loss, var_list, grad_ys=grad_loss, gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            colocate_gradients_with_ops=colocate_gradients_with_ops))
+
+
+class WeightedOptimizer(PerExampleOptimizer):
+    """`sum_i f_i * g_i`, with per-example factors `f` fed every step.
+
+    Built with `custagg.gradients(..., aggregation_method=CUSTOM,
+    gradient_factors=f)`: one backward pass, no per-example gradients are
+    materialized. `f = 1/B` everywhere gives the gradient of the mean loss;
+    zeros drop examples; any other weights (importance sampling,
+    re-weighting of classes) work the same way.
+
+    Args:
+      optimizer: the wrapped `tf.compat.v1.train.Optimizer`.
+      gradient_factors: a `[B]` float tensor (usually a placeholder). None
+        creates `tf.compat.v1.placeholder(loss.dtype, [B])` named
+        "gradient_factors" in `compute_gradients`; read it back from the
+        `gradient_factors` attribute to feed it.
+      strategy: used for `per_example_norms` only.
+      name: see `PerExampleOptimizer`.
+    """
+
+    def __init__(self, optimizer, gradient_factors=None, strategy="auto",
+                 name=None):
+        super().__init__(optimizer, strategy=strategy, name=name)
+        if gradient_factors is not None and not isinstance(
+                gradient_factors, (tf.Tensor, tf.Variable)):
+            raise TypeError(
+                "WeightedOptimizer: gradient_factors must be a [B] tensor "
+                "(e.g. tf.compat.v1.placeholder(tf.float32, [B])) or None; "
+                "got %r. To use fixed weights, wrap them in tf.constant."
+                % (gradient_factors,))
+        self._factors = gradient_factors
+
+    @property
+    def gradient_factors(self):
+        """The `[B]` factors tensor (to feed); created by compute_gradients."""
+        if self._factors is None:
+            raise ValueError(
+                "WeightedOptimizer.gradient_factors: the placeholder is "
+                "created by compute_gradients()/minimize(); call it first, or "
+                "pass gradient_factors= to the constructor.")
+        return self._factors
+
+    def _aggregate(self, loss, var_list, grad_loss, gate_gradients,
+                   aggregation_method, colocate_gradients_with_ops):
+        if self._factors is None:
+            with loss.graph.name_scope(None):
+                self._factors = tf.compat.v1.placeholder(
+                    loss.dtype, [tf.compat.dimension_value(loss.shape[0])],
+                    name="gradient_factors")
+        return list(_api("gradients")(
+            loss, var_list, grad_ys=grad_loss, gate_gradients=gate_gradients,
+            aggregation_method=aggregation.AggregationMethod.CUSTOM,
+            gradient_factors=self._factors,
+            colocate_gradients_with_ops=colocate_gradients_with_ops))
+
+
+class DPOptimizer(PerExampleOptimizer):
+    """DP-SGD (Abadi et al. 2016) around any TF1 optimizer, as TF Privacy.
+
+    Gradient: `(1/M) * (sum_m clip(g_m) + N(0, sigma^2 I))` with
+    `sigma = noise_multiplier * l2_norm_clip`; `g_m` is the gradient of the
+    mean loss of microbatch m (M = `num_microbatches`, default B: one
+    example per microbatch). The names and meanings of `l2_norm_clip`,
+    `noise_multiplier` and `num_microbatches` are TF Privacy's.
+
+    With M == B the clipped sum comes from `custagg.clipped_gradients`
+    (per-example gradients are never materialized when the strategy can
+    avoid it). With M < B the per-example gradients are materialized
+    (`[B, *var.shape]` each), averaged within each microbatch, then clipped.
+
+    Args:
+      optimizer: the wrapped `tf.compat.v1.train.Optimizer`.
+      l2_norm_clip: clip norm C > 0: a number, a scalar tensor, or per-layer
+        clip norms: a list aligned with `var_list`, or a dict from variable
+        (or its name, with or without ":0") to clip norm.
+      noise_multiplier: sigma / C >= 0.
+      num_microbatches: M, which must divide the batch size; None means B.
+      seed: None draws the noise with a stateful `tf.random.normal` (TF's
+        graph-level seed applies). An int makes the noise a function of
+        `(seed, step)` where `step` counts evaluations of the noise and is a
+        variable of this optimizer (saved in checkpoints): runs repeat
+        exactly, also across save and restore.
+      strategy: see `PerExampleOptimizer`.
+      name: see `PerExampleOptimizer`.
+
+    Attributes (after compute_gradients):
+      per_example_norms: `[M]` norms before clipping.
+      per_example_clipped_norms: `[M]` norms of the clipped contributions
+        (each `<= C`).
+      noise_stddev: the scalar `sigma` tensor.
+    """
+
+    _has_noise = True
+
+    def __init__(self, optimizer, l2_norm_clip, noise_multiplier,
+                 num_microbatches=None, seed=None, strategy="auto",
+                 name=None):
+        super().__init__(optimizer, strategy=strategy, name=name)
+        cls_name = type(self).__name__
+        self._l2_norm_clip = self._check_clip(l2_norm_clip)
+        self._noise_multiplier = _check_positive(
+            noise_multiplier, "noise_multiplier", cls_name, allow_zero=True)
+        if num_microbatches is not None and (
+                isinstance(num_microbatches, bool)
+                or not isinstance(num_microbatches, (int, np.integer))
+                or num_microbatches < 1):
+            raise ValueError(
+                "%s: num_microbatches must be a positive int dividing the "
+                "batch size, or None (one example per microbatch); got %r."
+                % (cls_name, num_microbatches))
+        self._num_microbatches = (None if num_microbatches is None
+                                  else int(num_microbatches))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(
+                seed, (int, np.integer))):
+            raise ValueError("%s: seed must be an int or None; got %r."
+                             % (cls_name, seed))
+        self._seed = None if seed is None else int(seed)
+        self._clipped_norms_fn = None
+        self._clipped_norms = None
+        self._noise_stddev = None
+
+    def _check_clip(self, clip):
+        cls_name = type(self).__name__
+        if isinstance(clip, dict):
+            if not clip:
+                raise ValueError("%s: l2_norm_clip is an empty dict." %
+                                 cls_name)
+            return {k: _check_positive(c, "l2_norm_clip[%r]" % (k,), cls_name)
+                    for k, c in clip.items()}
+        if isinstance(clip, (list, tuple)):
+            if not clip:
+                raise ValueError("%s: l2_norm_clip is an empty list." %
+                                 cls_name)
+            return [_check_positive(c, "l2_norm_clip[%d]" % i, cls_name)
+                    for i, c in enumerate(clip)]
+        return _check_positive(clip, "l2_norm_clip", cls_name)
+
+    @property
+    def l2_norm_clip(self):
+        return self._l2_norm_clip
+
+    @property
+    def noise_multiplier(self):
+        return self._noise_multiplier
+
+    @property
+    def num_microbatches(self):
+        return self._num_microbatches
+
+    @property
+    def per_example_clipped_norms(self):
+        """`[M]` global norms of the clipped per-microbatch contributions."""
+        self.per_example_norms  # pylint: disable=pointless-statement
+        if self._clipped_norms is None:
+            with self._last_loss.graph.as_default():
+                self._clipped_norms = self._clipped_norms_fn()
+        return self._clipped_norms
+
+    @property
+    def noise_stddev(self):
+        if self._noise_stddev is None:
+            raise ValueError("%s.noise_stddev is available after "
+                             "compute_gradients()." % type(self).__name__)
+        return self._noise_stddev
+
+    # ------------------------------------------------------------ internals
+
+    def _clips_for(self, var_list, dtype):
+        """A scalar clip norm, or a list aligned with var_list (per layer)."""
+        cls_name = type(self).__name__
+        clip = self._l2_norm_clip
+        if isinstance(clip, list):
+            if len(clip) != len(var_list):
+                raise ValueError(
+                    "%s: l2_norm_clip holds %d per-layer clip norms but "
+                    "var_list has %d variables (%s); give one per variable, "
+                    "in var_list's order, or a dict keyed by variable name."
+                    % (cls_name, len(clip), len(var_list),
+                       ", ".join(_var_name(v) for v in var_list)))
+            per_layer = clip
+        elif isinstance(clip, dict):
+            # Keys may be variables, their refs, or names with or without
+            # ":0"; all are compared by the variable's name.
+            by_name = {}
+            for k, c in clip.items():
+                key = _key_name(k)
+                if key in by_name:
+                    raise ValueError("%s: l2_norm_clip gives variable %r twice."
+                                     % (cls_name, key))
+                by_name[key] = c
+            per_layer = []
+            for v in var_list:
+                if _var_name(v) not in by_name:
+                    raise ValueError(
+                        "%s: l2_norm_clip has no clip norm for variable %r; "
+                        "its keys are %s." % (cls_name, _var_name(v),
+                                              sorted(by_name)))
+                per_layer.append(by_name[_var_name(v)])
+            unused = set(by_name) - set(_var_name(v) for v in var_list)
+            if unused:
+                raise ValueError(
+                    "%s: l2_norm_clip names %s, which are not in var_list "
+                    "(%s)." % (cls_name, sorted(unused),
+                               ", ".join(_var_name(v) for v in var_list)))
+        else:
+            return _to_dtype(clip, dtype)
+        return [_to_dtype(c, dtype) for c in per_layer]
+
+    def _noise_counter(self, colocate_with):
+        with tf.compat.v1.get_default_graph().name_scope(None):
+            return self._create_non_slot_variable(
+                initial_value=np.int64(0), name=self._name + "_noise_step",
+                colocate_with=colocate_with)
+
+    def _noise(self, grads, stddev, var_list):
+        """Gaussian noise for each present gradient, one draw per step."""
+        present = [g for g in grads if g is not None]
+        sizes = [tf.size(g) for g in present]
+        total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
+        dtype = present[0].dtype
+        if self._seed is None:
+            flat = tf.random.normal([total], stddev=stddev, dtype=dtype)
+        else:
+            counter = self._noise_counter(var_list[0])
+            step = tf.compat.v1.assign_add(counter, 1)
+            flat = tf.random.stateless_normal(
+                [total], seed=tf.stack([tf.constant(self._seed, tf.int64),
+                                        step]),
+                stddev=stddev, dtype=dtype)
+        pieces = tf.split(flat, sizes)
+        it = iter(pieces)
+        return [None if g is None else tf.reshape(next(it), tf.shape(g))
+                for g in grads]
+
+    def _aggregate(self, loss, var_list, grad_loss, gate_gradients,
+                   aggregation_method, colocate_gradients_with_ops):
+        if grad_loss is not None:
+            loss = loss * tf.stop_gradient(grad_loss)
+            self._last_loss = loss
+        cls_name = type(self).__name__
+        clips = self._clips_for(var_list, loss.dtype)
+        batch_static = tf.compat.dimension_value(loss.shape[0])
+        mb = self._num_microbatches
+        if mb is None or (batch_static is not None and mb == batch_static):
+            grads, norms = _api("clipped_gradients")(
+                loss, var_list, clips, strategy=self._strategy,
+                return_norms=True)
+            num_units = (tf.cast(tf.shape(loss)[0], loss.dtype)
+                         if batch_static is None else
+                         tf.constant(batch_static, loss.dtype))
+            if isinstance(clips, list):
+                # Per-layer: norms come per variable; each variable's
+                # contribution is clipped on its own.
+                layer_norms = norms
+                norms = tf.sqrt(tf.add_n([tf.square(n) for n in layer_norms]))
+                clipped = tf.sqrt(tf.add_n([
+                    tf.square(tf.minimum(n, c))
+                    for n, c in zip(layer_norms, clips)]))
+                self._clipped_norms_fn = lambda: clipped
+            else:
+                self._clipped_norms_fn = lambda: tf.minimum(norms, clips)
+        else:
+            if batch_static is not None and batch_static % mb:
+                raise ValueError(
+                    "%s: num_microbatches=%d does not divide the batch size "
+                    "%d." % (cls_name, mb, batch_static))
+            grads, norms, clipped = self._microbatch_clipped(
+                loss, var_list, clips, mb)
+            num_units = tf.constant(mb, loss.dtype)
+            self._clipped_norms_fn = lambda: clipped
+        self._norms = norms
+        self._clipped_norms = None
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        if all(g is None for g in grads):
+            self._noise_stddev = tf.constant(0.0, loss.dtype)
+            return grads
+        global_clip = (clips if not isinstance(clips, list) else
+                       tf.sqrt(tf.add_n([tf.square(c) for c in clips])))
+        self._noise_stddev = tf.identity(
+            _to_dtype(self._noise_multiplier, loss.dtype) * global_clip,
+            name="noise_stddev")
+        if self._has_noise:
+            noise = self._noise(grads, self._noise_stddev, var_list)
+            grads = [None if g is None else g + n
+                     for g, n in zip(grads, noise)]
+        return [None if g is None else g / num_units for g in grads]
+
+    def _microbatch_clipped(self, loss, var_list, clips, num_microbatches):
+        """Clipped sum over microbatches from materialized per-example grads.
+
+        Returns:
+          `(grads, norms [M], clipped_norms [M])`.
+        """
+        per_example = _api("per_example_gradients")(
+            loss, var_list, strategy=self._strategy)
+        batch = tf.shape(loss)[0]
+        check = tf.debugging.assert_equal(
+            batch % num_microbatches, 0,
+            message="%s: num_microbatches=%d must divide the batch size" % (
+                type(self).__name__, num_microbatches))
+        per_unit = []
+        with tf.control_dependencies([check]):
+            for g in per_example:
+                if g is None:
+                    per_unit.append(None)
+                    continue
+                g = tf.convert_to_tensor(g)
+                shape = tf.shape(g)[1:]
+                # Mean over each microbatch: the gradient of its mean loss.
+                per_unit.append(tf.reduce_mean(tf.reshape(
+                    g, tf.concat([[num_microbatches, -1], shape], 0)), axis=1))
+        squared = [None if g is None else
+                   tf.reduce_sum(tf.reshape(tf.square(g),
+                                            [num_microbatches, -1]), axis=1)
+                   for g in per_unit]
+        present = [s for s in squared if s is not None]
+        zeros = tf.zeros([num_microbatches], loss.dtype)
+        norms = tf.sqrt(tf.add_n(present) if present else zeros)
+        if isinstance(clips, list):
+            factors = [None if s is None else
+                       c / tf.maximum(tf.sqrt(s), c)
+                       for s, c in zip(squared, clips)]
+            clipped_sq = [s * tf.square(f) for s, f in zip(squared, factors)
+                          if s is not None]
+            clipped_norms = tf.sqrt(tf.add_n(clipped_sq) if clipped_sq
+                                    else zeros)
+        else:
+            factor = clips / tf.maximum(norms, clips)
+            factors = [factor] * len(per_unit)
+            clipped_norms = norms * factor
+        grads = [None if g is None else tf.tensordot(f, g, axes=1)
+                 for g, f in zip(per_unit, factors)]
+        return grads, norms, clipped_norms
+
+
+def _key_name(k):
+    """The variable name a key of a per-layer l2_norm_clip dict stands for."""
+    if hasattr(k, "deref"):
+        k = k.deref()
+    if isinstance(k, tf.Variable):
+        return _var_name(k)
+    if isinstance(k, str):
+        return k[:-2] if k.endswith(":0") else k
+    raise TypeError("l2_norm_clip: dict keys must be variables or variable "
+                    "names; got %r." % (k,))
+
+
+class ClippedOptimizer(DPOptimizer):
+    """Per-example clipping without noise: `(1/M) sum_m clip(g_m)`.
+
+    `DPOptimizer` with `noise_multiplier=0` (no noise op is built). See
+    `DPOptimizer` for `l2_norm_clip` (global or per layer) and
+    `num_microbatches`.
+    """
+
+    _has_noise = False
+
+    def __init__(self, optimizer, l2_norm_clip, num_microbatches=None,
+                 strategy="auto", name=None):
+        super().__init__(optimizer, l2_norm_clip, noise_multiplier=0.0,
+                         num_microbatches=num_microbatches, strategy=strategy,
+                         name=name)
+
+
+def make_gaussian_optimizer_class(cls):
+    """A DP-SGD class for the TF1 optimizer class `cls`, TF Privacy style.
+
+    The returned class takes `(l2_norm_clip, noise_multiplier,
+    num_microbatches=None, *args, seed=None, strategy="auto", **kwargs)`;
+    `*args, **kwargs` construct `cls` (e.g. `learning_rate=0.1`).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, _Optimizer)):
+        raise TypeError("make_gaussian_optimizer_class: cls must be a "
+                        "tf.compat.v1.train.Optimizer subclass; got %r." % cls)
+
+    class DPGaussianOptimizerClass(DPOptimizer):  # pylint: disable=missing-docstring
+
+        def __init__(self, l2_norm_clip, noise_multiplier,
+                     num_microbatches=None, *args, seed=None,
+                     strategy="auto", **kwargs):
+            super().__init__(cls(*args, **kwargs), l2_norm_clip,
+                             noise_multiplier,
+                             num_microbatches=num_microbatches, seed=seed,
+                             strategy=strategy)
+
+    base = cls.__name__.replace("Optimizer", "")
+    DPGaussianOptimizerClass.__name__ = "DP%sGaussianOptimizer" % base
+    DPGaussianOptimizerClass.__qualname__ = DPGaussianOptimizerClass.__name__
+    DPGaussianOptimizerClass.__doc__ = (
+        "DP-SGD with `%s` applying the gradients; see `DPOptimizer`."
+        % cls.__name__)
+    return DPGaussianOptimizerClass
+
+
+DPGradientDescentGaussianOptimizer = make_gaussian_optimizer_class(
+    tf.compat.v1.train.GradientDescentOptimizer)
+DPMomentumGaussianOptimizer = make_gaussian_optimizer_class(
+    tf.compat.v1.train.MomentumOptimizer)
+DPAdagradGaussianOptimizer = make_gaussian_optimizer_class(
+    tf.compat.v1.train.AdagradOptimizer)
+DPAdamGaussianOptimizer = make_gaussian_optimizer_class(
+    tf.compat.v1.train.AdamOptimizer)
+# TF Privacy's short aliases.
+DPGradientDescentOptimizer = DPGradientDescentGaussianOptimizer
+DPAdagradOptimizer = DPAdagradGaussianOptimizer
+DPAdamOptimizer = DPAdamGaussianOptimizer
