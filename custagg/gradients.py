@@ -31,6 +31,8 @@ import contextlib
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import composite_tensor
+from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import indexed_slices as indexed_slices_lib
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_state
@@ -524,41 +526,83 @@ def gradients(ys,
             "custagg.gradients: unknown unconnected_gradients %r; expected "
             "tf.UnconnectedGradients.NONE or ZERO." % (unconnected_gradients,))
 
+    # Resource variables are differentiated through their handles (ys are
+    # read); ref variables convert to their ref tensor / snapshot below.
     ys = [tf.convert_to_tensor(y) if isinstance(y, tf.Variable) else y
           for y in _as_list(ys)]
-    for i, y in enumerate(ys):
-        errors.check_graph_tensor(y, "ys[%d]" % i, "custagg.gradients")
-    xs_in = _as_list(xs)
+    xs = [x.handle if resource_variable_ops.is_resource_variable(x) else x
+          for x in _as_list(xs)]
     stop_gradients = [] if stop_gradients is None else _as_list(stop_gradients)
     grad_ys = [None] * len(ys) if grad_ys is None else _as_list(grad_ys)
     if len(grad_ys) != len(ys):
         raise ValueError(
             "custagg.gradients: grad_ys has %d entries but ys has %d; pass "
             "one seed (or None) per y." % (len(grad_ys), len(ys)))
-    xs_in = [x.handle if resource_variable_ops.is_resource_variable(x) else x
-             for x in xs_in]
+    args = _Args(name, colocate_gradients_with_ops, gate_gradients,
+                 aggregation_method, sum_method, stop_gradients,
+                 unconnected_gradients, gradient_factors)
+    # As in tf.gradients, composite grad_ys alone (an IndexedSlices seed)
+    # do not take this path: they are kept as they are.
+    if any(isinstance(t, composite_tensor.CompositeTensor) for t in ys + xs):
+        return _composite_gradients(ys, xs, grad_ys, args)
+    return _tensor_gradients(ys, xs, grad_ys, args)
+
+
+# The checked arguments of one gradients call, passed on unchanged.
+_Args = collections.namedtuple("_Args", [
+    "name", "colocate", "gate", "aggregation_method", "sum_method",
+    "stop_gradients", "unconnected", "gradient_factors"])
+
+
+def _composite_gradients(ys, xs, grad_ys, args):
+    """Gradients for composite tensors (RaggedTensor, IndexedSlices, ...).
+
+    Each composite stands for the tensors TF differentiates it by (its
+    `__composite_gradient__` components, e.g. a RaggedTensor's flat values);
+    the gradients of those are put back into the composite's structure, as
+    `tf.gradients` does.
+    """
+    if args.aggregation_method == AggregationMethod.CUSTOM and any(
+            isinstance(y, composite_tensor.CompositeTensor) for y in ys):
+        raise TypeError(
+            "custagg.gradients: with AggregationMethod.CUSTOM, ys must be "
+            "Tensors (per-example terms); got a %s. Convert it to a dense "
+            "[B] tensor of per-example losses first." % type(
+                [y for y in ys if isinstance(
+                    y, composite_tensor.CompositeTensor)][0]).__name__)
+    flat = composite_tensor_gradient.get_flat_tensors_for_gradients
+    flat_grads = _tensor_gradients(flat(ys), flat(xs), flat(grad_ys), args)
+    return composite_tensor_gradient.replace_flat_tensors_for_gradients(
+        xs, flat_grads)
+
+
+def _tensor_gradients(ys, xs, grad_ys, args):
+    """`gradients` once ys, xs and grad_ys hold no composite tensors."""
+    for i, y in enumerate(ys):
+        errors.check_graph_tensor(y, "ys[%d]" % i, "custagg.gradients")
     graph = _graph_of(ys) or ops.get_default_graph()
-    _check_same_graph(ys, xs_in, graph)
+    _check_same_graph(ys, xs, graph)
 
     with graph.as_default() if not _is_func_graph(
             ops.get_default_graph()) else contextlib.nullcontext():
-        with tf.name_scope(name or "gradients") as scope_name:
+        # The v1 name scope, as tf.gradients: name=None means "gradients",
+        # name="" means the root scope.
+        with ops.name_scope_v1(args.name, "gradients") as scope_name:
             gradient_uid = ops.get_default_graph().unique_name("uid")
             ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
                 ys, name="y")
-            xs = _convert_xs(xs_in)
-            if aggregation_method == AggregationMethod.CUSTOM:
+            xs = _convert_xs(xs)
+            if args.aggregation_method == AggregationMethod.CUSTOM:
                 with tf.name_scope("custom_seeds"):
                     ys, grad_ys = aggregation.custom_seeds(
-                        ys, grad_ys, gradient_factors)
-            grad_ys = _default_grad_ys(ys, grad_ys,
-                                       colocate_gradients_with_ops,
+                        ys, grad_ys, args.gradient_factors)
+            grad_ys = _default_grad_ys(ys, grad_ys, args.colocate,
                                        gradient_uid)
             backprop = _Backprop(ops.get_default_graph(), ys, xs,
-                                 stop_gradients, colocate_gradients_with_ops,
-                                 gate_gradients, sum_method, gradient_uid,
+                                 args.stop_gradients, args.colocate,
+                                 args.gate, args.sum_method, gradient_uid,
                                  scope_name)
             backprop.run(ys, grad_ys)
         # Outside the name scope, as in tf.gradients: the zeros made for
         # unconnected xs (unconnected_gradients=ZERO) get the same names.
-        return [backprop.result(x, unconnected_gradients) for x in xs]
+        return [backprop.result(x, args.unconnected) for x in xs]

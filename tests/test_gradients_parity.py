@@ -41,6 +41,8 @@ _TOLERANCES = {tf.float16: (1e-3, 1e-3), tf.float32: (1e-5, 1e-6),
 def _structure(g):
     if g is None:
         return None
+    if isinstance(g, tf.RaggedTensor):
+        return ("RaggedTensor", g.dtype.name, g.ragged_rank)
     if isinstance(g, tf.IndexedSlices):
         return ("IndexedSlices", g.values.dtype.name, g.values.shape.as_list()
                 if g.values.shape.rank is not None else None,
@@ -68,8 +70,7 @@ def _build(build, gradients_fn, session_config=None, **kwargs):
         with tf.compat.v1.Session(config=session_config) as sess:
             sess.run(init)
             values = sess.run(fetch, c.feed)
-    dtypes = [(g.values if isinstance(g, tf.IndexedSlices) else g).dtype
-              for g in fetch]
+    dtypes = [g.dtype for g in fetch]
     return Built([_structure(g) for g in grads], values, dtypes, new_ops,
                  grads)
 
@@ -81,6 +82,9 @@ def _assert_values_close(expected, actual, dtype):
         np.testing.assert_array_equal(expected.dense_shape,
                                       actual.dense_shape)
         expected, actual = expected.values, actual.values
+    if isinstance(expected, tf.compat.v1.ragged.RaggedTensorValue):
+        np.testing.assert_array_equal(expected.row_splits, actual.row_splits)
+        expected, actual = expected.flat_values, actual.flat_values
     np.testing.assert_allclose(np.asarray(actual, np.float64),
                                np.asarray(expected, np.float64),
                                rtol=rtol, atol=atol)
@@ -252,6 +256,30 @@ def test_indexed_slices(use_resource):
                      "IndexedSlices"]
 
 
+def test_variables_and_indexed_slices_as_ys_and_grad_ys():
+    def build(rng, grad_fn):
+        v = tf.compat.v1.get_variable("v", [3], use_resource=True)
+        r = tf.compat.v1.Variable([1.0, 2.0], use_resource=False, name="r")
+        emb = tf.compat.v1.get_variable("emb", [6, 2])
+        seed = tf.IndexedSlices(tf.ones([2, 2]), tf.constant([1, 3]),
+                                tf.constant([6, 2]))
+        return case([v, r, emb * 2.0], [v, r, emb],
+                    grad_ys=[None, [3.0, 4.0], seed])
+    assert_parity(build)
+
+
+def test_ragged_tensors_as_ys_and_xs():
+    def build(rng, grad_fn):
+        v = tf.compat.v1.placeholder(tf.float32, [5])
+        w = tf.compat.v1.get_variable("w", [])
+        r = tf.RaggedTensor.from_row_lengths(v, [2, 3])
+        s = tf.RaggedTensor.from_row_lengths(tf.sin(v), [4, 1])
+        return case([r * w, tf.reduce_sum(s * s)], [v, w, s],
+                    {v: rng.normal(size=5)})
+    ref, _ = assert_parity(build)
+    assert ref.structure[2][0] == "RaggedTensor"
+
+
 def test_stop_gradients():
     def build(rng, grad_fn):
         x = tf.compat.v1.placeholder(tf.float32, [3])
@@ -339,6 +367,11 @@ def test_name_scopes():
 
     ref, ours = assert_parity(build, name="my_grads")
     assert all(name.startswith("my_grads/") for name, _ in ours.ops)
+    # None means "gradients"; "" means the root scope (TF's v1 name scope).
+    _, ours = assert_parity(build, name=None)
+    assert all(name.startswith("gradients/") for name, _ in ours.ops)
+    _, ours = assert_parity(build, name="")
+    assert ("MatMul_grad/MatMul_1", "MatMul") in ours.ops
 
     def build_in_scope(rng, grad_fn):
         c = build(rng, grad_fn)
@@ -679,7 +712,9 @@ def test_cond_v1(control_flow_v1):
                               lambda: tf.compat.v1.cond(
                                   x[0] > 0, lambda: y * y, lambda: -y),
                               lambda: y)
-        return case(tf.reduce_sum(z), [x, w, emb],
+        inside = tf.compat.v1.get_default_graph().get_tensor_by_name(
+            "cond/mul:0")                       # x * w, inside the branch
+        return case(tf.reduce_sum(z), [x, w, emb, inside],
                     {x: np.abs(rng.normal(size=3))})
     ref, ours = assert_parity(build)
     assert any(t == "Merge" for _, t in ours.ops)
