@@ -77,6 +77,53 @@ class _ConvBase(registry.Rule):
 class Conv2DRule(_ConvBase):
     """`Conv2D` filter `[kh, kw, Cin, Cout]`; per-example `[B, kh, kw, Cin, Cout]`."""
 
+    def _offsets_per_example(self, ctx):
+        """`[B, kh, kw, Cin, Cout]` from one batched matmul per filter offset.
+
+        For offset (i, j) the inputs under it at every output position are a
+        strided slice of the padded image, so example b's gradient at that
+        offset is `slice_b^T dz_b` (`[Cin, Cout]`). This avoids
+        `extract_patches`, which is slow on the CPU. Needs static spatial
+        dims (to pad as the op did); returns None otherwise.
+        """
+        fmt, strides, dilations, padding = self._attrs(ctx)
+        kh, kw, cin, cout = _outer.static_dims(ctx.param)
+        x = _nhwc(ctx.op.inputs[0], fmt)
+        g = _nhwc(ctx.grad, fmt)
+        in_hw = [tf.compat.dimension_value(d) for d in x.shape[1:3]]
+        out_hw = [tf.compat.dimension_value(d) for d in g.shape[1:3]]
+        if None in in_hw or None in out_hw:
+            return None
+        pads = []
+        for axis, (n_in, n_out, k, s, d) in enumerate(zip(
+                in_hw, out_hw, (kh, kw), strides, dilations)):
+            if padding == "VALID":
+                pads.append([0, 0])
+            elif padding == "SAME":
+                total = max((n_out - 1) * s + (k - 1) * d + 1 - n_in, 0)
+                pads.append([total // 2, total - total // 2])
+            else:
+                explicit = list(ctx.op.get_attr("explicit_paddings"))
+                pairs = [explicit[i:i + 2] for i in range(0, 8, 2)]
+                if fmt == "NCHW":
+                    pairs = [pairs[0], pairs[2], pairs[3], pairs[1]]
+                pads.append(pairs[1 + axis])
+        x = tf.pad(x, [[0, 0]] + pads + [[0, 0]])
+        batch = tf.shape(x)[0]
+        positions = out_hw[0] * out_hw[1]
+        g = tf.reshape(g, [batch, positions, cout])
+        sh, sw = strides
+        dh, dw = dilations
+        parts = []
+        for i in range(kh):
+            for j in range(kw):
+                window = x[:, i * dh:i * dh + (out_hw[0] - 1) * sh + 1:sh,
+                           j * dw:j * dw + (out_hw[1] - 1) * sw + 1:sw, :]
+                window = tf.reshape(window, [batch, positions, cin])
+                parts.append(tf.matmul(window, g, transpose_a=True))
+        return tf.reshape(tf.stack(parts, axis=1),
+                          [batch, kh, kw, cin, cout])
+
     def _outer(self, ctx):
         patches, g = self._patches(ctx)
         kh, kw, cin, cout = _outer.static_dims(ctx.param)
@@ -85,13 +132,20 @@ class Conv2DRule(_ConvBase):
                             _outer.layout([kh, kw, cin], [cout], None))
 
     def per_example(self, ctx):
-        return self._outer(ctx).per_example()
+        per = self._offsets_per_example(ctx)
+        return per if per is not None else self._outer(ctx).per_example()
 
     def squared_norms(self, ctx):
-        return self._outer(ctx).squared_norms()
+        per = self._offsets_per_example(ctx)
+        if per is None:
+            return self._outer(ctx).squared_norms()
+        return tf.reduce_sum(tf.square(per), axis=[1, 2, 3, 4])
 
     def squared_sum(self, ctx):
-        return self._outer(ctx).squared_sum()
+        per = self._offsets_per_example(ctx)
+        if per is None:
+            return self._outer(ctx).squared_sum()
+        return tf.reduce_sum(tf.square(per), axis=0)
 
     def _backprop_filter(self, ctx, g):
         fmt, _, _, padding = self._attrs(ctx)
