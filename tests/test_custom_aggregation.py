@@ -1,0 +1,404 @@
+"""AggregationMethod.CUSTOM: sum_i gradient_factors[i] * d ys_i / d x.
+
+Two references:
+
+* a float64 numpy oracle written by hand for softmax regression: example i
+  contributes outer(x_i, softmax(x_i W + b) - y_i) to dW and
+  softmax(x_i W + b) - y_i to db;
+* `tf.compat.v1.gradients` of the same per-example terms, each seeded with
+  its factor (`grad_ys=[f[i] * ones]`), which is the definition of the
+  weighted sum, computed by TF term by term.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+
+CUSTOM = custagg.AggregationMethod.CUSTOM
+
+
+def _softmax(z):
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def oracle_softmax_regression(x, onehot, w, b, factors):
+    """sum_i f_i * d xent_i / d(W, b), by hand, in float64."""
+    residual = _softmax(x @ w + b) - onehot                    # [B, C]
+    grad_w = np.einsum("i,id,ic->dc", factors, x, residual)    # [D, C]
+    grad_b = factors @ residual                                # [C]
+    return grad_w, grad_b
+
+
+def softmax_regression(rng, batch, dim, classes=10, dtype=tf.float64,
+                       static_batch=True):
+    """Per-example cross-entropy [B] of a softmax regression, and its data."""
+    b_dim = batch if static_batch else None
+    x = tf.compat.v1.placeholder(dtype, [b_dim, dim], name="x")
+    onehot = tf.compat.v1.placeholder(dtype, [b_dim, classes], name="y")
+    w0 = rng.normal(scale=0.1, size=(dim, classes))
+    b0 = rng.normal(scale=0.1, size=classes)
+    w = tf.compat.v1.Variable(w0.astype(dtype.as_numpy_dtype), name="w")
+    b = tf.compat.v1.Variable(b0.astype(dtype.as_numpy_dtype), name="b")
+    loss = tf.nn.softmax_cross_entropy_with_logits(
+        labels=onehot, logits=tf.matmul(x, w) + b)
+    data = {x: rng.uniform(size=(batch, dim)),
+            onehot: np.eye(classes)[rng.integers(0, classes, batch)]}
+    return loss, [w, b], data, (w0, b0)
+
+
+def reference(ys, xs, factors, grad_ys=None):
+    """TF's own sum_i f_i * d ys_i / dx, one seed per term."""
+    grad_ys = grad_ys or [None] * len(ys)
+    seeds = []
+    for i, (y, gy) in enumerate(zip(ys, grad_ys)):
+        f_i = tf.cast(factors[i], y.dtype)
+        seeds.append(f_i * (tf.ones_like(y) if gy is None
+                            else tf.cast(gy, y.dtype)))
+    return tf.compat.v1.gradients(ys, xs, grad_ys=seeds)
+
+
+def _run(sess, tensors, feed):
+    sess.run(tf.compat.v1.global_variables_initializer())
+    return sess.run(tensors, feed)
+
+
+def _assert_all_close(actual, expected, rtol=1e-6, atol=1e-9):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        if hasattr(e, "indices"):           # IndexedSlicesValue
+            dense = np.zeros(e.dense_shape)
+            np.add.at(dense, e.indices, e.values)
+            e = dense
+        if hasattr(a, "indices"):
+            dense = np.zeros(a.dense_shape)
+            np.add.at(dense, a.indices, a.values)
+            a = dense
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------
+# The numpy oracle.
+
+
+@pytest.mark.parametrize("form", ["list", "vector"])
+def test_softmax_regression_matches_numpy_oracle(form, sess, rng):
+    batch = 16
+    loss, xs, data, (w0, b0) = softmax_regression(rng, batch, 784)
+    f = tf.compat.v1.placeholder(tf.float64, [batch], name="factors")
+    ys = [loss[i] for i in range(batch)] if form == "list" else loss
+    grads = custagg.gradients(ys, xs, aggregation_method=CUSTOM,
+                              gradient_factors=f)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    x_val, onehot = data.values()
+    # The same graph, run with two different factor vectors.
+    for factors in (rng.normal(size=batch), rng.uniform(size=batch) *
+                    (rng.uniform(size=batch) > 0.3)):
+        got_w, got_b = sess.run(grads, {**data, f: factors})
+        want_w, want_b = oracle_softmax_regression(x_val, onehot, w0, b0,
+                                                   factors)
+        np.testing.assert_allclose(got_w, want_w, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(got_b, want_b, rtol=1e-9, atol=1e-12)
+
+
+def test_oracle_is_the_per_example_gradient(sess, rng):
+    """Self-check of the oracle: factors one-hot at i give example i alone."""
+    loss, xs, data, (w0, b0) = softmax_regression(rng, 3, 4)
+    g_w, g_b = tf.compat.v1.gradients(loss[1], xs)
+    got_w, got_b = _run(sess, [g_w, g_b], data)
+    want_w, want_b = oracle_softmax_regression(*data.values(), w0, b0,
+                                               np.array([0.0, 1.0, 0.0]))
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-12)
+    np.testing.assert_allclose(got_b, want_b, rtol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# Forms of ys, against TF term by term.
+
+
+def _factors(rng, n):
+    return rng.normal(size=n)
+
+
+def test_list_and_vector_forms_agree_and_grad_ys_multiplies_in(sess, rng):
+    batch = 6
+    loss, xs, data, _ = softmax_regression(rng, batch, 5)
+    f = tf.compat.v1.placeholder(tf.float64, [batch])
+    g = tf.compat.v1.placeholder(tf.float64, [batch])
+    slices = [loss[i] for i in range(batch)]
+    vector = custagg.gradients(loss, xs, grad_ys=g, aggregation_method=CUSTOM,
+                               gradient_factors=f)
+    listed = custagg.gradients(slices, xs, grad_ys=[g[i] for i in range(
+        batch)], aggregation_method=CUSTOM, gradient_factors=f)
+    plain_vector = custagg.gradients(loss, xs, aggregation_method=CUSTOM,
+                                     gradient_factors=f)
+    plain_list = custagg.gradients(slices, xs, aggregation_method=CUSTOM,
+                                   gradient_factors=f)
+    want = tf.compat.v1.gradients(loss, xs, grad_ys=f * g)
+    want_plain = tf.compat.v1.gradients(loss, xs, grad_ys=f)
+    feed = {**data, f: _factors(rng, batch), g: _factors(rng, batch)}
+    got = _run(sess, [vector, listed, want, plain_vector, plain_list,
+                      want_plain], feed)
+    _assert_all_close(got[0], got[2], rtol=1e-12)
+    _assert_all_close(got[1], got[2], rtol=1e-12)
+    _assert_all_close(got[3], got[5], rtol=1e-12)
+    _assert_all_close(got[4], got[5], rtol=1e-12)
+
+
+@pytest.mark.parametrize("pick", [
+    "reversed", "shuffled", "subset", "repeats", "negative", "unstack",
+    "gather", "gather_int64", "two_tensors", "not_slices", "mixed"])
+def test_slice_forms_against_tf(pick, sess, rng):
+    batch = 5
+    loss, xs, data, _ = softmax_regression(rng, batch, 4)
+    other = tf.reduce_sum(tf.square(xs[0])) * tf.range(
+        1.0, batch + 1.0, dtype=tf.float64)        # a second [B] tensor
+    perm = [3, 0, 4, 1, 2]
+    ys = {
+        "reversed": lambda: [loss[i] for i in reversed(range(batch))],
+        "shuffled": lambda: [loss[i] for i in perm],
+        "subset": lambda: [loss[3], loss[0]],
+        "repeats": lambda: [loss[1], loss[1], loss[2], loss[1]],
+        "negative": lambda: [loss[-1], loss[0], loss[-3]],
+        "unstack": lambda: tf.unstack(loss),
+        "gather": lambda: [tf.gather(loss, i) for i in perm],
+        "gather_int64": lambda: [tf.gather(loss, tf.constant(i, tf.int64))
+                                 for i in range(batch)],
+        "two_tensors": lambda: [loss[0], other[1], loss[2], other[3],
+                                other[0]],
+        "not_slices": lambda: [2.0 * loss[0], tf.reduce_sum(loss),
+                               tf.square(loss[1])],
+        "mixed": lambda: [loss[2], 2.0 * loss[0], tf.unstack(other)[4],
+                          loss[0]],
+    }[pick]()
+    f = tf.compat.v1.placeholder(tf.float64, [len(ys)])
+    got = custagg.gradients(ys, xs, aggregation_method=CUSTOM,
+                            gradient_factors=f)
+    want = reference(ys, xs, f)
+    for factors in (_factors(rng, len(ys)), np.ones(len(ys))):
+        a, e = _run(sess, [got, want], {**data, f: factors})
+        _assert_all_close(a, e, rtol=1e-12)
+
+
+def test_list_of_slices_is_one_backward_pass(graph):
+    """The weight gradient's MatMul appears once, not once per example."""
+    def new_op_types(fn):
+        before = set(graph.get_operations())
+        fn()
+        return [op.type for op in graph.get_operations() if op not in before]
+
+    x = tf.compat.v1.placeholder(tf.float32, [8, 3])
+    w = tf.compat.v1.get_variable("w", [3, 2])
+    loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)), axis=1)
+    f = tf.compat.v1.placeholder(tf.float32, [8])
+    slices = [loss[i] for i in range(8)]
+    listed = new_op_types(lambda: custagg.gradients(
+        slices, [w], aggregation_method=CUSTOM, gradient_factors=f))
+    vector = new_op_types(lambda: custagg.gradients(
+        loss, [w], aggregation_method=CUSTOM, gradient_factors=f))
+    # MatMul's gradient function builds both input gradients: 2 MatMuls.
+    assert listed.count("MatMul") == vector.count("MatMul") == 2
+    assert listed.count("TanhGrad") == 1
+    assert len(listed) <= len(vector) + 2
+
+
+def test_b_equals_one(sess, rng):
+    loss, xs, data, (w0, b0) = softmax_regression(rng, 1, 4)
+    f = tf.compat.v1.placeholder(tf.float64, [1])
+    listed = custagg.gradients([loss[0]], xs, aggregation_method=CUSTOM,
+                               gradient_factors=f)
+    vector = custagg.gradients(loss, xs, aggregation_method=CUSTOM,
+                               gradient_factors=f)
+    got = _run(sess, [listed, vector], {**data, f: [0.25]})
+    want = oracle_softmax_regression(*data.values(), w0, b0, np.array([0.25]))
+    _assert_all_close(got[0], want, rtol=1e-12)
+    _assert_all_close(got[1], want, rtol=1e-12)
+
+
+def test_dynamic_batch(sess, rng):
+    """[None] batch: vector form, and a list of slices of a [None] tensor."""
+    loss, xs, data, (w0, b0) = softmax_regression(rng, 4, 6,
+                                                  static_batch=False)
+    x, onehot = list(data)
+    f = tf.compat.v1.placeholder(tf.float64, [None])
+    vector = custagg.gradients(loss, xs, aggregation_method=CUSTOM,
+                               gradient_factors=f)
+    f3 = tf.compat.v1.placeholder(tf.float64, [3])
+    listed = custagg.gradients([loss[2], loss[0], loss[1]], xs,
+                               aggregation_method=CUSTOM, gradient_factors=f3)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    for batch in (3, 7):
+        x_val = rng.uniform(size=(batch, 6))
+        y_val = np.eye(10)[rng.integers(0, 10, batch)]
+        factors = _factors(rng, batch)
+        got = sess.run(vector, {x: x_val, onehot: y_val, f: factors})
+        _assert_all_close(got, oracle_softmax_regression(
+            x_val, y_val, w0, b0, factors), rtol=1e-12)
+        factors3 = _factors(rng, 3)
+        got = sess.run(listed, {x: x_val, onehot: y_val, f3: factors3})
+        picked = np.zeros(batch)
+        picked[[2, 0, 1]] = factors3
+        _assert_all_close(got, oracle_softmax_regression(
+            x_val, y_val, w0, b0, picked), rtol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["list", "vector"])
+@pytest.mark.parametrize("factor_dtype", [tf.int32, tf.int64, tf.float32])
+def test_factor_dtypes_are_cast(form, factor_dtype, sess, rng):
+    batch = 4
+    loss, xs, data, (w0, b0) = softmax_regression(rng, batch, 3)
+    f = tf.compat.v1.placeholder(factor_dtype, [batch])
+    ys = [loss[i] for i in range(batch)] if form == "list" else loss
+    got = custagg.gradients(ys, xs, aggregation_method=CUSTOM,
+                            gradient_factors=f)
+    factors = np.array([3, 0, -1, 2])
+    values = _run(sess, got, {**data, f: factors})
+    want = oracle_softmax_regression(*data.values(), w0, b0,
+                                     factors.astype(np.float64))
+    _assert_all_close(values, want, rtol=1e-12)
+
+
+def test_constant_factors(sess, rng):
+    """Factors given as a Python list / numpy array, not a placeholder."""
+    loss, xs, data, (w0, b0) = softmax_regression(rng, 3, 4)
+    factors = np.array([0.5, -1.0, 2.0])
+    got_list = custagg.gradients(tf.unstack(loss), xs,
+                                 aggregation_method=CUSTOM,
+                                 gradient_factors=list(factors))
+    got_vec = custagg.gradients(loss, xs, aggregation_method=CUSTOM,
+                                gradient_factors=factors)
+    want = oracle_softmax_regression(*data.values(), w0, b0, factors)
+    values = _run(sess, [got_list, got_vec], data)
+    _assert_all_close(values[0], want, rtol=1e-12)
+    _assert_all_close(values[1], want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.float32, tf.float64])
+@pytest.mark.parametrize("form", ["list", "vector"])
+def test_model_dtypes(dtype, form, sess, rng):
+    batch = 4
+    loss, xs, data, (w0, b0) = softmax_regression(rng, batch, 3, dtype=dtype)
+    f = tf.compat.v1.placeholder(tf.float32, [batch])
+    ys = [loss[i] for i in range(batch)] if form == "list" else loss
+    got = custagg.gradients(ys, xs, aggregation_method=CUSTOM,
+                            gradient_factors=f)
+    assert [g.dtype for g in got] == [dtype, dtype]
+    factors = np.array([0.5, 1.0, -2.0, 0.25], np.float32)
+    values = _run(sess, got, {**data, f: factors})
+    want = oracle_softmax_regression(
+        *(v.astype(dtype.as_numpy_dtype).astype(np.float64)
+          for v in data.values()),
+        w0.astype(dtype.as_numpy_dtype), b0.astype(dtype.as_numpy_dtype),
+        factors.astype(np.float64))
+    tol = {tf.float16: 2e-2, tf.float32: 1e-5, tf.float64: 1e-12}[dtype]
+    _assert_all_close(values, want, rtol=tol, atol=tol)
+
+
+def test_per_example_terms_that_are_not_scalars(sess, rng):
+    """ys [B, 3]: vector form over rows, list of rows, rows with grad_ys."""
+    batch = 4
+    x = tf.compat.v1.placeholder(tf.float64, [batch, 2])
+    w = tf.compat.v1.Variable(rng.normal(size=(2, 3)))
+    out = tf.sin(tf.matmul(x, w))                          # [B, 3]
+    f = tf.compat.v1.placeholder(tf.float64, [batch])
+    seeds = [tf.constant(rng.normal(size=3)) for _ in range(batch)]
+    rows = [out[i] for i in range(batch)]
+    got = [
+        custagg.gradients(out, [w], aggregation_method=CUSTOM,
+                          gradient_factors=f),
+        custagg.gradients(rows, [w], aggregation_method=CUSTOM,
+                          gradient_factors=f),
+        custagg.gradients(rows, [w], grad_ys=seeds, aggregation_method=CUSTOM,
+                          gradient_factors=f),
+        custagg.gradients(out, [w], grad_ys=tf.stack(seeds),
+                          aggregation_method=CUSTOM, gradient_factors=f),
+        custagg.gradients(rows[::-1], [w], grad_ys=seeds[::-1],
+                          aggregation_method=CUSTOM, gradient_factors=f),
+    ]
+    want = [reference(rows, [w], f), reference(rows, [w], f, seeds),
+            reference(rows[::-1], [w], f, seeds[::-1])]
+    feed = {x: rng.normal(size=(batch, 2)), f: _factors(rng, batch)}
+    a = _run(sess, [got, want], feed)
+    _assert_all_close(a[0][0], a[1][0], rtol=1e-12)
+    _assert_all_close(a[0][1], a[1][0], rtol=1e-12)
+    _assert_all_close(a[0][2], a[1][1], rtol=1e-12)
+    _assert_all_close(a[0][3], a[1][1], rtol=1e-12)
+    _assert_all_close(a[0][4], a[1][2], rtol=1e-12)
+
+
+def test_partial_grad_ys_in_list_form(sess, rng):
+    batch = 4
+    loss, xs, data, _ = softmax_regression(rng, batch, 3)
+    f = tf.compat.v1.placeholder(tf.float64, [batch])
+    ys = [loss[i] for i in range(batch)]
+    grad_ys = [None, 2.0, None, tf.constant(-1.5, tf.float64)]
+    got = custagg.gradients(ys, xs, grad_ys=grad_ys,
+                            aggregation_method=CUSTOM, gradient_factors=f)
+    want = reference(ys, xs, f, grad_ys)
+    a, e = _run(sess, [got, want], {**data, f: _factors(rng, batch)})
+    _assert_all_close(a, e, rtol=1e-12)
+
+
+def test_embedding_model_keeps_indexed_slices(sess, rng):
+    batch = 5
+    ids = tf.compat.v1.placeholder(tf.int32, [batch, 3])
+    emb = tf.compat.v1.get_variable("emb", [20, 4], dtype=tf.float64)
+    w = tf.compat.v1.get_variable("w", [4, 1], dtype=tf.float64)
+    unused = tf.compat.v1.get_variable("unused", [2], dtype=tf.float64)
+    h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), axis=1)
+    loss = tf.reshape(tf.square(tf.matmul(h, w)), [batch])
+    f = tf.compat.v1.placeholder(tf.float64, [batch])
+    for unconnected in ("none", "zero"):
+        got = custagg.gradients([loss[i] for i in range(batch)],
+                                [emb, w, unused], aggregation_method=CUSTOM,
+                                gradient_factors=f,
+                                unconnected_gradients=unconnected)
+        want = tf.compat.v1.gradients(loss, [emb, w, unused], grad_ys=f,
+                                      unconnected_gradients=unconnected)
+        assert [type(g) for g in got] == [type(g) for g in want]
+        assert isinstance(got[0], tf.IndexedSlices)
+        live = [i for i, g in enumerate(want) if g is not None]
+        a, e = _run(sess, [[got[i] for i in live], [want[i] for i in live]],
+                    {ids: rng.integers(0, 20, size=(batch, 3)),
+                     f: _factors(rng, batch)})
+        _assert_all_close(a, e, rtol=1e-12)
+
+
+def test_mlp_per_example_gradients_one_hot_factors(sess, rng):
+    """Factors e_k give exactly example k's own gradient (checked vs TF)."""
+    batch = 6
+    x = tf.compat.v1.placeholder(tf.float32, [batch, 7])
+    w1 = tf.compat.v1.get_variable("w1", [7, 5])
+    w2 = tf.compat.v1.get_variable("w2", [5, 3])
+    loss = tf.reduce_sum(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)),
+                                             w2)), axis=1)
+    f = tf.compat.v1.placeholder(tf.float32, [batch])
+    got = custagg.gradients([loss[i] for i in range(batch)], [w1, w2],
+                            aggregation_method=CUSTOM, gradient_factors=f)
+    own = [tf.compat.v1.gradients(loss[k], [w1, w2]) for k in range(batch)]
+    x_val = rng.normal(size=(batch, 7))
+    sess.run(tf.compat.v1.global_variables_initializer())
+    per_example = sess.run(own, {x: x_val})
+    for k in (0, 4):
+        values = sess.run(got, {x: x_val, f: np.eye(batch)[k]})
+        _assert_all_close(values, per_example[k], rtol=1e-5, atol=1e-6)
+
+
+def test_custom_and_other_arguments(sess, rng):
+    """name, stop_gradients and gate_gradients still apply with CUSTOM."""
+    batch = 3
+    loss, xs, data, _ = softmax_regression(rng, batch, 4)
+    f = tf.compat.v1.placeholder(tf.float64, [batch])
+    got = custagg.gradients([loss[i] for i in range(batch)], xs,
+                            aggregation_method=CUSTOM, gradient_factors=f,
+                            name="weighted", gate_gradients=True)
+    assert all(g.name.startswith("weighted/") for g in got)
+    want = tf.compat.v1.gradients(loss, xs, grad_ys=f)
+    stopped = custagg.gradients(loss, xs, aggregation_method=CUSTOM,
+                                gradient_factors=f, stop_gradients=[loss])
+    assert stopped == [None, None]
+    a, e = _run(sess, [got, want], {**data, f: _factors(rng, batch)})
+    _assert_all_close(a, e, rtol=1e-12)
