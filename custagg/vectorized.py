@@ -87,6 +87,15 @@ def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
                              if backprop_util.IsTrainable(out))
                 continue
             for k in batch_inputs:
+                # The copy holds its batch inputs constant; one that x
+                # reached through ops that are not boundaries (a transposed
+                # activation whose leading axis is not B, or x itself being
+                # batch data) would cut x's path: no fast form then.
+                if op.inputs[k].ref() in seen:
+                    return None, (
+                        "input %d of op '%s' (type %s) depends on both x and "
+                        "batch data through ops whose batch axis is not "
+                        "leading" % (k, op.name, op.type))
                 if separability.propagate(op, k, 0) != 0:
                     return None, ("op '%s' (type %s) does not keep examples "
                                   "apart" % (op.name, op.type))
