@@ -314,7 +314,7 @@ class _Engine(object):
                 grads = gradients(self.loss, outs) if outs else []
             for c, g in zip(consumers, grads):
                 ctx = None if g is None else registry_lib.RuleContext(
-                    c.op, c.index, _dense(g), self.plan.batch_size)
+                    c.op, c.index, _dense(g), self.plan.batch_size, {})
                 self._contexts[(c.op, c.index)] = ctx
         return [(c.rule, self._contexts[(c.op, c.index)])
                 for c in a.consumers

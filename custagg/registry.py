@@ -43,7 +43,7 @@ import tensorflow as tf
 
 
 class RuleContext(collections.namedtuple(
-        "RuleContext", ["op", "input_index", "grad", "batch_size"])):
+        "RuleContext", ["op", "input_index", "grad", "batch_size", "cache"])):
     """What a rule receives.
 
     Attributes:
@@ -52,7 +52,14 @@ class RuleContext(collections.namedtuple(
       grad: `[B, ...]` dense gradient of the summed loss w.r.t.
         `op.outputs[0]`.
       batch_size: scalar int32 tensor B (static value when known).
+      cache: a dict shared by the calls made with this context (or None),
+        so a rule that had to materialize per-example gradients for the
+        norms can reuse them for the clipped sum (`cached_per_example`).
     """
+
+    def __new__(cls, op, input_index, grad, batch_size, cache=None):
+        return super(RuleContext, cls).__new__(cls, op, input_index, grad,
+                                               batch_size, cache)
 
     @property
     def param(self):
@@ -79,17 +86,29 @@ class Rule(object):
     def per_example(self, ctx):
         raise NotImplementedError
 
+    def cached_per_example(self, ctx):
+        """`per_example(ctx)`, built once per context when it has a cache."""
+        if ctx.cache is None:
+            return self.per_example(ctx)
+        if "per_example" not in ctx.cache:
+            ctx.cache["per_example"] = self.per_example(ctx)
+        return ctx.cache["per_example"]
+
+    def has_per_example(self, ctx):
+        """Whether per-example gradients were already built for `ctx`."""
+        return ctx.cache is not None and "per_example" in ctx.cache
+
     def squared_norms(self, ctx):
-        g = self.per_example(ctx)
+        g = self.cached_per_example(ctx)
         return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
                              axis=1)
 
     def weighted_sum(self, ctx, weights):
-        g = self.per_example(ctx)
+        g = self.cached_per_example(ctx)
         return tf.tensordot(tf.cast(weights, g.dtype), g, axes=1)
 
     def squared_sum(self, ctx):
-        return tf.reduce_sum(tf.square(self.per_example(ctx)), axis=0)
+        return tf.reduce_sum(tf.square(self.cached_per_example(ctx)), axis=0)
 
 
 def _caller_location(depth):

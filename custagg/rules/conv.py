@@ -70,6 +70,10 @@ class _ConvBase(registry.Rule):
 
     def weighted_sum(self, ctx, weights):
         c = tf.cast(weights, ctx.grad.dtype)
+        if self.has_per_example(ctx):
+            # The norms already built them: a [B] x [B, P] product is cheaper
+            # than another backprop-filter pass.
+            return tf.tensordot(c, self.cached_per_example(ctx), axes=1)
         return self._backprop_filter(ctx, ctx.grad * c[:, None, None, None])
 
 
@@ -136,16 +140,10 @@ class Conv2DRule(_ConvBase):
         return per if per is not None else self._outer(ctx).per_example()
 
     def squared_norms(self, ctx):
-        per = self._offsets_per_example(ctx)
-        if per is None:
-            return self._outer(ctx).squared_norms()
+        # Materializing per offset beats the Gram form for convolutions
+        # (P^2 (K + C) > P K C for the usual layer shapes).
+        per = self.cached_per_example(ctx)
         return tf.reduce_sum(tf.square(per), axis=[1, 2, 3, 4])
-
-    def squared_sum(self, ctx):
-        per = self._offsets_per_example(ctx)
-        if per is None:
-            return self._outer(ctx).squared_sum()
-        return tf.reduce_sum(tf.square(per), axis=0)
 
     def _backprop_filter(self, ctx, g):
         fmt, _, _, padding = self._attrs(ctx)
