@@ -45,6 +45,7 @@ import numpy as np
 
 __all__ = [
     "DataFormatError",
+    "DownloadError",
     "Dataset",
     "load_dataset",
     "load_mnist",
@@ -83,6 +84,10 @@ _GZIP_MAGIC = b"\x1f\x8b"
 
 class DataFormatError(ValueError):
     """A data file is missing pieces, truncated, or not what its name says."""
+
+
+class DownloadError(RuntimeError):
+    """`download=True` and the download failed (e.g. no internet access)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,7 +441,7 @@ def load_mnist(data_dir=None, download=False):
     Raises:
       FileNotFoundError: MNIST is not there (and `download` is False).
       DataFormatError: a file is corrupted, truncated or of the wrong layout.
-      RuntimeError: `download=True` and the download failed (e.g. offline).
+      DownloadError: `download=True` and the download failed (e.g. offline).
     """
     found = find_mnist(data_dir)
     if found is None and download:
@@ -465,7 +470,7 @@ def download_mnist(target_dir, url=MNIST_URL, timeout=30):
       The path of the downloaded file.
 
     Raises:
-      RuntimeError: the download failed (no network, HTTP error, wrong
+      DownloadError: the download failed (no network, HTTP error, wrong
         checksum); the message says how to provide the data by hand.
     """
     import urllib.request  # pylint: disable=g-import-not-at-top
@@ -485,7 +490,7 @@ def download_mnist(target_dir, url=MNIST_URL, timeout=30):
     except Exception as e:  # pylint: disable=broad-except
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise RuntimeError(
+        raise DownloadError(
             "Could not download MNIST from %s into %s: %s: %s. Without "
             "internet access, copy mnist.npz (or the four IDX files) into a "
             "directory and pass it as data_dir, or use the bundled digits "
