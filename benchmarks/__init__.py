@@ -1,0 +1,1 @@
+"""Comparison benchmark for custagg: `python -m benchmarks --help`."""

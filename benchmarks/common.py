@@ -1,0 +1,206 @@
+"""Framework-free helpers shared by the orchestrator and the workers.
+
+Checks: every system is compared with one reference computed by TensorFlow's
+own gradient on a batch of ONE example, looped over the batch (obviously
+correct: a single example cannot interact with others). The reference is
+summarised as a "signature" that every task can be checked against without
+keeping B full gradients around:
+
+  norms        [B]   global L2 norm of each example's gradient
+  proj/<v>     [B]   <g_i[v], r_v> for a fixed random vector r_v per variable
+  sum/<v>            sum_i g_i[v]                      (the floor's output)
+  wsum/<v>           sum_i f_i g_i[v]                  (task "custom")
+  csum/<v>           sum_i min(1, C/||g_i||) g_i[v]    (task "dpsgd", noise 0)
+
+with fixed factors f [B] and clip norm C (the median of the norms, so about
+half of the examples are clipped).
+"""
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+
+import numpy as np
+
+TOLERANCE = 1e-3          # max |a - b| / max |b|, per array
+NOISE_MULTIPLIER = 1.0    # DP-SGD noise stddev = NOISE_MULTIPLIER * C
+
+
+def projection_vector(name, size):
+    """The fixed random vector r_v used by the `proj/<v>` check."""
+    seed = sum(ord(c) * (i + 1) for i, c in enumerate(name)) % (2 ** 31)
+    return np.random.RandomState(seed).normal(size=size).astype(np.float64)
+
+
+def factors(batch_size):
+    """Fixed gradient factors for task "custom" (some negative on purpose)."""
+    return np.random.RandomState(7).uniform(-1.0, 2.0, size=batch_size).astype(np.float32)
+
+
+class SignatureBuilder:
+    """Accumulates the reference signature from per-example gradients.
+
+    Two passes: pass 1 feeds every example's gradients to `add` (norms,
+    projections, sums); `finish_pass1` picks C; pass 2 feeds them again to
+    `add_clipped`.
+    """
+
+    def __init__(self, names, shapes, batch_size):
+        self.names, self.shapes, self.batch_size = list(names), list(shapes), batch_size
+        self.f = factors(batch_size).astype(np.float64)
+        self.r = {n: projection_vector(n, int(np.prod(s))) for n, s in zip(names, shapes)}
+        self.sig = {"norms": np.zeros(batch_size)}
+        for n, s in zip(names, shapes):
+            self.sig["proj/" + n] = np.zeros(batch_size)
+            for k in ("sum/", "wsum/", "csum/"):
+                self.sig[k + n] = np.zeros(s)
+
+    def add(self, i, grads):
+        sq = 0.0
+        for n, g in zip(self.names, grads):
+            g = np.asarray(g, np.float64)
+            sq += float(np.sum(g * g))
+            self.sig["proj/" + n][i] = float(g.ravel() @ self.r[n])
+            self.sig["sum/" + n] += g
+            self.sig["wsum/" + n] += self.f[i] * g
+        self.sig["norms"][i] = np.sqrt(sq)
+
+    def finish_pass1(self):
+        self.clip = float(np.median(self.sig["norms"]))
+        self.scale = np.minimum(1.0, self.clip / np.maximum(self.sig["norms"], 1e-30))
+
+    def add_clipped(self, i, grads):
+        for n, g in zip(self.names, grads):
+            self.sig["csum/" + n] += self.scale[i] * np.asarray(g, np.float64)
+
+    def save(self, path):
+        out = dict(self.sig)
+        out["factors"] = self.f.astype(np.float32)
+        out["clip"] = np.array(self.clip)
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, **out)
+        os.replace(tmp, path)
+
+
+def load_signature(path):
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def rel_err(value, ref):
+    value = np.asarray(value, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if value.shape != ref.shape:
+        return float("inf")
+    if ref.size == 0:
+        return 0.0
+    scale = max(float(np.max(np.abs(ref))), 1e-12)
+    return float(np.max(np.abs(value - ref))) / scale
+
+
+def compare(values, sig):
+    """Compare {signature key: array} with the reference signature.
+
+    Returns (check string "pass"/"fail", worst relative error, worst key).
+    """
+    worst, worst_key = 0.0, None
+    for key, value in values.items():
+        err = rel_err(value, sig[key])
+        if not np.isfinite(err):
+            err = float("inf")
+        if worst_key is None or err > worst:
+            worst, worst_key = err, key
+    ok = worst_key is not None and np.isfinite(worst) and worst <= TOLERANCE
+    return ("pass" if ok else "fail"), worst, worst_key
+
+
+def signature_of_per_example(names, per_example):
+    """Signature entries (norms, proj/<v>) of materialized per-example grads."""
+    out = {}
+    sq = None
+    for n, g in zip(names, per_example):
+        # float32 on purpose: at B=512 the text model's gradients are 650 MB.
+        g = np.asarray(g, np.float32).reshape(g.shape[0], -1)
+        r = projection_vector(n, g.shape[1]).astype(np.float32)
+        out["proj/" + n] = (g @ r).astype(np.float64)
+        s = np.einsum("ij,ij->i", g, g).astype(np.float64)
+        sq = s if sq is None else sq + s
+    out["norms"] = np.sqrt(sq)
+    return out
+
+
+def dense_value(value, shape):
+    """A fetched gradient as a dense array (IndexedSlicesValue -> scatter-add)."""
+    if hasattr(value, "indices") and hasattr(value, "values"):
+        out = np.zeros(shape, np.float64)
+        np.add.at(out, np.asarray(value.indices), np.asarray(value.values, np.float64))
+        return out
+    return np.asarray(value)
+
+
+def timed_ms(fn):
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def time_against_floor(system_fn, floor_fn, repeats, budget_s, min_runs=3):
+    """Median ms of system and floor, run alternately so load drifts hit both.
+
+    Stops after `repeats` pairs, or earlier once `budget_s` of wall time has
+    gone and at least min(min_runs, repeats) pairs ran.
+    """
+    sys_ms, floor_ms = [], []
+    start = time.perf_counter()
+    for _ in range(max(1, repeats)):
+        floor_ms.append(timed_ms(floor_fn))
+        sys_ms.append(timed_ms(system_fn))
+        if len(sys_ms) >= min(min_runs, repeats) and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(sys_ms), statistics.median(floor_ms), len(sys_ms)
+
+
+def peak_rss_mb():
+    """Peak resident set size of this process so far (Linux: ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(extra=None):
+    info = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+    }
+    info.update(extra or {})
+    return info
+
+
+def dump_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=_json_default)
+    os.replace(tmp, path)
+
+
+def _json_default(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)

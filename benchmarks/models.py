@@ -1,0 +1,264 @@
+"""Benchmark models: one numpy parameter set and data set, three frameworks.
+
+Every framework (TensorFlow, JAX, PyTorch) builds the same six models from the
+same numpy arrays, so timings and per-example gradients can be compared number
+for number. This module holds the framework-free part (shapes, seeded weights,
+seeded data) and the TensorFlow graph builders; the JAX and PyTorch versions
+live next to their systems in `benchmarks/systems/`.
+
+Parameter layout is TensorFlow's everywhere: dense kernels are [D_in, D_out],
+conv kernels are [H, W, C_in, C_out], images are NHWC. The PyTorch side
+transposes on the way in and out (see `torch_layout`).
+
+Each model maps a batch (x [B, ...], y [B] int labels) to the per-example loss
+vector [B] (sparse softmax cross-entropy, not averaged): examples never
+interact, so per-example gradients are well defined.
+
+TensorFlow is imported lazily so that JAX/PyTorch workers can import this
+module without paying for (or conflicting with) a TensorFlow import.
+"""
+import collections
+
+import numpy as np
+
+NUM_CLASSES = 10
+
+# Text classifier (embedding + mean-pool).
+TEXT_VOCAB, TEXT_DIM, TEXT_LEN = 5000, 64, 32
+# LSTM over float features.
+LSTM_STEPS, LSTM_IN, LSTM_HIDDEN = 16, 32, 64
+# One transformer block.
+TR_VOCAB, TR_LEN, TR_DIM, TR_HEADS, TR_FF = 1000, 16, 64, 4, 128
+LN_EPS = 1e-5
+
+# name -> (shape, init kind). Init kinds: "w" Glorot uniform, "b" small normal,
+# "emb" normal(0, 0.1), "gamma" 1 + small normal, "beta" small normal.
+ParamSpec = collections.namedtuple("ParamSpec", "name shape init")
+
+_SPECS = {
+    "softmax": [
+        ParamSpec("w", (784, NUM_CLASSES), "w"),
+        ParamSpec("b", (NUM_CLASSES,), "b"),
+    ],
+    "mlp": [
+        ParamSpec("w1", (784, 256), "w"), ParamSpec("b1", (256,), "b"),
+        ParamSpec("w2", (256, 256), "w"), ParamSpec("b2", (256,), "b"),
+        ParamSpec("w3", (256, NUM_CLASSES), "w"),
+        ParamSpec("b3", (NUM_CLASSES,), "b"),
+    ],
+    "cnn": [
+        ParamSpec("conv1_w", (5, 5, 1, 16), "w"), ParamSpec("conv1_b", (16,), "b"),
+        ParamSpec("conv2_w", (5, 5, 16, 32), "w"), ParamSpec("conv2_b", (32,), "b"),
+        ParamSpec("dense_w", (7 * 7 * 32, NUM_CLASSES), "w"),
+        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
+    ],
+    "text": [
+        ParamSpec("emb", (TEXT_VOCAB, TEXT_DIM), "emb"),
+        ParamSpec("dense_w", (TEXT_DIM, NUM_CLASSES), "w"),
+        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
+    ],
+    "lstm": [
+        ParamSpec("kernel", (LSTM_IN + LSTM_HIDDEN, 4 * LSTM_HIDDEN), "w"),
+        ParamSpec("bias", (4 * LSTM_HIDDEN,), "b"),
+        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
+        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
+    ],
+    "transformer": [
+        ParamSpec("tok_emb", (TR_VOCAB, TR_DIM), "emb"),
+        ParamSpec("pos_emb", (TR_LEN, TR_DIM), "emb"),
+        ParamSpec("ln1_g", (TR_DIM,), "gamma"), ParamSpec("ln1_b", (TR_DIM,), "beta"),
+        ParamSpec("wq", (TR_DIM, TR_DIM), "w"),
+        ParamSpec("wk", (TR_DIM, TR_DIM), "w"),
+        ParamSpec("wv", (TR_DIM, TR_DIM), "w"),
+        ParamSpec("wo", (TR_DIM, TR_DIM), "w"), ParamSpec("bo", (TR_DIM,), "b"),
+        ParamSpec("ln2_g", (TR_DIM,), "gamma"), ParamSpec("ln2_b", (TR_DIM,), "beta"),
+        ParamSpec("w1", (TR_DIM, TR_FF), "w"), ParamSpec("b1", (TR_FF,), "b"),
+        ParamSpec("w2", (TR_FF, TR_DIM), "w"), ParamSpec("b2", (TR_DIM,), "b"),
+        ParamSpec("out_w", (TR_DIM, NUM_CLASSES), "w"),
+        ParamSpec("out_b", (NUM_CLASSES,), "b"),
+    ],
+}
+
+MODELS = tuple(_SPECS)
+
+DESCRIPTIONS = {
+    "softmax": "softmax regression 784-10",
+    "mlp": "MLP 784-256-256-10 (ReLU)",
+    "cnn": "CNN 28x28x1: conv5x5x16-pool2-conv5x5x32-pool2-dense10",
+    "text": "embedding %d x %d, mean-pool over %d tokens, dense 10 (sparse grads)"
+            % (TEXT_VOCAB, TEXT_DIM, TEXT_LEN),
+    "lstm": "LSTM %d steps, in %d, hidden %d (tf.compat.v1.while_loop), dense 10"
+            % (LSTM_STEPS, LSTM_IN, LSTM_HIDDEN),
+    "transformer": ("transformer block: tokens %d x len %d, d=%d, %d heads (Einsum), "
+                    "LayerNorm as Mul/Add, FF %d, mean-pool, dense 10"
+                    % (TR_VOCAB, TR_LEN, TR_DIM, TR_HEADS, TR_FF)),
+}
+
+
+def param_specs(model):
+    """The ordered parameter list of `model` (a list of ParamSpec)."""
+    try:
+        return _SPECS[model]
+    except KeyError:
+        raise ValueError("unknown model %r; choose from %s" % (model, ", ".join(MODELS)))
+
+
+def num_params(model):
+    return int(sum(np.prod(s.shape) for s in param_specs(model)))
+
+
+def init_params(model, seed=0):
+    """Seeded numpy parameters, an OrderedDict name -> float32 array."""
+    rng = np.random.RandomState(1000 + seed + MODELS.index(model))
+    params = collections.OrderedDict()
+    for spec in param_specs(model):
+        shape = spec.shape
+        if spec.init == "w":
+            receptive = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+            fan_in, fan_out = shape[-2] * receptive, shape[-1] * receptive
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            value = rng.uniform(-limit, limit, size=shape)
+        elif spec.init == "emb":
+            value = rng.normal(0.0, 0.1, size=shape)
+        elif spec.init == "gamma":
+            value = 1.0 + rng.normal(0.0, 0.1, size=shape)
+        else:  # "b", "beta": non-zero so bias gradients matter in the checks
+            value = rng.normal(0.0, 0.1, size=shape)
+        params[spec.name] = value.astype(np.float32)
+    return params
+
+
+def input_spec(model):
+    """(per-example x shape, dtype name) of `model`'s input."""
+    return {
+        "softmax": ((784,), "float32"),
+        "mlp": ((784,), "float32"),
+        "cnn": ((28, 28, 1), "float32"),
+        "text": ((TEXT_LEN,), "int32"),
+        "lstm": ((LSTM_STEPS, LSTM_IN), "float32"),
+        "transformer": ((TR_LEN,), "int32"),
+    }[model]
+
+
+def make_batch(model, batch_size, seed=0):
+    """Seeded data (x [B, ...], y [B] int32). Same seed -> same arrays."""
+    rng = np.random.RandomState(2000 + seed + MODELS.index(model))
+    shape, dtype = input_spec(model)
+    if dtype == "int32":
+        vocab = TEXT_VOCAB if model == "text" else TR_VOCAB
+        x = rng.randint(0, vocab, size=(batch_size,) + shape).astype(np.int32)
+    else:
+        x = rng.normal(0.0, 1.0, size=(batch_size,) + shape).astype(np.float32)
+    y = rng.randint(0, NUM_CLASSES, size=(batch_size,)).astype(np.int32)
+    return x, y
+
+
+# --------------------------------------------------------------------------
+# TensorFlow graph builders. `p` maps parameter names to tf.Variables or
+# tensors; x, y are tensors of any batch size (1 inside vectorized_map).
+# --------------------------------------------------------------------------
+
+def tf_loss(model, p, x, y):
+    """Per-example loss vector [B] of `model` in the current TF graph."""
+    import tensorflow as tf
+    logits = _TF_FORWARD[model](tf, p, x)
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+
+
+def _tf_dense(tf, h, w, b):
+    return tf.nn.bias_add(tf.matmul(h, w), b)
+
+
+def _tf_softmax(tf, p, x):
+    return _tf_dense(tf, x, p["w"], p["b"])
+
+
+def _tf_mlp(tf, p, x):
+    h = tf.nn.relu(_tf_dense(tf, x, p["w1"], p["b1"]))
+    h = tf.nn.relu(_tf_dense(tf, h, p["w2"], p["b2"]))
+    return _tf_dense(tf, h, p["w3"], p["b3"])
+
+
+def _tf_cnn(tf, p, x):
+    h = tf.nn.conv2d(x, p["conv1_w"], strides=1, padding="SAME")
+    h = tf.nn.relu(tf.nn.bias_add(h, p["conv1_b"]))
+    h = tf.nn.max_pool2d(h, ksize=2, strides=2, padding="VALID")
+    h = tf.nn.conv2d(h, p["conv2_w"], strides=1, padding="SAME")
+    h = tf.nn.relu(tf.nn.bias_add(h, p["conv2_b"]))
+    h = tf.nn.max_pool2d(h, ksize=2, strides=2, padding="VALID")
+    h = tf.reshape(h, [-1, 7 * 7 * 32])
+    return _tf_dense(tf, h, p["dense_w"], p["dense_b"])
+
+
+def _tf_text(tf, p, x):
+    e = tf.gather(p["emb"], x)                      # [B, L, D]; sparse gradient
+    return _tf_dense(tf, tf.reduce_mean(e, axis=1), p["dense_w"], p["dense_b"])
+
+
+def _tf_lstm(tf, p, x):
+    x_tm = tf.transpose(x, [1, 0, 2])               # [T, B, D]
+    batch = tf.shape(x)[0]
+    h0 = tf.zeros(tf.stack([batch, LSTM_HIDDEN]))
+    kernel, bias = p["kernel"], p["bias"]
+
+    def body(t, h, c):
+        z = tf.nn.bias_add(tf.matmul(tf.concat([tf.gather(x_tm, t), h], axis=1), kernel), bias)
+        i, f, g, o = tf.split(z, 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        h = tf.sigmoid(o) * tf.tanh(c)
+        return t + 1, h, c
+
+    _, h, _ = tf.compat.v1.while_loop(lambda t, h, c: t < LSTM_STEPS, body,
+                                      (tf.constant(0), h0, h0))
+    return _tf_dense(tf, h, p["dense_w"], p["dense_b"])
+
+
+def _tf_layer_norm(tf, h, gamma, beta):
+    # Written with Mul/Add (no fused op) so per-example rules can see through it.
+    mu = tf.reduce_mean(h, axis=-1, keepdims=True)
+    d = h - mu
+    var = tf.reduce_mean(d * d, axis=-1, keepdims=True)
+    return d * tf.math.rsqrt(var + LN_EPS) * gamma + beta
+
+
+def _tf_transformer(tf, p, x):
+    dh = TR_DIM // TR_HEADS
+    h = tf.gather(p["tok_emb"], x) + p["pos_emb"]   # [B, T, D]
+    a = _tf_layer_norm(tf, h, p["ln1_g"], p["ln1_b"])
+
+    def heads(w):
+        return tf.reshape(tf.einsum("btd,de->bte", a, w), [-1, TR_LEN, TR_HEADS, dh])
+
+    q, k, v = heads(p["wq"]), heads(p["wk"]), heads(p["wv"])
+    scores = tf.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / np.sqrt(dh))
+    att = tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(scores, axis=-1), v)
+    att = tf.reshape(att, [-1, TR_LEN, TR_DIM])
+    h = h + tf.einsum("btd,de->bte", att, p["wo"]) + p["bo"]
+    m = _tf_layer_norm(tf, h, p["ln2_g"], p["ln2_b"])
+    m = tf.nn.relu(tf.einsum("btd,df->btf", m, p["w1"]) + p["b1"])
+    h = h + tf.einsum("btf,fd->btd", m, p["w2"]) + p["b2"]
+    return _tf_dense(tf, tf.reduce_mean(h, axis=1), p["out_w"], p["out_b"])
+
+
+_TF_FORWARD = {
+    "softmax": _tf_softmax, "mlp": _tf_mlp, "cnn": _tf_cnn, "text": _tf_text,
+    "lstm": _tf_lstm, "transformer": _tf_transformer,
+}
+
+
+def tf_placeholders(model, batch_size):
+    """Placeholders (x, y) with a static batch size (loop baselines need it)."""
+    import tensorflow as tf
+    shape, dtype = input_spec(model)
+    x = tf.compat.v1.placeholder(getattr(tf, dtype), (batch_size,) + shape, name="x")
+    y = tf.compat.v1.placeholder(tf.int32, (batch_size,), name="y")
+    return x, y
+
+
+def tf_variables(model, seed=0):
+    """Resource variables initialised from `init_params` (ordered dict, list)."""
+    import tensorflow as tf
+    params = init_params(model, seed)
+    variables = collections.OrderedDict(
+        (name, tf.Variable(value, name=name)) for name, value in params.items())
+    return variables, list(variables.values())

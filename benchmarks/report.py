@@ -1,0 +1,175 @@
+"""results.md and results.png from the records of results.json."""
+import statistics
+
+from benchmarks.systems import SYSTEMS, TASKS
+
+_SHORT = {"ok": None, "skipped": "skip", "timeout": "timeout", "failed": "FAIL"}
+
+
+def _fmt_ms(ms):
+    if ms is None:
+        return "-"
+    return "%.3g" % ms if ms < 100 else "%.0f" % ms
+
+
+def _cell(rec):
+    if rec is None:
+        return ""
+    if rec["status"] != "ok":
+        return _SHORT.get(rec["status"], rec["status"])
+    text = "%s (%.2gx)" % (_fmt_ms(rec["median_ms"]), rec["ratio_to_floor"])
+    if rec.get("check") == "fail":
+        text += " ✗"
+    return text
+
+
+def _index(records):
+    return {(r["model"], r["batch_size"], r["task"], r["system"]): r for r in records}
+
+
+def _ordered(values, order):
+    values = set(values)
+    return [v for v in order if v in values] + sorted(values - set(order))
+
+
+def _tf_floor(records, model, batch_size, task=None):
+    floors = [r["floor_ms"] for r in records
+              if r["model"] == model and r["batch_size"] == batch_size and r["status"] == "ok"
+              and r.get("framework", "tf") == "tf" and r.get("floor_ms")
+              and (task is None or r["task"] == task)]
+    return statistics.median(floors) if floors else None
+
+
+def write_markdown(path, records, meta):
+    idx = _index(records)
+    models = _ordered((r["model"] for r in records),
+                      ["softmax", "mlp", "cnn", "text", "lstm", "transformer"])
+    sizes = sorted({r["batch_size"] for r in records})
+    lines = ["# custagg comparison benchmark", ""]
+    versions = []
+    for fw_versions in meta.get("versions", {}).values():
+        versions.extend("%s %s" % kv for kv in fw_versions.items())
+    lines += [
+        "- Machine: %s, %s cores, %s GB RAM; %s; Python %s" % (
+            meta.get("cpu"), meta.get("cores"), meta.get("memory_gb"), meta.get("platform"),
+            meta.get("python")),
+        "- Versions: %s" % ("; ".join(versions) or "-"),
+        "- Command: `%s`, started %s, took %.0f s; load average (1/5/15 min) at start %s, end %s"
+        % (meta.get("command"), meta.get("started"), meta.get("wall_s", 0.0),
+           _load(meta.get("loadavg_start")), _load(meta.get("loadavg_end"))),
+        "",
+        "Each cell: median ms of fetching the task's result after warm-up "
+        "(its ratio to the floor measured in the same process). The floor is the plain "
+        "aggregated gradient of the summed loss in the system's framework "
+        "(TF: `tf.compat.v1.gradients`; JAX: `jit(grad)`; PyTorch: `loss.sum().backward()`); "
+        "the `floor` column shows the TF one. ✗: numbers disagree with the reference "
+        "(tolerance %g, max abs error over max abs value). skip/timeout/FAIL: see the notes "
+        "below." % meta.get("tolerance", 1e-3),
+        "",
+    ]
+    for task in _ordered((r["task"] for r in records), list(TASKS)):
+        systems = _ordered((r["system"] for r in records if r["task"] == task), list(SYSTEMS))
+        lines += ["## %s" % TASKS.get(task, task), ""]
+        lines.append("| model | B | floor ms | " + " | ".join(systems) + " |")
+        lines.append("|---|---:|---:|" + "---:|" * len(systems))
+        for model in models:
+            for b in sizes:
+                row = [idx.get((model, b, task, s)) for s in systems]
+                if not any(row):
+                    continue
+                lines.append("| %s | %d | %s | %s |" % (
+                    model, b, _fmt_ms(_tf_floor(records, model, b, task)),
+                    " | ".join(_cell(r) for r in row)))
+        lines.append("")
+
+    bad = [r for r in records if r.get("check") == "fail"]
+    lines += ["## Check failures", ""]
+    if bad:
+        lines += ["| model | B | task | system | worst error | on |", "|---|---:|---|---|---:|---|"]
+        lines += ["| %s | %d | %s | %s | %.3g | %s |" % (r["model"], r["batch_size"], r["task"],
+                                                         r["system"], r.get("check_err") or 0,
+                                                         r.get("check_key")) for r in bad]
+    else:
+        lines.append("None: every system that ran agrees with the reference.")
+    lines += ["", "## Not run or not finished", ""]
+    notrun = [r for r in records if r["status"] != "ok"]
+    if notrun:
+        lines += ["| model | B | task | system | status | note |", "|---|---:|---|---|---|---|"]
+        lines += ["| %s | %d | %s | %s | %s | %s |" % (
+            r["model"], r["batch_size"], r["task"], r["system"], r["status"],
+            (r.get("note") or "").replace("|", "/")[:300]) for r in notrun]
+    else:
+        lines.append("None.")
+    lines += ["", "## Systems", ""]
+    for name in _ordered((r["system"] for r in records), list(SYSTEMS)):
+        if name in SYSTEMS:
+            lines.append("- `%s` (%s): %s" % (name, SYSTEMS[name].framework,
+                                                SYSTEMS[name].description))
+    lines += ["", "## All records", "",
+              "| model | B | task | system | status | median ms | x floor | floor ms | first run ms "
+              "| build s | ops | peak RSS MB | check |",
+              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        lines.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            r["model"], r["batch_size"], r["task"], r["system"], r["status"],
+            _fmt_ms(r.get("median_ms")), _num(r.get("ratio_to_floor"), "%.2f"),
+            _fmt_ms(r.get("floor_ms")), _fmt_ms(r.get("first_run_ms")),
+            _num(r.get("build_s"), "%.2f"), _num(r.get("n_ops"), "%d"),
+            _num(r.get("peak_rss_mb"), "%.0f"), r.get("check") or ""))
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _num(v, fmt):
+    return "-" if v is None else fmt % v
+
+
+def _load(v):
+    return "-" if not v else "/".join("%.1f" % x for x in v)
+
+
+def write_plot(path, records):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if r["status"] == "ok" and r.get("median_ms")]
+    if not ok:
+        return
+    tasks = _ordered((r["task"] for r in ok), list(TASKS))
+    models = _ordered((r["model"] for r in ok), ["softmax", "mlp", "cnn", "text", "lstm",
+                                                  "transformer"])
+    systems = _ordered((r["system"] for r in ok), list(SYSTEMS))
+    cmap = plt.get_cmap("tab20")
+    colors = {s: cmap(i % 20) for i, s in enumerate(systems)}
+    fig, axes = plt.subplots(len(tasks), len(models), squeeze=False,
+                             figsize=(3.2 * len(models), 2.8 * len(tasks)))
+    for ti, task in enumerate(tasks):
+        for mi, model in enumerate(models):
+            ax = axes[ti][mi]
+            rows = [r for r in ok if r["task"] == task and r["model"] == model]
+            sizes = sorted({r["batch_size"] for r in rows})
+            floors = [_tf_floor(records, model, b) for b in sizes]
+            if any(floors):
+                ax.plot(sizes, floors, "k--", lw=1, label="floor (TF)")
+            for s in systems:
+                pts = sorted((r["batch_size"], r["median_ms"]) for r in rows if r["system"] == s)
+                if pts:
+                    ax.plot(*zip(*pts), "o-", ms=3, lw=1.2, color=colors[s], label=s)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title("%s / %s" % (model, task), fontsize=9)
+            ax.tick_params(labelsize=7)
+            if mi == 0:
+                ax.set_ylabel("median ms", fontsize=8)
+            if ti == len(tasks) - 1:
+                ax.set_xlabel("batch size", fontsize=8)
+    handles, labels = {}, {}
+    for ax in axes.ravel():
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(l, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center",
+               ncol=min(8, len(handles)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 + 0.01 * (len(handles) // 8), 1, 1))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

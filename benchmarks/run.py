@@ -1,0 +1,474 @@
+"""Comparison benchmark: `python -m benchmarks [--quick] [options]`.
+
+For every configuration (model, batch size B, task, system) one worker process
+(see `benchmarks/worker.py`) builds the model, the floor and the system in one
+graph, checks the system's numbers against a reference, and times system and
+floor alternately in the same process. A configuration that is slow, hangs or
+crashes costs only its own process: it is killed at --timeout and recorded as
+"timeout" or "failed", and the run goes on.
+
+Outputs (in --out, default benchmarks/results, or benchmarks/results/quick with
+--quick): results.json (a list of records), results.md (tables), results.png,
+machine.json, and logs/ (one log per configuration; not committed).
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+from benchmarks import common, models
+from benchmarks.systems import PEER_FRAMEWORKS, SYSTEMS, TASK_ALIASES, TASKS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+FULL = dict(models=list(models.MODELS), batch_sizes=[32, 128, 512], repeats=10,
+            timeout=120.0, budget=3.0, slow_limit=60.0, out=os.path.join(HERE, "results"))
+QUICK = dict(models=list(models.MODELS), batch_sizes=[32], repeats=3,
+             timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
+
+RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
+               "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
+               "check")
+# Systems whose three tasks all go through the same materialized per-example
+# gradients: a timeout in one task predicts the others at the same B.
+MATERIALIZING = {"tf_loop", "tf_vmap", "tf_jacobian", "jax_vmap", "torch_func", "opacus"}
+
+
+def _csv(text, allowed=None, aliases=None, kind="value"):
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if aliases:
+        items = [aliases.get(t, t) for t in items]
+    if allowed is not None:
+        bad = [t for t in items if t not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError("unknown %s %s; choose from %s"
+                                             % (kind, ", ".join(bad), ", ".join(allowed)))
+    return items
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
+    p.add_argument("--quick", action="store_true",
+                   help="small run (B=32, 3 repeats; < 3 min), writes to benchmarks/results/quick")
+    p.add_argument("--models", type=lambda s: _csv(s, models.MODELS, kind="model"),
+                   help="comma list of %s" % ",".join(models.MODELS))
+    p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in _csv(s)],
+                   help="comma list (default 32,128,512; --quick: 32)")
+    p.add_argument("--tasks", type=lambda s: _csv(s, list(TASKS), TASK_ALIASES, "task"),
+                   help="comma list of %s (or a,b,c,d)" % ",".join(TASKS))
+    p.add_argument("--systems", type=lambda s: _csv(s, list(SYSTEMS), kind="system"),
+                   help="comma list of %s" % ",".join(SYSTEMS))
+    p.add_argument("--no-peers", action="store_true",
+                   help="leave out JAX, PyTorch/Opacus and TF Privacy")
+    p.add_argument("--repeats", type=int, help="timed runs per configuration (default 10; quick 3)")
+    p.add_argument("--budget", type=float,
+                   help="stop repeating after this many seconds of timing (min 3 runs)")
+    p.add_argument("--timeout", type=float, help="seconds per configuration (default 120; quick 60)")
+    p.add_argument("--slow-limit", type=float,
+                   help="skip a B^2 system when its cost estimated from a smaller B exceeds this")
+    p.add_argument("--out", help="output folder")
+    p.add_argument("--merge", action="store_true",
+                   help="keep records of --out/results.json that this run does not redo")
+    p.add_argument("--no-fork", action="store_true",
+                   help="fresh interpreter per configuration instead of forking a warm server")
+    p.add_argument("--python", action="append", default=[], metavar="FRAMEWORK=PATH",
+                   help="interpreter for a framework's workers, e.g. torch=/opt/peers/bin/python")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra/inter-op threads for every framework (default 1: the same for all, "
+                        "and robust on a machine shared with other jobs)")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.tasks = args.tasks or list(TASKS)
+    if args.systems is None:
+        args.systems = [s for s in SYSTEMS if not (
+            args.no_peers and (SYSTEMS[s].framework in PEER_FRAMEWORKS or s == "tfp_vectorized"))]
+    args.pythons = {}
+    for item in args.python:
+        fw, _, path = item.partition("=")
+        args.pythons[fw] = path
+    return args
+
+
+# --------------------------------------------------------------------------
+# Workers
+# --------------------------------------------------------------------------
+
+def _worker_env(threads):
+    env = dict(os.environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    # Same thread count for every framework (TF sessions and torch also set it
+    # in code). PASSIVE: OpenMP threads sleep instead of spinning, which
+    # otherwise costs PyTorch 10-100x on a machine shared with other jobs.
+    if threads > 0:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(threads)
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if threads == 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                            "intra_op_parallelism_threads=1").strip()
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class ForkServer:
+    """A warm `benchmarks.worker serve FRAMEWORK` process, restarted if it dies."""
+
+    START_TIMEOUT = 300.0
+
+    def __init__(self, framework, python, log_dir, threads):
+        self.framework, self.python, self.log_dir = framework, python, log_dir
+        self.threads = threads
+        self.proc, self.versions, self.error = None, None, None
+
+    def ensure(self):
+        if self.proc is not None and self.proc.poll() is None:
+            return True
+        log = open(os.path.join(self.log_dir, "server_%s.log" % self.framework), "a")
+        self.proc = subprocess.Popen(
+            [self.python, "-m", "benchmarks.worker", "serve", self.framework],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
+            env=_worker_env(self.threads), text=True, bufsize=1)
+        log.close()
+        reply = self._read(self.START_TIMEOUT)
+        if reply is None or not reply.get("ready"):
+            self.error = (reply or {}).get("error", "worker server did not start")
+            self.close()
+            return False
+        self.versions, self.error = reply["versions"], None
+        return True
+
+    def _read(self, timeout):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line.strip() else None
+
+    def run(self, request, timeout):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read(timeout + 60.0)  # the server itself enforces `timeout`
+        if reply is None:
+            self.close()
+            return {"status": "timeout", "exit": None, "maxrss_mb": None, "wall_s": timeout}
+        return reply
+
+    def close(self):
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+class FreshProcess:
+    """--no-fork: one `python -m benchmarks.worker once` per configuration."""
+
+    def __init__(self, framework, python, log_dir, threads):
+        self.framework, self.python, self.log_dir = framework, python, log_dir
+        self.threads = threads
+        self.versions, self.error = {}, None
+
+    def ensure(self):
+        return True
+
+    def run(self, request, timeout):
+        req_path = request["result_path"] + ".request.json"
+        with open(req_path, "w") as f:
+            json.dump(request, f)
+        start = time.monotonic()
+        with open(request["log_path"], "w") as log:
+            try:
+                proc = subprocess.run([self.python, "-m", "benchmarks.worker", "once", req_path],
+                                      stdout=log, stderr=log, cwd=REPO,
+                                      env=_worker_env(self.threads),
+                                      timeout=timeout)
+                status = "done" if proc.returncode == 0 else "crashed"
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                status, code = "timeout", None
+        os.remove(req_path)
+        return {"status": status, "exit": code, "maxrss_mb": None,
+                "wall_s": time.monotonic() - start}
+
+    def close(self):
+        pass
+
+
+# --------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------
+
+def plan(args):
+    """The configurations, B ascending within each model (estimates need that)."""
+    configs = []
+    for model in args.models:
+        for batch_size in sorted(args.batch_sizes):
+            for task in args.tasks:
+                for name in args.systems:
+                    if task in SYSTEMS[name].tasks:
+                        configs.append({"model": model, "batch_size": batch_size, "task": task,
+                                        "system": name, "framework": SYSTEMS[name].framework})
+    return configs
+
+
+def _same_family(rec, cfg):
+    if rec["model"] != cfg["model"] or rec["system"] != cfg["system"]:
+        return False
+    return rec["task"] == cfg["task"] or cfg["system"] in MATERIALIZING
+
+
+def predict_skip(cfg, done, args):
+    """A 'skipped (...)' note when earlier results say this config cannot fit."""
+    family = [r for r in done if _same_family(r, cfg) and r["batch_size"] <= cfg["batch_size"]]
+    for r in family:
+        if r["status"] == "timeout":
+            where = "B=%d" % r["batch_size"]
+            if r["task"] != cfg["task"]:
+                where += " (task %s, same per-example computation)" % r["task"]
+            return "skipped (timed out at %s)" % where
+    if not SYSTEMS[cfg["system"]].quadratic:
+        return None
+    ok = [r for r in family if r["status"] == "ok" and r["batch_size"] < cfg["batch_size"]
+          and r["task"] == cfg["task"]]
+    if not ok:
+        return None
+    r = max(ok, key=lambda r: r["batch_size"])
+    scale = cfg["batch_size"] / float(r["batch_size"])
+    # Graph size grows ~B^1.6 for per-example loops (measured 6.1 s -> 51 s
+    # for B 128 -> 512 on the MLP); each run grows ~B^2.
+    runs_s = (r["first_run_ms"] + 4 * r["median_ms"]) / 1e3
+    est = (r["build_s"] or 0.0) * scale ** 1.6 + runs_s * scale ** 2 + 3.0
+    if est > args.slow_limit:
+        return ("skipped (too slow: est %.0f s at B=%d from %.1f s build + %.0f ms/run at B=%d; "
+                "limit %.0f s)" % (est, cfg["batch_size"], r["build_s"] or 0.0, r["median_ms"],
+                                   r["batch_size"], args.slow_limit))
+    return None
+
+
+def _code_hash():
+    h = hashlib.sha1()
+    for name in ("models.py", "common.py", os.path.join("systems", "tf_systems.py")):
+        with open(os.path.join(HERE, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:10]
+
+
+# --------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------
+
+def _empty_record(cfg, machine_short):
+    rec = {k: None for k in RECORD_KEYS}
+    rec.update(model=cfg["model"], batch_size=cfg["batch_size"], task=cfg["task"],
+               system=cfg["system"], framework=cfg["framework"], status="failed", note="",
+               check="n/a", machine=machine_short)
+    return rec
+
+
+def _log_tail(path, n=3):
+    try:
+        with open(path, errors="replace") as f:
+            lines = [l.strip() for l in f.read().splitlines() if l.strip()]
+        return " | ".join(lines[-n:])[-400:]
+    except OSError:
+        return ""
+
+
+def execute(worker, cfg, args, dirs, tag):
+    """Run one request through `worker`; returns (result dict, reply)."""
+    result_path = os.path.join(dirs["tmp"], tag + ".json")
+    log_path = os.path.join(dirs["logs"], tag + ".log")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    request = {"cfg": cfg, "timeout": cfg["timeout"], "result_path": result_path,
+               "log_path": log_path}
+    reply = worker.run(request, cfg["timeout"])
+    result = None
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            result = json.load(f)
+        os.remove(result_path)
+    if reply["status"] == "timeout":
+        result = {"status": "timeout", "note": "killed after the %.0f s timeout" % cfg["timeout"]}
+    elif result is None:
+        result = {"status": "failed",
+                  "note": "worker died (exit %s); log %s: %s"
+                          % (reply.get("exit"), os.path.relpath(log_path, REPO), _log_tail(log_path))}
+    return result, reply
+
+
+def _progress(i, n, rec, wall):
+    head = "[%3d/%d] %-11s B=%-4d %-6s %-22s" % (i, n, rec["model"], rec["batch_size"],
+                                                 rec["task"], rec["system"])
+    if rec["status"] == "ok":
+        body = "ok      %9.2f ms  x%-7.2f build %6.2fs  check %s" % (
+            rec["median_ms"], rec["ratio_to_floor"], rec["build_s"] or 0.0, rec["check"])
+    else:
+        body = "%-7s %s" % (rec["status"], (rec["note"] or "")[:160])
+    print("%s %s  (%.1fs)" % (head, body, wall), flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    dirs = {"logs": os.path.join(args.out, "logs"), "tmp": os.path.join(args.out, "logs", "tmp"),
+            "cache": os.path.join(args.out, ".cache")}
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
+
+    configs = plan(args)
+    frameworks = sorted({c["framework"] for c in configs} | ({"tf"} if configs else set()))
+    worker_cls = FreshProcess if args.no_fork else ForkServer
+    workers = {fw: worker_cls(fw, args.pythons.get(fw, sys.executable), dirs["logs"], args.threads)
+               for fw in frameworks}
+
+    started = time.time()
+    machine = common.machine_info({"command": "python -m benchmarks " + " ".join(
+        sys.argv[1:] if argv is None else argv), "started": datetime.datetime.now().isoformat(
+        timespec="seconds"), "threads": args.threads})
+    print("benchmarks: %d configurations; %s, %d cores; out %s"
+          % (len(configs), machine["cpu"], machine["cores"], os.path.relpath(args.out, REPO)),
+          flush=True)
+
+    old = []
+    results_path = os.path.join(args.out, "results.json")
+    if args.merge and os.path.exists(results_path):
+        with open(results_path) as f:
+            old = json.load(f)
+
+    versions, references, done = {}, {}, []
+    machine_short = None
+    code_hash = _code_hash()
+    unavailable = {}
+
+    def start(fw):
+        if fw not in versions and fw not in unavailable:
+            t0 = time.monotonic()
+            if workers[fw].ensure():
+                versions[fw] = workers[fw].versions or {}
+                print("  %s worker ready in %.1fs: %s" % (fw, time.monotonic() - t0, ", ".join(
+                    "%s %s" % kv for kv in versions[fw].items())), flush=True)
+            else:
+                unavailable[fw] = workers[fw].error
+                print("  %s unavailable: %s" % (fw, workers[fw].error), flush=True)
+
+    try:
+        for i, cfg in enumerate(configs, 1):
+            fw = cfg["framework"]
+            worker = workers[fw]
+            start("tf")      # the reference and the machine line need TensorFlow
+            start(fw)
+            if machine_short is None:
+                tfv = versions.get("tf", {}).get("tensorflow", "?")
+                machine_short = "%s, %d cores, TF %s" % (machine["cpu"], machine["cores"], tfv)
+
+            rec = _empty_record(cfg, machine_short)
+            rec["loadavg_1m"] = os.getloadavg()[0]
+            t0 = time.monotonic()
+            ref_key = (cfg["model"], cfg["batch_size"])
+            ref_path = os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
+                cfg["model"], cfg["batch_size"], code_hash))
+            if fw in unavailable:
+                rec.update(status="skipped", note="%s not available (%s); see "
+                           "benchmarks/requirements-peers.txt" % (fw, unavailable[fw]))
+            elif "tf" in unavailable:
+                rec.update(status="skipped", note="reference needs TensorFlow: %s" % unavailable["tf"])
+            else:
+                if ref_key not in references:
+                    references[ref_key] = _reference(workers, cfg, ref_path, args, dirs)
+                skip = predict_skip(cfg, done, args)
+                if not references[ref_key]["ok"]:
+                    rec.update(status="skipped", note="no reference: " + references[ref_key]["note"])
+                elif skip:
+                    rec.update(status="skipped", note=skip)
+                else:
+                    run_cfg = dict(cfg, repeats=args.repeats, budget_s=args.budget,
+                                   timeout=args.timeout, ref_path=ref_path, threads=args.threads)
+                    tag = "%s_B%d_%s_%s" % (cfg["model"], cfg["batch_size"], cfg["task"], cfg["system"])
+                    result, reply = execute(worker, run_cfg, args, dirs, tag)
+                    rec.update(result)
+                    if rec.get("peak_rss_mb") is None and reply.get("maxrss_mb"):
+                        rec["peak_rss_mb"] = reply["maxrss_mb"]
+                    rec["wall_s"] = reply.get("wall_s")
+            rec["note"] = rec.get("note") or ""
+            done.append(rec)
+            _progress(i, len(configs), rec, time.monotonic() - t0)
+            _write_outputs(args, _merged(old, done), machine, versions, references, started,
+                           final=False)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    machine["loadavg_end"] = os.getloadavg()
+    _write_outputs(args, _merged(old, done), machine, versions, references, started, final=True)
+    counts = {}
+    for r in done:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    fails = sum(1 for r in done if r["check"] == "fail")
+    print("done in %.0f s: %s; check failures: %d; results in %s" % (
+        time.time() - started, ", ".join("%d %s" % (v, k) for k, v in sorted(counts.items())),
+        fails, os.path.relpath(args.out, REPO)), flush=True)
+    return 0
+
+
+def _reference(workers, cfg, ref_path, args, dirs):
+    label = "%s B=%d" % (cfg["model"], cfg["batch_size"])
+    if os.path.exists(ref_path):
+        return {"ok": True, "note": "cached " + os.path.basename(ref_path)}
+    t0 = time.monotonic()
+    ref_cfg = {"kind": "reference", "framework": "tf", "model": cfg["model"],
+               "batch_size": cfg["batch_size"], "ref_path": ref_path,
+               "timeout": max(args.timeout, 300.0)}
+    tag = "reference_%s_B%d" % (cfg["model"], cfg["batch_size"])
+    result, _ = execute(workers["tf"], ref_cfg, args, dirs, tag)
+    ok = result.get("status", "ok") == "ok" and os.path.exists(ref_path)
+    note = result.get("note", "")
+    print("  reference %s: %s (%.1fs)" % (label, note if ok else "FAILED: " + note,
+                                          time.monotonic() - t0), flush=True)
+    return {"ok": ok, "note": note}
+
+
+def _merged(old, done):
+    keys = {(r["model"], r["batch_size"], r["task"], r["system"]) for r in done}
+    kept = [r for r in old if (r["model"], r["batch_size"], r["task"], r["system"]) not in keys]
+    return kept + done
+
+
+def _write_outputs(args, records, machine, versions, references, started, final):
+    common.dump_json(os.path.join(args.out, "results.json"), records)
+    if not final:
+        return
+    meta = dict(machine)
+    meta["versions"] = versions
+    meta["references"] = {"%s B=%d" % k: v["note"] for k, v in references.items()}
+    meta["wall_s"] = time.time() - started
+    meta["tolerance"] = common.TOLERANCE
+    common.dump_json(os.path.join(args.out, "machine.json"), meta)
+    from benchmarks import report
+    report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
+    if not args.no_plot:
+        try:
+            report.write_plot(os.path.join(args.out, "results.png"), records)
+        except Exception as e:  # a plot must never lose the numbers
+            print("  plot failed: %s" % e, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

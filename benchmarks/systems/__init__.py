@@ -1,0 +1,63 @@
+"""The systems the benchmark compares, as data (import-light: no frameworks).
+
+A system computes a task's quantity for a model's per-example loss. Every
+configuration also measures the "floor" in the same process: the plain
+aggregated gradient of the summed loss in the system's own framework
+(tf.compat.v1.gradients for TensorFlow systems, jit(grad) for JAX,
+loss.sum().backward() for PyTorch), so `ratio_to_floor` never compares
+numbers from two processes.
+"""
+import collections
+
+TASKS = collections.OrderedDict([
+    ("grads", "(a) per-example gradients materialized and consumed "
+              "(fetch sum of squares per example)"),
+    ("norms", "(b) per-example global L2 norms [B]"),
+    ("dpsgd", "(c) one DP-SGD step: sum_i min(1, C/||g_i||) g_i + N(0, (sigma C)^2)"),
+    ("custom", "(d) custom weighted sum sum_i f_i g_i (custagg CUSTOM aggregation)"),
+])
+TASK_ALIASES = {"a": "grads", "b": "norms", "c": "dpsgd", "d": "custom"}
+
+System = collections.namedtuple("System", "name framework tasks quadratic description")
+
+_ABC = ("grads", "norms", "dpsgd")
+
+SYSTEMS = collections.OrderedDict((s.name, s) for s in [
+    System("custagg_auto", "tf", _ABC + ("custom",), False,
+           'custagg, strategy="auto" (per_example_gradients / per_example_norms / '
+           "clipped_gradients / weighted_gradients)"),
+    System("custagg_rules", "tf", _ABC, False, 'custagg, strategy="rules"'),
+    System("custagg_pfor", "tf", _ABC, False, 'custagg, strategy="pfor"'),
+    System("custagg_loop", "tf", _ABC, True, 'custagg, strategy="loop"'),
+    System("custagg_custom_vector", "tf", ("custom",), False,
+           "custagg.gradients(loss[B], xs, aggregation_method=CUSTOM, gradient_factors=f)"),
+    System("custagg_custom_slices", "tf", ("custom",), False,
+           "custagg.gradients([loss[i] for i in range(B)], xs, "
+           "aggregation_method=CUSTOM, gradient_factors=f)"),
+    System("custagg_grad_ys", "tf", ("custom",), False,
+           "custagg.gradients(loss[B], xs, grad_ys=f) (drop-in, no CUSTOM)"),
+    System("tf_grad_ys", "tf", ("custom",), False, "tf.compat.v1.gradients(loss, xs, grad_ys=f)"),
+    System("tf_loop", "tf", _ABC, True,
+           "stack of tf.compat.v1.gradients(loss[i], xs), one per example"),
+    System("tf_vmap", "tf", _ABC, False,
+           "tf.vectorized_map over examples, each example's forward AND backward inside the map"),
+    System("tf_jacobian", "tf", _ABC, True,
+           "tensorflow.python.ops.parallel_for.gradients.jacobian(loss, xs)"),
+    System("tfp_vectorized", "tf", ("dpsgd",), True,
+           "TF Privacy VectorizedDPSGDOptimizer.compute_gradients (module loaded alone)"),
+    System("jax_vmap", "jax", _ABC, False, "JAX jit(vmap(grad)) on the same weights"),
+    System("torch_func", "torch", _ABC, False,
+           "torch.func vmap(grad) with functional_call on the same weights"),
+    System("opacus", "torch", _ABC, False,
+           "Opacus GradSampleModule (hooks; functorch fallback for custom modules); "
+           "dpsgd via DPOptimizer"),
+])
+
+PEER_FRAMEWORKS = ("jax", "torch")
+
+
+def system(name):
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        raise ValueError("unknown system %r; choose from %s" % (name, ", ".join(SYSTEMS)))

@@ -1,0 +1,172 @@
+"""JAX peer: jit(vmap(grad)) on the same weights and data as the TF models.
+
+Floor (same process): jit(grad(sum of per-example losses)).
+build_s is the time of jit lowering + XLA compilation; n_ops is not recorded
+(a TF op count and an HLO count are not comparable).
+"""
+import time
+
+import numpy as np
+
+from benchmarks import common, models
+
+
+def _dense(h, w, b):
+    return h @ w + b
+
+
+def _forward(jnp, lax, model, p, x):
+    if model == "softmax":
+        return _dense(x, p["w"], p["b"])
+    if model == "mlp":
+        h = jnp.maximum(_dense(x, p["w1"], p["b1"]), 0.0)
+        h = jnp.maximum(_dense(h, p["w2"], p["b2"]), 0.0)
+        return _dense(h, p["w3"], p["b3"])
+    if model == "cnn":
+        dn = ("NHWC", "HWIO", "NHWC")
+        h = x
+        for i in (1, 2):
+            h = lax.conv_general_dilated(h, p["conv%d_w" % i], (1, 1), "SAME",
+                                         dimension_numbers=dn)
+            h = jnp.maximum(h + p["conv%d_b" % i], 0.0)
+            h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        return _dense(h.reshape(h.shape[0], -1), p["dense_w"], p["dense_b"])
+    if model == "text":
+        e = jnp.take(p["emb"], x, axis=0)
+        return _dense(e.mean(axis=1), p["dense_w"], p["dense_b"])
+    if model == "lstm":
+        def step(carry, xt):
+            h, c = carry
+            z = jnp.concatenate([xt, h], axis=1) @ p["kernel"] + p["bias"]
+            i, f, g, o = jnp.split(z, 4, axis=1)
+            c = _sigmoid(jnp, f) * c + _sigmoid(jnp, i) * jnp.tanh(g)
+            h = _sigmoid(jnp, o) * jnp.tanh(c)
+            return (h, c), None
+        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
+        (h, _), _ = lax.scan(step, (h0, h0), jnp.transpose(x, (1, 0, 2)))
+        return _dense(h, p["dense_w"], p["dense_b"])
+    if model == "transformer":
+        return _transformer(jnp, p, x)
+    raise ValueError(model)
+
+
+def _sigmoid(jnp, v):
+    return 1.0 / (1.0 + jnp.exp(-v))
+
+
+def _layer_norm(jnp, h, g, b):
+    mu = h.mean(-1, keepdims=True)
+    d = h - mu
+    var = (d * d).mean(-1, keepdims=True)
+    return d / jnp.sqrt(var + models.LN_EPS) * g + b
+
+
+def _transformer(jnp, p, x):
+    n, t, dm, nh = x.shape[0], models.TR_LEN, models.TR_DIM, models.TR_HEADS
+    dh = dm // nh
+    h = jnp.take(p["tok_emb"], x, axis=0) + p["pos_emb"]
+    a = _layer_norm(jnp, h, p["ln1_g"], p["ln1_b"])
+    q, k, v = ((a @ p[w]).reshape(n, t, nh, dh) for w in ("wq", "wk", "wv"))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh)
+    scores = scores - scores.max(-1, keepdims=True)
+    w = jnp.exp(scores)
+    w = w / w.sum(-1, keepdims=True)
+    att = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(n, t, dm)
+    h = h + att @ p["wo"] + p["bo"]
+    m = jnp.maximum(_layer_norm(jnp, h, p["ln2_g"], p["ln2_b"]) @ p["w1"] + p["b1"], 0.0)
+    h = h + m @ p["w2"] + p["b2"]
+    return _dense(h.mean(axis=1), p["out_w"], p["out_b"])
+
+
+def run(cfg):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.scipy.special import logsumexp
+
+    model, batch_size, task = cfg["model"], cfg["batch_size"], cfg["task"]
+    sig = common.load_signature(cfg["ref_path"])
+    names = [s.name for s in models.param_specs(model)]
+    params = {k: jnp.asarray(v) for k, v in models.init_params(model).items()}
+    x_np, y_np = models.make_batch(model, batch_size)
+    x, y = jnp.asarray(x_np), jnp.asarray(y_np)
+    clip = float(sig["clip"])
+
+    def loss_vec(p, xb, yb):
+        logits = _forward(jnp, lax, model, p, xb)
+        return logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, yb[:, None], -1)[:, 0]
+
+    def loss_one(p, xi, yi):
+        return loss_vec(p, xi[None], yi[None])[0]
+
+    per_example = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))
+
+    def sumsq(g):
+        return sum(jnp.sum(jnp.square(g[n]).reshape(batch_size, -1), axis=1) for n in names)
+
+    def grads_task(p, xb, yb):
+        return sumsq(per_example(p, xb, yb))
+
+    def norms_task(p, xb, yb):
+        return jnp.sqrt(sumsq(per_example(p, xb, yb)))
+
+    def dpsgd_task(p, xb, yb, key, noise_multiplier):
+        g = per_example(p, xb, yb)
+        scale = clip / jnp.maximum(jnp.sqrt(sumsq(g)), clip)
+        keys = jax.random.split(key, len(names))
+        return {n: jnp.tensordot(scale, g[n], axes=1)
+                + noise_multiplier * clip * jax.random.normal(k, g[n].shape[1:])
+                for n, k in zip(names, keys)}
+
+    key = jax.random.PRNGKey(0)
+    if task == "grads":
+        fn, args = grads_task, (params, x, y)
+    elif task == "norms":
+        fn, args = norms_task, (params, x, y)
+    elif task == "dpsgd":
+        fn, args = dpsgd_task, (params, x, y, key, jnp.float32(common.NOISE_MULTIPLIER))
+    else:
+        return {"status": "skipped", "note": "task %r not implemented for JAX" % task}
+
+    floor = jax.jit(jax.grad(lambda p, xb, yb: loss_vec(p, xb, yb).sum())).lower(
+        params, x, y).compile()
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    build_s = time.perf_counter() - t0
+
+    def call(f, a):
+        return lambda: jax.block_until_ready(f(*a))
+
+    call(floor, (params, x, y))()
+    first_run_ms = common.timed_ms(call(compiled, args))
+
+    if task == "grads":
+        g = jax.jit(per_example)(params, x, y)
+        values = common.signature_of_per_example(names, [np.asarray(g[n]) for n in names])
+        values["norms"] = np.sqrt(np.asarray(compiled(*args)))
+        del g
+    elif task == "norms":
+        values = {"norms": np.asarray(compiled(*args))}
+    else:
+        out = compiled(params, x, y, key, jnp.float32(0.0))
+        values = {"csum/" + n: np.asarray(out[n]) for n in names}
+    check, check_err, check_key = common.compare(values, sig)
+
+    median_ms, floor_ms, repeats = common.time_against_floor(
+        call(compiled, args), call(floor, (params, x, y)), cfg["repeats"], cfg["budget_s"])
+    return {
+        "status": "ok", "note": "",
+        "build_s": build_s, "n_ops": None, "first_run_ms": first_run_ms,
+        "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
+        "check": check, "check_err": check_err, "check_key": check_key, "repeats": repeats,
+        "floor_system": "jax.jit(jax.grad(sum(loss)))",
+        "framework_version": "jax %s (jaxlib %s)" % (jax.__version__, _jaxlib_version()),
+    }
+
+
+def _jaxlib_version():
+    try:
+        import jaxlib
+        return jaxlib.__version__
+    except Exception:  # pragma: no cover - informational only
+        return "?"

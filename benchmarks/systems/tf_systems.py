@@ -1,0 +1,359 @@
+"""TensorFlow systems: the floor, custagg's strategies, TF's own baselines, TF Privacy.
+
+Everything here runs in one worker process per configuration (see
+`benchmarks/worker.py`): build the model graph, the floor (aggregated
+tf.compat.v1.gradients of the summed loss) and the system's graph in one
+tf.Graph, check the system against the reference signature, then time system
+and floor alternately in the same session.
+
+What is timed is always a fetch of the task's result (never a tf.group: TF
+prunes work whose output is not fetched).
+"""
+import collections
+import glob
+import importlib.util
+import inspect
+import os
+import re
+import time
+
+import numpy as np
+
+from benchmarks import common, models
+
+Ctx = collections.namedtuple(
+    "Ctx", "tf model batch_size variables var_list names x y loss f clip noise_scale")
+
+# What a builder returns: `fetch` is timed; `check` maps signature keys to
+# tensors (fetched once, with the noise scale fed as 0).
+Built = collections.namedtuple("Built", "fetch check note")
+
+
+def _tf():
+    import tensorflow as tf
+    tf.compat.v1.disable_eager_execution()
+    return tf
+
+
+def _dense_list(tf, grads):
+    return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+
+# --------------------------------------------------------------------------
+# Reference (B=1 graph, looped over examples): writes the signature file.
+# --------------------------------------------------------------------------
+
+def run_reference(cfg):
+    tf = _tf()
+    model, batch_size = cfg["model"], cfg["batch_size"]
+    x_np, y_np = models.make_batch(model, batch_size)
+    graph = tf.Graph()
+    with graph.as_default():
+        variables, var_list = models.tf_variables(model)
+        x, y = models.tf_placeholders(model, 1)
+        loss = models.tf_loss(model, variables, x, y)
+        grads = _dense_list(tf, tf.compat.v1.gradients(tf.reduce_sum(loss), var_list))
+        init = tf.compat.v1.global_variables_initializer()
+    t0 = time.perf_counter()
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(init)
+        builder = common.SignatureBuilder(
+            list(variables), [v.shape.as_list() for v in var_list], batch_size)
+
+        def example(i):
+            return sess.run(grads, {x: x_np[i:i + 1], y: y_np[i:i + 1]})
+
+        for i in range(batch_size):
+            builder.add(i, example(i))
+        builder.finish_pass1()
+        for i in range(batch_size):
+            builder.add_clipped(i, example(i))
+    builder.save(cfg["ref_path"])
+    return {"note": "reference: tf.compat.v1.gradients on B=1, looped over %d examples "
+                    "(%.1f s), clip C=%.4g" % (batch_size, time.perf_counter() - t0, builder.clip),
+            "check": "n/a"}
+
+
+# --------------------------------------------------------------------------
+# Per-example gradient providers: ctx -> list of [B, *v.shape] tensors.
+# --------------------------------------------------------------------------
+
+def _pe_tf_loop(ctx):
+    tf = ctx.tf
+    rows = [_dense_list(tf, tf.compat.v1.gradients(ctx.loss[i], ctx.var_list))
+            for i in range(ctx.batch_size)]
+    return [tf.stack(col) for col in zip(*rows)]
+
+
+def _pe_tf_vmap(ctx):
+    tf = ctx.tf
+
+    def one_example(args):
+        # The fast form: the forward pass of ONE example runs inside the map, so
+        # its backward pass does not go through the whole batch.
+        xi, yi = args
+        li = models.tf_loss(ctx.model, ctx.variables, xi[None], yi[None])
+        return _dense_list(tf, tf.compat.v1.gradients(tf.reduce_sum(li), ctx.var_list))
+
+    return list(tf.vectorized_map(one_example, (ctx.x, ctx.y)))
+
+
+def _pe_tf_jacobian(ctx):
+    from tensorflow.python.ops.parallel_for import gradients as pfor_gradients
+    return list(pfor_gradients.jacobian(ctx.loss, ctx.var_list))
+
+
+def _custagg():
+    import custagg
+    missing = [n for n in ("per_example_gradients", "per_example_norms",
+                           "clipped_gradients", "weighted_gradients", "gradients",
+                           "AggregationMethod") if not hasattr(custagg, n)]
+    if missing:
+        raise _Skip("custagg API not available yet (missing %s)" % ", ".join(missing))
+    return custagg
+
+
+class _Skip(Exception):
+    """Raised by a builder when the system cannot run here (recorded as skipped)."""
+
+
+def _pe_custagg(strategy):
+    def provider(ctx):
+        return list(_custagg().per_example_gradients(ctx.loss, ctx.var_list, strategy=strategy))
+    return provider
+
+
+# --------------------------------------------------------------------------
+# Tasks on top of materialized per-example gradients.
+# --------------------------------------------------------------------------
+
+def _sumsq_per_example(tf, per_example):
+    terms = []
+    for g in per_example:
+        if g is None:
+            continue
+        terms.append(tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.ndims))))
+    return tf.add_n(terms)
+
+
+def _projection_checks(ctx, per_example):
+    tf = ctx.tf
+    check = {}
+    for name, g in zip(ctx.names, per_example):
+        size = int(np.prod(g.shape.as_list()[1:]))
+        r = tf.constant(common.projection_vector(name, size).astype(np.float32)[:, None])
+        check["proj/" + name] = tf.squeeze(tf.matmul(tf.reshape(g, [-1, size]), r), 1)
+    return check
+
+
+def _noised(ctx, grads):
+    tf = ctx.tf
+    out = []
+    for g in grads:
+        g = tf.convert_to_tensor(g)
+        out.append(g + tf.random.normal(tf.shape(g)) * (ctx.noise_scale * ctx.clip))
+    return out
+
+
+def _task_from_per_example(provider):
+    def build(ctx, task):
+        tf = ctx.tf
+        per_example = provider(ctx)
+        sumsq = _sumsq_per_example(tf, per_example)
+        if task == "grads":
+            check = _projection_checks(ctx, per_example)
+            check["norms"] = tf.sqrt(sumsq)
+            return Built(sumsq, check, "")
+        norms = tf.sqrt(sumsq)
+        if task == "norms":
+            return Built(norms, {"norms": norms}, "")
+        if task == "dpsgd":
+            scale = ctx.clip / tf.maximum(norms, ctx.clip)
+            sums = [tf.tensordot(scale, g, axes=1) for g in per_example]
+            return Built(_noised(ctx, sums), _keyed("csum/", ctx.names, sums), "")
+        raise ValueError("task %r is not built from per-example gradients" % task)
+    return build
+
+
+def _keyed(prefix, names, tensors):
+    return collections.OrderedDict((prefix + n, t) for n, t in zip(names, tensors))
+
+
+def _custagg_system(strategy):
+    def build(ctx, task):
+        tf = ctx.tf
+        ca = _custagg()
+        if task == "grads":
+            return _task_from_per_example(_pe_custagg(strategy))(ctx, task)
+        if task == "norms":
+            norms = ca.per_example_norms(ctx.loss, ctx.var_list, strategy=strategy)
+            return Built(norms, {"norms": norms}, "")
+        if task == "dpsgd":
+            sums = ca.clipped_gradients(ctx.loss, ctx.var_list, ctx.clip, strategy=strategy)
+            return Built(_noised(ctx, sums), _keyed("csum/", ctx.names, sums), "")
+        if task == "custom":
+            note = ""
+            if "strategy" in inspect.signature(ca.weighted_gradients).parameters:
+                sums = ca.weighted_gradients(ctx.loss, ctx.var_list, ctx.f, strategy=strategy)
+            else:
+                sums = ca.weighted_gradients(ctx.loss, ctx.var_list, ctx.f)
+                note = "weighted_gradients takes no strategy (always one CUSTOM backward pass)"
+            return Built(list(sums), _keyed("wsum/", ctx.names, sums), note)
+        raise ValueError(task)
+    return build
+
+
+def _custom_form(form):
+    def build(ctx, task):
+        tf = ctx.tf
+        if form == "tf_grad_ys":
+            sums = tf.compat.v1.gradients(ctx.loss, ctx.var_list, grad_ys=ctx.f)
+        else:
+            ca = _custagg()
+            if form == "grad_ys":
+                sums = ca.gradients(ctx.loss, ctx.var_list, grad_ys=ctx.f)
+            else:
+                ys = ([ctx.loss[i] for i in range(ctx.batch_size)] if form == "slices"
+                      else ctx.loss)
+                sums = ca.gradients(ys, ctx.var_list,
+                                    aggregation_method=ca.AggregationMethod.CUSTOM,
+                                    gradient_factors=ctx.f)
+        sums = list(sums)
+        return Built(sums, _keyed("wsum/", ctx.names, sums), "")
+    return build
+
+
+# --------------------------------------------------------------------------
+# TF Privacy: load only its vectorized optimizer module (the package pins
+# TF <= 2.15 and its __init__ fails on 2.21; the module itself is plain TF).
+# --------------------------------------------------------------------------
+
+_TFP_REL = os.path.join("tensorflow_privacy", "privacy", "optimizers",
+                        "dp_optimizer_vectorized.py")
+TFP_TARGET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          ".peers", "tfp")
+
+
+def tfp_location():
+    """(path to dp_optimizer_vectorized.py, version) or (None, reason)."""
+    roots = []
+    spec = importlib.util.find_spec("tensorflow_privacy")   # does not execute it
+    if spec is not None and spec.submodule_search_locations:
+        roots.extend(os.path.dirname(p) for p in spec.submodule_search_locations)
+    roots.append(TFP_TARGET)
+    for root in roots:
+        path = os.path.join(root, _TFP_REL)
+        if os.path.exists(path):
+            version = "unknown"
+            vfile = os.path.join(root, "tensorflow_privacy", "version.py")
+            if os.path.exists(vfile):
+                m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", open(vfile).read())
+                version = m.group(1) if m else version
+            if version == "unknown":
+                for info in glob.glob(os.path.join(root, "tensorflow_privacy-*.dist-info")):
+                    version = info.rsplit("-", 1)[0].split("tensorflow_privacy-")[-1]
+            return path, version
+    return None, ("tensorflow-privacy not installed (pip install --no-deps --target "
+                  "benchmarks/.peers/tfp tensorflow-privacy)")
+
+
+def _tfp_system(ctx, task):
+    path, version = tfp_location()
+    if path is None:
+        raise _Skip(version)
+    spec = importlib.util.spec_from_file_location("_tfp_dp_optimizer_vectorized", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    opt = module.VectorizedDPSGDOptimizer(
+        l2_norm_clip=ctx.clip, noise_multiplier=ctx.noise_scale,
+        num_microbatches=None, learning_rate=0.1)
+    grads = [g for g, _ in opt.compute_gradients(ctx.loss, var_list=ctx.var_list)]
+    # TF Privacy returns (clipped sum + noise) / B.
+    scaled = [g * float(ctx.batch_size) for g in grads]
+    return Built(grads, _keyed("csum/", ctx.names, scaled),
+                 "tensorflow-privacy %s, dp_optimizer_vectorized.py loaded alone" % version)
+
+
+BUILDERS = {
+    "custagg_auto": _custagg_system("auto"),
+    "custagg_rules": _custagg_system("rules"),
+    "custagg_pfor": _custagg_system("pfor"),
+    "custagg_loop": _custagg_system("loop"),
+    "custagg_custom_vector": _custom_form("vector"),
+    "custagg_custom_slices": _custom_form("slices"),
+    "custagg_grad_ys": _custom_form("grad_ys"),
+    "tf_grad_ys": _custom_form("tf_grad_ys"),
+    "tf_loop": _task_from_per_example(_pe_tf_loop),
+    "tf_vmap": _task_from_per_example(_pe_tf_vmap),
+    "tf_jacobian": _task_from_per_example(_pe_tf_jacobian),
+    "tfp_vectorized": _tfp_system,
+}
+
+
+# --------------------------------------------------------------------------
+# One configuration.
+# --------------------------------------------------------------------------
+
+def _count_ops(graph):
+    return len(graph.get_operations())
+
+
+def run(cfg):
+    tf = _tf()
+    model, batch_size, task = cfg["model"], cfg["batch_size"], cfg["task"]
+    sig = common.load_signature(cfg["ref_path"])
+    x_np, y_np = models.make_batch(model, batch_size)
+    graph = tf.Graph()
+    with graph.as_default():
+        variables, var_list = models.tf_variables(model)
+        x, y = models.tf_placeholders(model, batch_size)
+        loss = models.tf_loss(model, variables, x, y)
+        f = tf.compat.v1.placeholder(tf.float32, [batch_size], name="factors")
+        noise_scale = tf.compat.v1.placeholder_with_default(
+            tf.constant(common.NOISE_MULTIPLIER, tf.float32), [], name="noise_multiplier")
+        ctx = Ctx(tf, model, batch_size, variables, var_list, list(variables), x, y, loss,
+                  f, float(sig["clip"]), noise_scale)
+
+        n0, t0 = _count_ops(graph), time.perf_counter()
+        floor = tf.compat.v1.gradients(tf.reduce_sum(loss), var_list)
+        floor_build_s, floor_n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
+
+        n0, t0 = _count_ops(graph), time.perf_counter()
+        try:
+            built = BUILDERS[cfg["system"]](ctx, task)
+        except _Skip as e:
+            return {"status": "skipped", "note": str(e)}
+        build_s, n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
+        init = tf.compat.v1.global_variables_initializer()
+
+    feed = {x: x_np, y: y_np, f: sig["factors"]}
+    threads = cfg.get("threads", 0)
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads,
+                                      inter_op_parallelism_threads=threads)
+    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+        sess.run(init)
+        floor_first_ms = common.timed_ms(lambda: sess.run(floor, feed))
+        first_run_ms = common.timed_ms(lambda: sess.run(built.fetch, feed))
+
+        check_feed = dict(feed)
+        check_feed[noise_scale] = 0.0
+        values = sess.run(dict(built.check), check_feed)
+        var_shapes = {n: v.shape.as_list() for n, v in zip(ctx.names, var_list)}
+        values = {k: common.dense_value(v, var_shapes.get(k.split("/", 1)[-1]))
+                  for k, v in values.items()}
+        check, check_err, check_key = common.compare(values, sig)
+
+        sess.run(built.fetch, feed)            # warm-up after the check's different fetch
+        median_ms, floor_ms, repeats = common.time_against_floor(
+            lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
+            cfg["repeats"], cfg["budget_s"])
+
+    return {
+        "status": "ok", "note": built.note,
+        "build_s": build_s, "n_ops": n_ops, "first_run_ms": first_run_ms,
+        "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
+        "check": check, "check_err": check_err, "check_key": check_key,
+        "repeats": repeats, "floor_build_s": floor_build_s, "floor_n_ops": floor_n_ops,
+        "floor_first_run_ms": floor_first_ms, "floor_system": "tf.compat.v1.gradients(sum(loss))",
+        "framework_version": "tensorflow " + tf.__version__,
+    }
