@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import indexed_slices as indexed_slices_lib
 from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor_util
 
 from custagg import errors
 
@@ -146,64 +147,114 @@ def aggregate_contributions(contribs, method, op, gradient_uid):
 
 # --------------------------------------------------------------------------
 # CUSTOM: per-example seeds weighted by gradient_factors.
+#
+# The list form must build in about the time of the vector form although B
+# is often 512 or more, so the work per slice is kept to reading two or
+# three parsed NodeDefs (`op.node_def` costs a few microseconds; each
+# `op.get_attr` or `tensor_util.constant_value` call costs 10-100x that) and
+# no op is created per slice: the seeds are built per source tensor with a
+# constant number of ops.
 
 
 _Slice = collections.namedtuple("_Slice", ["source", "index"])
 
+_INT_DTYPES = {types_pb2.DT_INT32: np.int32, types_pb2.DT_INT64: np.int64}
 
-def _const_int_vector(t):
-    value = tensor_util.constant_value(t)
-    if value is None:
+
+def _const_ints(t):
+    """The values of `t` as a flat list of ints when it is an integer Const.
+
+    Returns None for anything else. Like `tensor_util.constant_value`, marks
+    `t` as not feedable: a fed value would contradict what was read here.
+    """
+    op = t.op
+    if op.type != "Const":
         return None
-    return [int(v) for v in value.reshape(-1)]
+    proto = op.node_def.attr["value"].tensor
+    np_dtype = _INT_DTYPES.get(proto.dtype)
+    if np_dtype is None:
+        return None
+    size = 1
+    for dim in proto.tensor_shape.dim:
+        size *= dim.size
+    if proto.tensor_content:
+        values = np.frombuffer(proto.tensor_content, np_dtype).tolist()
+    else:
+        values = list(proto.int_val if proto.dtype == types_pb2.DT_INT32
+                      else proto.int64_val)
+        # A Const stores a run of equal trailing values once.
+        if values and len(values) < size:
+            values += [values[-1]] * (size - len(values))
+    if len(values) != size:
+        return None
+    t.graph.prevent_feeding(t)
+    return values
 
 
 def _strided_slice_index(op):
-    """Index k when `op` computes `source[k]` (shrunk on axis 0), else None."""
-    begin, end, strides = (_const_int_vector(t) for t in op.inputs[1:4])
-    if begin is None or end is None or strides is None:
+    """k when the StridedSlice `op` computes `source[k]` (or `source[k, ...]`,
+    `source[k, :]`), i.e. one whole element of axis 0; else None."""
+    attrs = op.node_def.attr
+    shrink = attrs["shrink_axis_mask"].i
+    begin_mask, end_mask = attrs["begin_mask"].i, attrs["end_mask"].i
+    ellipsis = attrs["ellipsis_mask"].i
+    # Axis 0 is shrunk to the element at begin[0] (its `end` is then ignored
+    # by TF); no other axis is shrunk or added.
+    if (shrink != 1 or begin_mask & 1 or ellipsis & 1
+            or attrs["new_axis_mask"].i):
         return None
-    shrink = op.get_attr("shrink_axis_mask")
-    if (not shrink & 1 or strides[0] != 1 or op.get_attr("begin_mask") & 1
-            or op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask")):
+    begin = _const_ints(op.inputs[1])
+    strides = _const_ints(op.inputs[3])
+    if not begin or strides is None or strides[0] != 1:
         return None
-    # Every other axis given must be taken whole.
-    begin_mask, end_mask = op.get_attr("begin_mask"), op.get_attr("end_mask")
-    for axis in range(1, len(begin)):
-        if (shrink >> axis & 1 or not begin_mask >> axis & 1
-                or not end_mask >> axis & 1):
+    for axis in range(1, len(begin)):      # every later axis taken whole
+        bit = 1 << axis
+        if ellipsis & bit:
+            continue
+        if not (begin_mask & bit and end_mask & bit and strides[axis] == 1):
             return None
-        if strides[axis] != 1:
-            return None
-    if shrink >> len(begin):
-        return None
     return begin[0]
+
+
+def _gather_index(op):
+    """k when the Gather(V2) `op` computes `tf.gather(source, k)` on axis 0
+    with a constant scalar k; else None."""
+    attrs = op.node_def.attr
+    if op.type == "GatherV2":
+        if attrs["batch_dims"].i != 0 or _const_ints(op.inputs[2]) != [0]:
+            return None
+    ids = op.inputs[1]
+    if ids.shape.rank != 0:
+        return None
+    value = _const_ints(ids)
+    return None if value is None else value[0]
 
 
 def slice_of(y):
     """Recognizes `y` as one example of a batch tensor.
 
     Recognized: `loss[k]` (StridedSlice), `tf.gather(loss, k)` with a constant
-    scalar k on axis 0, and the outputs of `tf.unstack(loss)`.
+    scalar k on axis 0, and the outputs of `tf.unstack(loss)` (axis 0).
+    Anything else is a per-example term of its own (still correct, but
+    seeded and differentiated as a separate y).
 
     Returns:
-      `_Slice(source, k)` with `0 <= k < B` when B is static (or `k >= 0`
-      otherwise), or `None`.
+      `_Slice(source, k)` with `0 <= k < B` (negative k resolved when B is
+      static; a negative k with a dynamic B is not recognized), or `None`.
     """
     op = y.op
-    index = None
-    if op.type == "StridedSlice":
+    kind = op.type
+    if kind == "StridedSlice":
         index = _strided_slice_index(op)
-    elif op.type in ("GatherV2", "Gather"):
-        ids = tensor_util.constant_value(op.inputs[1])
-        axis = (tensor_util.constant_value(op.inputs[2])
-                if op.type == "GatherV2" else 0)
-        if (ids is not None and ids.ndim == 0 and axis is not None
-                and int(axis) == 0 and (op.type == "Gather" or
-                                        op.get_attr("batch_dims") == 0)):
-            index = int(ids)
-    elif op.type == "Unpack" and op.get_attr("axis") == 0:
-        index = y.value_index
+    elif kind in ("GatherV2", "Gather"):
+        index = _gather_index(op)
+    elif kind == "Unpack":
+        axis = op.node_def.attr["axis"].i
+        rank = op.inputs[0].shape.rank
+        index = y.value_index if (axis == 0 or (
+            rank is not None and axis == -rank)) else None
+    else:
+        return None
     if index is None:
         return None
     source = op.inputs[0]
@@ -214,16 +265,17 @@ def slice_of(y):
         if batch is None:
             return None
         index += batch
-    if batch is not None and not 0 <= index < batch:
+    if index < 0 or (batch is not None and index >= batch):
         return None
     return _Slice(source, index)
 
 
-def _as_factor_vector(gradient_factors, n_terms, dtype):
-    """Checks `gradient_factors` ([B], numeric) and casts it to `dtype`.
+def _as_factor_vector(gradient_factors, n_terms):
+    """Checks `gradient_factors` ([B], numeric); returns it as a tensor.
 
     `n_terms` is the static number of per-example terms, or a scalar tensor
-    when it is only known at run time.
+    when it is only known at run time; lengths that can only be compared at
+    run time get a TF assertion whose message names gradient_factors.
     """
     if isinstance(gradient_factors, (tf.Tensor, tf.Variable)):
         f = gradient_factors
@@ -235,6 +287,12 @@ def _as_factor_vector(gradient_factors, n_terms, dtype):
                 "custagg.gradients: gradient_factors must be a numeric tensor "
                 "of shape [B] (one factor per example); got %r (%s)."
                 % (gradient_factors, e))
+    graph = ops.get_default_graph()
+    if (isinstance(f, tf.Tensor) and f.graph is not graph
+            and not graph._building_function):  # pylint: disable=protected-access
+        raise ValueError(
+            "custagg.gradients: gradient_factors (%s) is from another graph "
+            "than ys; build it in the same tf.Graph." % f.name)
     dtype_f = f.dtype.base_dtype
     if not (dtype_f.is_floating or dtype_f.is_integer) or dtype_f.is_bool:
         raise TypeError(
@@ -259,23 +317,60 @@ def _as_factor_vector(gradient_factors, n_terms, dtype):
             f, 1, message="custagg.gradients: gradient_factors must have "
             "rank 1, shape [B]"))
     if static_len is None or not isinstance(n_terms, int):
-        checks.append(tf.debugging.assert_equal(
-            tf.shape(f, out_type=tf.int64)[0] if rank != 0 else
-            tf.constant(0, tf.int64),
-            tf.cast(n_terms, tf.int64),
-            message="custagg.gradients: the fed gradient_factors must have "
-            "one factor per example (its length must equal the number of "
-            "per-example terms in ys)"))
+        # After the rank check: tf.shape(f)[0] needs a vector.
+        with tf.control_dependencies(checks):
+            checks.append(tf.debugging.assert_equal(
+                tf.shape(f, out_type=tf.int64)[0],
+                tf.cast(n_terms, tf.int64),
+                message="custagg.gradients: the fed gradient_factors must "
+                "have one factor per example (its length must equal the "
+                "number of per-example terms in ys)"))
     if checks:
         with tf.control_dependencies(checks):
             f = tf.identity(f, name="checked_gradient_factors")
-    if f.dtype.base_dtype != dtype:
-        f = tf.cast(f, dtype, name="gradient_factors_cast")
-    return f
+    return tf.convert_to_tensor(f)     # a Variable's value
 
 
-def _broadcast_factor(f, y):
-    """Reshapes `f` [B] to broadcast along the leading axis of `y` [B, ...]."""
+class _Factors(object):
+    """The checked factors `[n]`, cast (once) to each dtype a seed needs."""
+
+    def __init__(self, f, n_terms):
+        self.n_terms = n_terms
+        self._by_dtype = {f.dtype.base_dtype: f}
+        self._f = f
+        self._unstacked = {}
+
+    def vector(self, dtype):
+        if dtype not in self._by_dtype:
+            self._by_dtype[dtype] = tf.cast(self._f, dtype,
+                                            name="gradient_factors_cast")
+        return self._by_dtype[dtype]
+
+    def scalars(self, dtype):
+        """One scalar per term: one Unpack, not a strided slice per term."""
+        if dtype not in self._unstacked:
+            self._unstacked[dtype] = tf.unstack(self.vector(dtype),
+                                                num=self.n_terms)
+        return self._unstacked[dtype]
+
+
+def _dense_seed(gy, dtype):
+    """A given grad_y as a dense tensor of the y's dtype."""
+    gy = tf.convert_to_tensor(gy)
+    return gy if gy.dtype.base_dtype == dtype else tf.cast(gy, dtype)
+
+
+def _rows(row_factors, like):
+    """`row_factors` [B] broadcast along the leading axis of `like` [B, ...]."""
+    rank = like.shape.rank
+    if rank == 1:
+        return row_factors
+    return tf.broadcast_to(tf.reshape(row_factors, [-1] + [1] * (rank - 1)),
+                           tf.shape(like))
+
+
+def _vector_seed(y, gy, gradient_factors):
+    """Seed of one `[B, ...]` y: factor i on row i, times grad_y if given."""
     rank = y.shape.rank
     if rank is None:
         raise ValueError(
@@ -283,11 +378,15 @@ def _broadcast_factor(f, y):
             "tensor needs a known rank (its leading axis is the batch); got "
             "%s of unknown rank. Set its shape or pass a list of slices."
             % y.name)
-    return tf.reshape(f, [-1] + [1] * (rank - 1))
-
-
-def _ones_like_seed(y):
-    return tf.ones(tf.shape(y), dtype=y.dtype)
+    n_terms = tf.compat.dimension_value(y.shape[0])
+    if n_terms is None:
+        n_terms = tf.shape(y)[0]
+    dtype = y.dtype.base_dtype
+    f = _Factors(_as_factor_vector(gradient_factors, n_terms),
+                 n_terms).vector(dtype)
+    if gy is None:
+        return _rows(f, y)
+    return tf.reshape(f, [-1] + [1] * (rank - 1)) * _dense_seed(gy, dtype)
 
 
 def custom_seeds(ys, grad_ys, gradient_factors):
@@ -305,59 +404,75 @@ def custom_seeds(ys, grad_ys, gradient_factors):
       `[B, ...]` seed, so the list form costs one backward pass like the
       vector form.
     """
-    dtype = ys[0].dtype.base_dtype
-    vector_form = len(ys) == 1 and (ys[0].shape.rank is None
-                                    or ys[0].shape.rank >= 1)
-    if vector_form:
-        y, gy = ys[0], grad_ys[0]
-        n_terms = tf.compat.dimension_value(y.shape[0]) \
-            if y.shape.rank else None
-        if n_terms is None:
-            n_terms = tf.shape(y)[0] if y.shape.rank is not None else None
-        if n_terms is None:
-            _broadcast_factor(None, y)  # raises the unknown-rank error
-        f = _as_factor_vector(gradient_factors, n_terms, dtype)
-        seed = _broadcast_factor(f, y) * (_ones_like_seed(y) if gy is None
-                                          else gy)
-        return [y], [seed]
+    if len(ys) == 1 and (ys[0].shape.rank is None or ys[0].shape.rank >= 1):
+        return [ys[0]], [_vector_seed(ys[0], grad_ys[0], gradient_factors)]
 
-    f = _as_factor_vector(gradient_factors, len(ys), dtype)
-    by_source = collections.OrderedDict()  # source tensor -> [(k, j)]
-    seed_ys, seed_grads = [], []
+    factors = _Factors(_as_factor_vector(gradient_factors, len(ys)), len(ys))
+    by_source = collections.OrderedDict()   # source ref -> ([k], [j], [gy])
+    others = []                             # terms that are not slices
     for j, (y, gy) in enumerate(zip(ys, grad_ys)):
-        weighted = f[j] * (_ones_like_seed(y) if gy is None else gy)
         s = slice_of(y)
         if s is None:
-            seed_ys.append(y)
-            seed_grads.append(weighted)
+            others.append((j, y, gy))
         else:
-            by_source.setdefault(s.source.ref(), []).append(
-                (s.index, j, weighted, gy))
-    for source_ref, terms in by_source.items():
+            ks, js, gys = by_source.setdefault(s.source.ref(), ([], [], []))
+            ks.append(s.index)
+            js.append(j)
+            gys.append(gy)
+    seed_ys, seeds = [], []
+    for j, y, gy in others:
+        dtype = y.dtype.base_dtype
+        f_j = factors.scalars(dtype)[j]
+        seed_ys.append(y)
+        if gy is not None:
+            seeds.append(f_j * _dense_seed(gy, dtype))
+        elif y.shape.rank == 0:
+            seeds.append(f_j)
+        else:
+            seeds.append(tf.fill(tf.shape(y), f_j))
+    for source_ref, (ks, js, gys) in by_source.items():
         source = source_ref.deref()
         seed_ys.append(source)
-        seed_grads.append(_source_seed(source, terms, f))
-    return seed_ys, seed_grads
+        seeds.append(_source_seed(source, ks, js, gys, factors))
+    return seed_ys, seeds
 
 
-def _source_seed(source, terms, f):
-    """The `[B, ...]` seed of a tensor whose slices were weighted."""
+def _source_seed(source, ks, js, gys, factors):
+    """The `[B, ...]` seed of a tensor of which rows `ks` were listed.
+
+    Term `js[n]` of ys is row `ks[n]` of `source`, seeded with `gys[n]` (or
+    ones). Row k of the seed is the sum of f[j] * seed_j over the terms that
+    are row k: zero for rows not listed, a sum for repeated rows.
+    """
+    dtype = source.dtype.base_dtype
+    f = factors.vector(dtype)
     batch = tf.compat.dimension_value(source.shape[0])
-    indices = [k for k, _, _, _ in terms]
-    whole = (batch is not None and sorted(indices) == list(range(batch)))
-    if whole and all(gy is None for _, _, _, gy in terms):
-        order = [j for _, j in sorted((k, j) for k, j, _, _ in terms)]
-        factors = f if order == list(range(len(order))) else tf.gather(
-            f, order)
-        return _broadcast_factor(factors, source) * _ones_like_seed(source)
-    if whole:
-        return tf.stack([w for _, w in sorted(
-            (k, w) for k, _, w, _ in terms)], axis=0)
-    # Some rows missing or repeated: scatter (repeats add up).
-    return tf.scatter_nd(
-        tf.constant([[k] for k in indices], dtype=tf.int64),
-        tf.stack([w for _, _, w, _ in terms], axis=0),
-        tf.shape(source, out_type=tf.int64))
+    in_order = batch is not None and ks == list(range(batch))
+    listed = f if js == list(range(factors.n_terms)) else tf.gather(f, js)
+    n_rows = batch if batch is not None else tf.shape(source)[0]
+    if all(gy is None for gy in gys):
+        if in_order:
+            rows = listed
+        elif batch is not None and sorted(ks) == list(range(batch)):
+            # Each row once, in another order: pick the factors row by row.
+            rows = tf.gather(f, [j for _, j in sorted(zip(ks, js))])
+        else:
+            rows = tf.math.unsorted_segment_sum(listed, ks, n_rows)
+        return _rows(rows, source)
+    ones = None
+    terms = []
+    for gy in gys:
+        if gy is None:
+            if ones is None:
+                ones = tf.ones(tf.shape(source)[1:], dtype)
+            terms.append(ones)
+        else:
+            terms.append(_dense_seed(gy, dtype))
+    rank = source.shape.rank
+    weighted = tf.reshape(listed, [-1] + [1] * (rank - 1)) * tf.stack(terms)
+    if in_order:
+        return weighted
+    return tf.math.unsorted_segment_sum(weighted, ks, n_rows)
 
 
 def check_factors_usage(aggregation_method, gradient_factors):

@@ -183,26 +183,36 @@ def test_slice_forms_against_tf(pick, sess, rng):
         _assert_all_close(a, e, rtol=1e-12)
 
 
-def test_list_of_slices_is_one_backward_pass(graph):
-    """The weight gradient's MatMul appears once, not once per example."""
-    def new_op_types(fn):
-        before = set(graph.get_operations())
-        fn()
-        return [op.type for op in graph.get_operations() if op not in before]
+def test_list_of_slices_is_one_backward_pass():
+    """The list form builds the vector form's ops, not a pass per example."""
+    def new_op_types(form, batch):
+        graph = tf.Graph()         # fresh: TF caches some shapes per graph
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [batch, 3])
+            w = tf.compat.v1.get_variable("w", [3, 2])
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)), axis=1)
+            f = tf.compat.v1.placeholder(tf.float32, [batch])
+            ys = {"vector": lambda: loss,
+                  "list": lambda: [loss[i] for i in range(batch)],
+                  "unstack": lambda: tf.unstack(loss),
+                  "shuffled": lambda: [loss[i] for i in reversed(range(
+                      batch))]}[form]()
+            before = set(graph.get_operations())
+            custagg.gradients(ys, [w], aggregation_method=CUSTOM,
+                              gradient_factors=f)
+            return sorted(op.type for op in graph.get_operations()
+                          if op not in before)
 
-    x = tf.compat.v1.placeholder(tf.float32, [8, 3])
-    w = tf.compat.v1.get_variable("w", [3, 2])
-    loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)), axis=1)
-    f = tf.compat.v1.placeholder(tf.float32, [8])
-    slices = [loss[i] for i in range(8)]
-    listed = new_op_types(lambda: custagg.gradients(
-        slices, [w], aggregation_method=CUSTOM, gradient_factors=f))
-    vector = new_op_types(lambda: custagg.gradients(
-        loss, [w], aggregation_method=CUSTOM, gradient_factors=f))
-    # MatMul's gradient function builds both input gradients: 2 MatMuls.
-    assert listed.count("MatMul") == vector.count("MatMul") == 2
-    assert listed.count("TanhGrad") == 1
-    assert len(listed) <= len(vector) + 2
+    for batch in (1, 8, 64):
+        vector = new_op_types("vector", batch)
+        # MatMul's gradient function builds both input gradients.
+        assert vector.count("MatMul") == 2 and vector.count("TanhGrad") == 1
+        assert new_op_types("list", batch) == vector
+        assert new_op_types("unstack", batch) == vector
+    # Out of order: one Gather (and its index and axis Consts) picks the
+    # factors.
+    assert new_op_types("shuffled", 64) == sorted(
+        vector + ["Const", "Const", "GatherV2"])
 
 
 def test_b_equals_one(sess, rng):

@@ -1,0 +1,237 @@
+"""AggregationMethod.CUSTOM: list-of-slices form vs vector form.
+
+    python benchmarks/custom_forms.py [--batches 32,64,...] [--repeats N]
+
+For each model (softmax regression 784-10, MLP 784-256-256-10) and batch
+size B, the per-example loss `loss` [B] is differentiated with
+`custagg.gradients(..., aggregation_method=CUSTOM, gradient_factors=f)` in
+two forms:
+
+* vector: `ys = loss`;
+* list:   `ys = [loss[i] for i in range(B)]`.
+
+Measured, all in this one process:
+
+* construction seconds of the gradients call (median of `--build-repeats`
+  fresh graphs), and for the list form also with the building of the B
+  slices included (the slicing is the caller's code, the call is ours);
+* op count added to the graph (by the call; and with the slices);
+* run time: median over `--repeats` runs of fetching the gradients (the two
+  forms' runs are interleaved, so drifting machine load hits both alike).
+
+Ratios are list / vector. Acceptance (issue #2): at B=512 the list form's
+gradients call builds in at most 2x the vector form's time and runs within
+1.3x. Results go to benchmarks/results/custom_forms.json and .md.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import custagg  # noqa: E402
+
+tf.compat.v1.disable_eager_execution()
+
+RESULTS = os.path.join(HERE, "results")
+MODELS = {"softmax_784_10": [10], "mlp_784_256_256_10": [256, 256, 10]}
+ACCEPT_B = 512
+ACCEPT_BUILD, ACCEPT_RUN = 2.0, 1.3
+
+
+def build_model(layers, batch, seed=0):
+    """Per-example cross-entropy [B] of a dense ReLU net, and its params."""
+    rng = np.random.RandomState(seed)
+    x = tf.compat.v1.placeholder(tf.float32, [batch, 784], name="x")
+    labels = tf.compat.v1.placeholder(tf.int64, [batch], name="labels")
+    h, params, n_in = x, [], 784
+    for k, n_out in enumerate(layers):
+        w = tf.compat.v1.Variable(
+            (rng.normal(size=(n_in, n_out)) / np.sqrt(n_in)).astype(
+                np.float32), name="w%d" % k)
+        b = tf.compat.v1.Variable(np.zeros(n_out, np.float32), name="b%d" % k)
+        h = tf.matmul(h, w) + b
+        if k + 1 < len(layers):
+            h = tf.nn.relu(h)
+        params += [w, b]
+        n_in = n_out
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=h)
+    return x, labels, loss, params
+
+
+def build(layers, batch, form):
+    """Builds one graph; returns timings, op counts and what to run."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x, labels, loss, params = build_model(layers, batch)
+        f = tf.compat.v1.placeholder(tf.float32, [batch], name="factors")
+        n0 = len(graph.get_operations())
+        t0 = time.perf_counter()
+        ys = [loss[i] for i in range(batch)] if form == "list" else loss
+        t1 = time.perf_counter()
+        n1 = len(graph.get_operations())
+        grads = custagg.gradients(
+            ys, params, aggregation_method=custagg.AggregationMethod.CUSTOM,
+            gradient_factors=f)
+        t2 = time.perf_counter()
+        n2 = len(graph.get_operations())
+        init = tf.compat.v1.global_variables_initializer()
+    return {"graph": graph, "grads": grads, "init": init,
+            "feeds": (x, labels, f), "call_s": t2 - t1,
+            "with_slices_s": t2 - t0, "call_ops": n2 - n1,
+            "with_slices_ops": n2 - n0}
+
+
+def measure(layers, batch, build_repeats, repeats, warmup=3):
+    builds = {form: [build(layers, batch, form)
+                     for _ in range(build_repeats)]
+              for form in ("vector", "list")}
+    rng = np.random.RandomState(1)
+    data = (rng.uniform(size=(batch, 784)).astype(np.float32),
+            rng.randint(0, 10, size=batch),
+            rng.uniform(size=batch).astype(np.float32))
+    sessions, runs = {}, {}
+    for form, bs in builds.items():
+        b = bs[0]
+        sess = tf.compat.v1.Session(graph=b["graph"])
+        sess.run(b["init"])
+        feed = dict(zip(b["feeds"], data))
+        sessions[form] = (sess, b["grads"], feed)
+        runs[form] = []
+    values = {}
+    for r in range(warmup + repeats):
+        for form, (sess, grads, feed) in sessions.items():
+            t0 = time.perf_counter()
+            out = sess.run(grads, feed)
+            if r >= warmup:
+                runs[form].append(time.perf_counter() - t0)
+            values[form] = out
+    for sess, _, _ in sessions.values():
+        sess.close()
+    max_diff = max(float(np.max(np.abs(a - b)))
+                   for a, b in zip(values["vector"], values["list"]))
+    row = {"batch": batch, "max_abs_diff": max_diff}
+    for form, bs in builds.items():
+        row[form] = {
+            "call_s": statistics.median(b["call_s"] for b in bs),
+            "with_slices_s": statistics.median(b["with_slices_s"]
+                                               for b in bs),
+            "call_ops": bs[0]["call_ops"],
+            "with_slices_ops": bs[0]["with_slices_ops"],
+            "run_s": statistics.median(runs[form]),
+        }
+    v, l = row["vector"], row["list"]
+    row["ratio"] = {
+        "build_call": l["call_s"] / v["call_s"],
+        "build_with_slices": l["with_slices_s"] / v["call_s"],
+        "ops_call": l["call_ops"] / v["call_ops"],
+        "ops_with_slices": l["with_slices_ops"] / v["call_ops"],
+        "run": l["run_s"] / v["run_s"],
+    }
+    return row
+
+
+def to_markdown(result):
+    lines = [
+        "# CUSTOM aggregation: list-of-slices form vs vector form",
+        "",
+        "`%s` on %s (%d CPUs), TensorFlow %s, Python %s." % (
+            result["command"], result["machine"], result["cpus"],
+            result["tensorflow"], result["python"]),
+        "",
+        "Build: seconds of the `custagg.gradients` call (median of %d fresh "
+        "graphs); \"+slices\" also counts building `[loss[i] for i in "
+        "range(B)]`. Run: median of %d runs fetching the gradients. Ratios "
+        "are list / vector." % (result["build_repeats"], result["repeats"]),
+        "",
+    ]
+    for model, rows in result["models"].items():
+        lines += [
+            "## %s" % model, "",
+            "| B | vector build ms | list build ms (ratio) | list +slices ms "
+            "(ratio) | vector ops | list ops (+slices) | vector run ms | "
+            "list run ms (ratio) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            v, l, q = row["vector"], row["list"], row["ratio"]
+            lines.append(
+                "| %d | %.1f | %.1f (%.2fx) | %.1f (%.2fx) | %d | %d (%d) | "
+                "%.2f | %.2f (%.2fx) |" % (
+                    row["batch"], 1e3 * v["call_s"], 1e3 * l["call_s"],
+                    q["build_call"], 1e3 * l["with_slices_s"],
+                    q["build_with_slices"], v["call_ops"], l["call_ops"],
+                    l["with_slices_ops"], 1e3 * v["run_s"],
+                    1e3 * l["run_s"], q["run"]))
+        lines.append("")
+    lines += ["## Acceptance at B=%d" % ACCEPT_B, ""]
+    for check in result["acceptance"]:
+        lines.append("- %s: %s" % (check["what"],
+                                   "PASS" if check["pass"] else "FAIL"))
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="32,64,128,256,512,1024")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--build-repeats", type=int, default=3)
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    result = {
+        "command": "python benchmarks/custom_forms.py" + (
+            " " + " ".join(argv if argv is not None else sys.argv[1:])
+        ).rstrip(),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "tensorflow": tf.__version__,
+        "python": platform.python_version(), "repeats": args.repeats,
+        "build_repeats": args.build_repeats, "models": {}, "acceptance": [],
+    }
+    for model in args.models.split(","):
+        rows = []
+        for batch in batches:
+            row = measure(MODELS[model], batch, args.build_repeats,
+                          args.repeats)
+            rows.append(row)
+            q = row["ratio"]
+            print("%-20s B=%-5d build %.2fx (+slices %.2fx) ops %.2fx "
+                  "run %.2fx  diff %.1e" % (
+                      model, batch, q["build_call"], q["build_with_slices"],
+                      q["ops_call"], q["run"], row["max_abs_diff"]),
+                  flush=True)
+            if batch == ACCEPT_B:
+                result["acceptance"] += [
+                    {"what": "%s: list build <= %.1fx vector (%.2fx)" % (
+                        model, ACCEPT_BUILD, q["build_call"]),
+                     "pass": q["build_call"] <= ACCEPT_BUILD},
+                    {"what": "%s: list run <= %.1fx vector (%.2fx)" % (
+                        model, ACCEPT_RUN, q["run"]),
+                     "pass": q["run"] <= ACCEPT_RUN},
+                ]
+        result["models"][model] = rows
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "custom_forms.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    with open(os.path.join(args.out, "custom_forms.md"), "w") as fh:
+        fh.write(to_markdown(result))
+    print(to_markdown(result))
+    return 0 if all(c["pass"] for c in result["acceptance"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
