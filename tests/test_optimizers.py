@@ -251,6 +251,31 @@ def test_microbatches_per_layer():
     np.testing.assert_allclose(b, eb, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("microbatches", [None, 3])
+def test_dynamic_batch_size(microbatches):
+    """B known only at run time: clipping, microbatches and the divide-by-M
+    all work from tf.shape; a batch M does not divide is a run-time error."""
+    steps = batches(2, seed=14)
+    with tf.Graph().as_default():
+        model = Model(batch=None)
+        opt = opt_lib.ClippedOptimizer(gd(), 0.8,
+                                       num_microbatches=microbatches,
+                                       strategy=STRATEGY)
+        train = opt.minimize(model.loss)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for xb, yb in steps:
+                sess.run(train, model.feed(xb, yb))
+            w, b = sess.run([model.w, model.b])
+            if microbatches:
+                with pytest.raises(tf.errors.InvalidArgumentError,
+                                   match="num_microbatches=3 must divide"):
+                    sess.run(train, model.feed(xb[:4], yb[:4]))
+    ew, eb, _ = np_run(steps, clipped_update(0.8, microbatches))
+    np.testing.assert_allclose(w, ew, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(b, eb, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("clip", [0.7, (0.5, 0.25)], ids=["global",
                                                           "per_layer"])
 @pytest.mark.parametrize("microbatches", [None, 3])
