@@ -43,3 +43,53 @@ def assert_allclose_list(actual, desired, rtol, atol=0.0, names=None):
         label = names[j] if names else "entry %d" % j
         np.testing.assert_allclose(np.asarray(a), np.asarray(d), rtol=rtol,
                                    atol=atol, err_msg=label)
+
+
+def to_numpy(value):
+    """A fetched gradient as a dense ndarray (`IndexedSlicesValue` summed)."""
+    if value is None:
+        return None
+    if hasattr(value, "indices") and hasattr(value, "values"):
+        dense = np.zeros(value.dense_shape, dtype=value.values.dtype)
+        np.add.at(dense, np.asarray(value.indices), value.values)
+        return dense
+    return np.asarray(value)
+
+
+def numpy_norms(per_example):
+    """`[B]` global L2 norms of aligned `[B, *x.shape]` arrays (None skipped)."""
+    per_example = [g for g in per_example if g is not None]
+    batch = per_example[0].shape[0]
+    sq = sum(np.sum(np.square(g.reshape(batch, -1).astype(np.float64)),
+                    axis=1) for g in per_example)
+    return np.sqrt(sq)
+
+
+def numpy_clipped(per_example, clip, per_x=False):
+    """`sum_b min(1, C / ||g_b||) g_b` per x, from materialized gradients.
+
+    Args:
+      per_example: list of `[B, *x.shape]` arrays.
+      clip: C (one global norm over all xs), or a list aligned with
+        `per_example` when `per_x` (each x clipped by its own norm).
+
+    Returns:
+      (list of clipped sums, norms): norms are `[B]`, or a list of per-x
+      `[B]` norms when `per_x`.
+    """
+    def factors(norms, c):
+        return c / np.maximum(norms, c)
+
+    if per_x:
+        norms = [numpy_norms([g]) for g in per_example]
+        sums = [np.tensordot(factors(n, c), g, axes=1)
+                for g, n, c in zip(per_example, norms, clip)]
+        return sums, norms
+    norms = numpy_norms(per_example)
+    f = factors(norms, clip)
+    return [np.tensordot(f, g, axes=1) for g in per_example], norms
+
+
+def numpy_second_moments(per_example):
+    """`sum_b g_b ** 2` per x."""
+    return [np.sum(np.square(g), axis=0) for g in per_example]

@@ -1,0 +1,473 @@
+"""The per-example rule spec table: one small problem per rule and attribute set.
+
+Each `Spec` names the op type whose rule it exercises and a `build(dtype,
+rng)` that creates the variables in the default graph and returns a
+`Problem`:
+
+* `xs`: the variables whose per-example gradients are checked;
+* `inputs`: what each placeholder holds, without the batch axis
+  (`floats(...)`, `ids(vocab, ...)`);
+* `loss(*placeholders)`: builds the `[B]` per-example loss from the
+  placeholders. It is called several times on the same variables (static
+  B=1, static B=3, dynamic B), which is how the loop reference gets a
+  static-B copy of a dynamic-B graph with the same weights.
+
+`expect` is the strategy "auto" must pick for every x: "rules", or "pfor"
+for the entries that document a combination a rule does not take (auto then
+falls back and still matches the loop).
+"""
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+Input = collections.namedtuple("Input", ["tail", "kind", "vocab",
+                                         "dynamic"])
+
+
+class Problem(collections.namedtuple(
+        "Problem", ["xs", "inputs", "loss", "reference"])):
+    """What `Spec.build` returns; `reference` (optional) is the same function
+    of the same variables written with ops TensorFlow can differentiate on
+    the CPU, for the loop reference."""
+
+    def __new__(cls, xs, inputs, loss, reference=None):
+        return super(Problem, cls).__new__(cls, xs, inputs, loss, reference)
+
+
+class Spec(collections.namedtuple(
+        "Spec", ["name", "op_type", "build", "expect", "skip", "limits",
+                 "rules_error"])):
+    """One row of the table (see the module docstring).
+
+    `limits` maps a strategy to the reason TensorFlow cannot run it for
+    this row on the CPU (it is left out); `rules_error` is a regex the
+    ValueError of strategy="rules" must match on fallback rows.
+    """
+
+    def __new__(cls, name, op_type, build, expect="rules", skip=None,
+                limits=None, rules_error=None):
+        return super(Spec, cls).__new__(cls, name, op_type, build, expect,
+                                        skip, dict(limits or {}),
+                                        rules_error or op_type)
+
+
+def floats(*tail, dynamic=()):
+    """Float input `[B, *tail]`; axes of `tail` in `dynamic` are None in
+    the placeholder (data still has `tail`'s sizes)."""
+    return Input(tuple(tail), "float", None, tuple(dynamic))
+
+
+def ids(vocab, *tail):
+    return Input(tuple(tail), "ids", vocab, ())
+
+
+def sample(inp, batch, dtype, rng):
+    """A numpy batch for one `Input`; ids repeat within each example."""
+    shape = (batch,) + inp.tail
+    if inp.kind == "float":
+        return rng.normal(size=shape).astype(dtype.as_numpy_dtype)
+    values = rng.integers(0, inp.vocab, size=shape).astype(np.int32)
+    if len(inp.tail) >= 1 and inp.tail[-1] >= 2:
+        values[..., 1] = values[..., 0]     # a repeated id in every example
+    return values
+
+
+def placeholder(inp, batch, dtype):
+    kind_dtype = dtype if inp.kind == "float" else tf.int32
+    tail = tuple(None if j in inp.dynamic else d
+                 for j, d in enumerate(inp.tail))
+    return tf.compat.v1.placeholder(kind_dtype, (batch,) + tail)
+
+
+def var(rng, shape, dtype, resource=True, name=None):
+    value = rng.normal(size=shape).astype(tf.as_dtype(dtype).as_numpy_dtype)
+    return tf.compat.v1.Variable(value, use_resource=resource, name=name)
+
+
+def head(z, batch_axis=0):
+    """A per-example loss `[B]` from `z`: each entry's gradient differs."""
+    rank = z.shape.rank
+    terms = tf.sin(z) + 0.25 * tf.square(z)
+    axes = [a for a in range(rank) if a != batch_axis]
+    return tf.reduce_sum(terms, axis=axes) if axes else terms
+
+
+# --------------------------------------------------------------------------
+# MatMul and reads
+
+
+def matmul(side, transpose_a, transpose_b):
+    """`z = matmul(.., .., transpose_a, transpose_b)`, parameter on `side`."""
+    d, k = 4, 3
+
+    def build(dtype, rng):
+        if side == "right":       # z[B, K] = op(x) op(w)
+            w = var(rng, [k, d] if transpose_b else [d, k], dtype)
+
+            def loss(x):
+                a = tf.transpose(x) if transpose_a else x
+                return head(tf.matmul(a, w, transpose_a=transpose_a,
+                                      transpose_b=transpose_b))
+        else:                     # z[K, B] = op(w) op(x^T)
+            w = var(rng, [d, k] if transpose_a else [k, d], dtype)
+
+            def loss(x):
+                b = x if transpose_b else tf.transpose(x)
+                return head(tf.matmul(w, b, transpose_a=transpose_a,
+                                      transpose_b=transpose_b), batch_axis=1)
+        return Problem([w], [floats(d)], loss)
+
+    return build
+
+
+def _other_float(dtype):
+    return tf.float32 if dtype == tf.float64 else tf.float64
+
+
+def matmul_read(read):
+    """A dense layer whose weight reaches MatMul through `read`."""
+
+    def build(dtype, rng):
+        if read == "cast":        # a variable of the other float type
+            w = var(rng, [4, 3], _other_float(dtype))
+        else:
+            w = var(rng, [4, 3], dtype, resource=(read != "ref"))
+
+        def loss(x):
+            if read == "cast":
+                v = tf.cast(w, dtype)
+            elif read == "identity":
+                v = tf.identity(tf.identity(w))
+            else:
+                v = w
+            return head(tf.matmul(x, v))
+        return Problem([w], [floats(4)], loss)
+
+    return build
+
+
+def dense_bias_add(dtype, rng):
+    w, b = var(rng, [4, 3], dtype), var(rng, [3], dtype)
+    return Problem([w, b], [floats(4)],
+                   lambda x: head(tf.nn.bias_add(tf.matmul(x, w), b)))
+
+
+# --------------------------------------------------------------------------
+# BiasAdd and broadcast parameters
+
+
+def bias_add(data_format, raw_v1=False):
+    def build(dtype, rng):
+        c = 2
+        b = var(rng, [c], dtype)
+        tail = (c, 3, 3) if data_format == "NCHW" else (3, 3, c)
+
+        def loss(x):
+            if raw_v1:
+                return head(tf.raw_ops.BiasAddV1(value=x, bias=b))
+            return head(tf.nn.bias_add(x, b, data_format=data_format))
+        return Problem([b], [floats(*tail)], loss)
+
+    return build
+
+
+def broadcast(kind):
+    """A parameter broadcast over the batch by an Add/AddV2/Sub/Mul."""
+
+    def build(dtype, rng):
+        shapes = {"add": [3], "add_raw": [3], "sub_right": [2, 3],
+                  "sub_left": [3], "mul": [2, 3], "row": [1, 3],
+                  "scalar": [], "keepdim": [1, 1, 3]}
+        p = var(rng, shapes[kind], dtype)
+
+        def loss(x):              # x: [B, 2, 3]
+            if kind == "add":
+                z = x + p
+            elif kind == "add_raw":
+                z = tf.raw_ops.Add(x=x, y=p)
+            elif kind == "sub_right":
+                z = x - p
+            elif kind == "sub_left":
+                z = p - x
+            elif kind in ("mul", "scalar"):
+                z = x * p
+            else:                 # "row" [1, 3] and "keepdim" [1, 1, 3]
+                z = tf.tanh(x) * p if kind == "row" else x + p
+            return head(z)
+        return Problem([p], [floats(2, 3)], loss)
+
+    return build
+
+
+def layer_norm(dtype, rng):
+    """LayerNorm over the feature axis of `[B, T, D]`; gamma and beta `[D]`."""
+    gamma, beta = var(rng, [4], dtype), var(rng, [4], dtype)
+
+    def loss(x):
+        mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+        normed = (x - mean) * tf.math.rsqrt(variance + 1e-3)
+        return head(normed * gamma + beta)
+    return Problem([gamma, beta], [floats(3, 4)], loss)
+
+
+# --------------------------------------------------------------------------
+# BatchMatMul and Einsum
+
+
+def batch_matmul(op_type, adj_x=False, adj_y=False, side="right"):
+    """`[B, T, D] x [D, K]` (sum over T per example), or the parameter left."""
+    t, d, k = 3, 4, 2
+
+    def build(dtype, rng):
+        if side == "right":
+            w = var(rng, [k, d] if adj_y else [d, k], dtype)
+        else:                     # z[B, K, T] = w[K, D] x[B, D, T]
+            w = var(rng, [d, k] if adj_x else [k, d], dtype)
+        rank2 = op_type == "BatchMatMul"
+
+        def loss(x):
+            if side == "right":
+                perm = [1, 0] if rank2 else [0, 2, 1]
+                a = tf.transpose(x, perm) if adj_x and not rank2 else x
+                args = dict(x=a, y=w, adj_x=adj_x and not rank2, adj_y=adj_y)
+            else:
+                args = dict(x=w, y=tf.transpose(x, [0, 2, 1]), adj_x=adj_x,
+                            adj_y=False)
+            if op_type == "BatchMatMulV3":
+                z = tf.raw_ops.BatchMatMulV3(Tout=dtype, **args)
+            else:
+                z = getattr(tf.raw_ops, op_type)(**args)
+            return head(z)
+        tail = (d,) if rank2 else (t, d)
+        return Problem([w], [floats(*tail)], loss)
+
+    return build
+
+
+def einsum(equation, act_shape, param_shape, transpose_act=None):
+    """Two-operand einsum; the operand without "b" is the parameter.
+
+    `transpose_act` permutes the `[B, ...]` placeholder before the einsum
+    (for equations whose activation is not batch-leading).
+    """
+    ins, out = equation.split("->")
+    left, right = ins.split(",")
+    param_first = "b" not in left
+    batch_axis = out.index("b")
+
+    def build(dtype, rng):
+        w = var(rng, list(param_shape), dtype)
+
+        def loss(x):
+            a = tf.transpose(x, transpose_act) if transpose_act else x
+            z = tf.einsum(equation, *((w, a) if param_first else (a, w)))
+            return head(z, batch_axis=batch_axis)
+        return Problem([w], [floats(*act_shape)], loss)
+
+    return build
+
+
+# --------------------------------------------------------------------------
+# Convolutions
+
+
+def _zero_stuffed(f, dilations):
+    """The filter of a dilated convolution as an undilated one: `f`'s taps
+    at multiples of the dilation along the leading spatial axes, zeros
+    between (differentiable in `f`: a scatter)."""
+    spatial = len(dilations)
+    taps = f.shape.as_list()[:spatial]
+    grid = np.stack(np.meshgrid(*[np.arange(k) * d for k, d in
+                                  zip(taps, dilations)], indexing="ij"),
+                    axis=-1)
+    size = [(k - 1) * d + 1 for k, d in zip(taps, dilations)]
+    return tf.scatter_nd(grid.astype(np.int32), tf.convert_to_tensor(f),
+                         size + f.shape.as_list()[spatial:])
+
+
+# TF's CPU kernel for the filter gradient of a dilated Conv2D fails
+# ("Current CPU implementations do not yet support dilation rates larger
+# than 1"), so the loop and pfor strategies cannot run; the reference is
+# the same convolution with a zero-stuffed filter.
+NO_CPU_DILATED_GRAD = ("TensorFlow has no CPU filter gradient for a dilated "
+                       "Conv2D")
+# TF's pfor converter for Conv2DBackpropFilter drops explicit_paddings
+# ("explicit_paddings attribute must contain 8 values, but got: 0").
+PFOR_EXPLICIT = "TF's pfor of Conv2DBackpropFilter loses explicit_paddings"
+
+
+def conv2d(strides=1, padding="SAME", dilations=1, kernel=(3, 3),
+           dynamic=()):
+    def build(dtype, rng):
+        f = var(rng, list(kernel) + [2, 3], dtype)
+
+        def loss(x):
+            return head(tf.nn.conv2d(x, f, strides=strides, padding=padding,
+                                     dilations=dilations))
+
+        def reference(x):
+            stuffed = _zero_stuffed(f, [dilations] * 2)
+            return head(tf.nn.conv2d(x, stuffed, strides=strides,
+                                     padding=padding))
+        return Problem([f], [floats(7, 6, 2, dynamic=dynamic)], loss,
+                       reference if dilations != 1 else None)
+
+    return build
+
+
+def depthwise(strides=1, padding="SAME", dilations=None, multiplier=2):
+    def build(dtype, rng):
+        f = var(rng, [3, 2, 2, multiplier], dtype)
+
+        def loss(x):
+            return head(tf.nn.depthwise_conv2d(
+                x, f, strides=[1, strides, strides, 1], padding=padding,
+                dilations=dilations))
+        return Problem([f], [floats(7, 6, 2)], loss)
+
+    return build
+
+
+def conv1d(stride=1, padding="SAME", dilation=1):
+    def build(dtype, rng):
+        f = var(rng, [3, 2, 3], dtype)
+
+        def loss(x):
+            return head(tf.nn.conv1d(x, f, stride=stride, padding=padding,
+                                     dilations=dilation))
+
+        def reference(x):
+            return head(tf.nn.conv1d(x, _zero_stuffed(f, [dilation]),
+                                     stride=stride, padding=padding))
+        return Problem([f], [floats(8, 2)], loss,
+                       reference if dilation != 1 else None)
+
+    return build
+
+
+def conv2d_nchw(dtype, rng):
+    f = var(rng, [3, 3, 2, 3], dtype)
+    return Problem([f], [floats(2, 5, 5)], lambda x: head(
+        tf.nn.conv2d(x, f, 1, "SAME", data_format="NCHW")))
+
+
+# --------------------------------------------------------------------------
+# Embedding lookups
+
+
+def embedding(resource, id_tail, how="embedding_lookup"):
+    """A `[V, D]` table looked up by ids `[B, *id_tail]` (ids repeat)."""
+    vocab = 5
+
+    def build(dtype, rng):
+        table = var(rng, [vocab, 3], dtype, resource=resource)
+
+        def loss(i):
+            if how == "embedding_lookup":
+                e = tf.nn.embedding_lookup(table, i)
+            else:
+                e = tf.gather(table, i)
+            return head(tf.tanh(e))
+        return Problem([table], [ids(vocab, *id_tail)], loss)
+
+    return build
+
+
+# --------------------------------------------------------------------------
+# The table
+
+NO_GRAD = {"pfor": NO_CPU_DILATED_GRAD, "loop": NO_CPU_DILATED_GRAD}
+NCHW_CONV_SKIP = ("TensorFlow's CPU kernels run Conv2D only in NHWC (the "
+                  "op itself fails: 'The Conv2D op currently only supports "
+                  "the NHWC tensor format on CPU')")
+
+SPECS = (
+    [Spec("matmul_%s_ta%d_tb%d" % (side, ta, tb), "MatMul",
+          matmul(side, bool(ta), bool(tb)))
+     for side in ("right", "left") for ta in (0, 1) for tb in (0, 1)] +
+    [Spec("matmul_read_" + r, "MatMul", matmul_read(r))
+     for r in ("identity", "cast", "ref")] +
+    [Spec("dense_bias_add", "BiasAdd", dense_bias_add),
+     Spec("bias_add_nhwc", "BiasAdd", bias_add("NHWC")),
+     Spec("bias_add_nchw", "BiasAdd", bias_add("NCHW")),
+     Spec("bias_add_v1", "BiasAddV1", bias_add("NHWC", raw_v1=True)),
+     Spec("broadcast_add", "AddV2", broadcast("add")),
+     Spec("broadcast_add_raw", "Add", broadcast("add_raw")),
+     Spec("broadcast_sub_param_right", "Sub", broadcast("sub_right")),
+     Spec("broadcast_sub_param_left", "Sub", broadcast("sub_left")),
+     Spec("broadcast_mul", "Mul", broadcast("mul")),
+     Spec("broadcast_mul_1xD", "Mul", broadcast("row")),
+     Spec("broadcast_mul_scalar", "Mul", broadcast("scalar")),
+     Spec("broadcast_add_1x1xD", "AddV2", broadcast("keepdim")),
+     Spec("layer_norm_scale_shift", "Mul", layer_norm)] +
+    [Spec("bmm_v2_adjx%d_adjy%d" % (ax, ay), "BatchMatMulV2",
+          batch_matmul("BatchMatMulV2", bool(ax), bool(ay)))
+     for ax in (0, 1) for ay in (0, 1)] +
+    [Spec("bmm_v2_param_left", "BatchMatMulV2",
+          batch_matmul("BatchMatMulV2", side="left")),
+     Spec("bmm_v2_param_left_adjx", "BatchMatMulV2",
+          batch_matmul("BatchMatMulV2", adj_x=True, side="left")),
+     Spec("bmm_v3_adjy", "BatchMatMulV3",
+          batch_matmul("BatchMatMulV3", adj_y=True)),
+     Spec("bmm_v1_rank2_adjy", "BatchMatMul",
+          batch_matmul("BatchMatMul", adj_y=True)),
+     Spec("einsum_btd_dk_btk", "Einsum", einsum("btd,dk->btk", (3, 4), (4, 2))),
+     Spec("einsum_btd_kd_kbt", "Einsum", einsum("btd,kd->kbt", (3, 4), (2, 4))),
+     Spec("einsum_param_first", "Einsum", einsum("dk,btd->bkt", (3, 4), (4, 2))),
+     Spec("einsum_bd_dk_bk", "Einsum", einsum("bd,dk->bk", (4,), (4, 2))),
+     Spec("einsum_two_contracted", "Einsum",
+          einsum("bthd,hdk->btk", (3, 2, 4), (2, 4, 3))),
+     Spec("einsum_split_heads", "Einsum",
+          einsum("btd,dhk->bthk", (3, 4), (4, 2, 3))),
+     Spec("einsum_sum_t_inside", "Einsum", einsum("btd,dk->bk", (3, 4), (4, 2))),
+     Spec("einsum_param_kept_in_output", "Einsum",
+          einsum("bd,dk->bdk", (4,), (4, 2))),
+     Spec("einsum_param_shares_t", "Einsum",
+          einsum("btd,td->bt", (3, 4), (3, 4))),
+     Spec("einsum_vector_param", "Einsum", einsum("bd,d->b", (4,), (4,))),
+     # The batch is not the activation's first letter: the rule cannot tell,
+     # the coupling check sees its guess reduced away, auto falls back.
+     Spec("einsum_batch_not_first", "Einsum",
+          einsum("tbd,dk->tbk", (3, 4), (4, 2), transpose_act=[1, 0, 2]),
+          expect="pfor", rules_error="mixes examples"),
+     Spec("conv2d_valid", "Conv2D", conv2d(padding="VALID")),
+     Spec("conv2d_same_stride2", "Conv2D", conv2d(strides=2)),
+     Spec("conv2d_same_dilation2", "Conv2D", conv2d(dilations=2),
+          limits=NO_GRAD),
+     Spec("conv2d_valid_stride2_dilation2", "Conv2D",
+          conv2d(strides=2, padding="VALID", dilations=2), limits=NO_GRAD),
+     Spec("conv2d_same_stride2_dilation2_dynamic_hw", "Conv2D",
+          conv2d(strides=2, dilations=2, dynamic=(0, 1)), limits=NO_GRAD),
+     Spec("conv2d_same_stride2_dynamic_hw", "Conv2D",
+          conv2d(strides=2, kernel=(2, 3), dynamic=(0, 1))),
+     Spec("conv2d_same_even_kernel_stride_1x2", "Conv2D",
+          conv2d(strides=[1, 2], kernel=(2, 4))),
+     Spec("conv2d_explicit_padding", "Conv2D",
+          conv2d(padding=[[0, 0], [1, 2], [0, 1], [0, 0]]),
+          limits={"pfor": PFOR_EXPLICIT}),
+     Spec("conv2d_nchw", "Conv2D", conv2d_nchw, skip=NCHW_CONV_SKIP),
+     Spec("depthwise_same_multiplier2", "DepthwiseConv2dNative", depthwise()),
+     Spec("depthwise_valid_stride2", "DepthwiseConv2dNative",
+          depthwise(strides=2, padding="VALID", multiplier=1)),
+     Spec("depthwise_explicit_padding", "DepthwiseConv2dNative",
+          depthwise(padding=[[0, 0], [1, 2], [0, 1], [0, 0]])),
+     # tf.nn.depthwise_conv2d builds dilations as SpaceToBatchND around a
+     # non-dilated DepthwiseConv2dNative (the CPU kernel has no dilations);
+     # SpaceToBatchND folds image blocks into the batch axis, so examples
+     # are not rows of the op any more: auto falls back to pfor.
+     Spec("depthwise_dilation2_space_to_batch", "DepthwiseConv2dNative",
+          depthwise(dilations=[2, 2]), expect="pfor",
+          rules_error="BatchToSpaceND"),
+     Spec("conv1d_same_stride2", "Conv2D", conv1d(stride=2)),
+     Spec("conv1d_valid_dilation2", "Conv2D",
+          conv1d(padding="VALID", dilation=2), limits=NO_GRAD),
+     Spec("embedding_resource_ids_BT", "ResourceGather",
+          embedding(True, (4,))),
+     Spec("embedding_resource_ids_B", "ResourceGather", embedding(True, ())),
+     Spec("embedding_resource_ids_BTU", "ResourceGather",
+          embedding(True, (2, 3), how="gather")),
+     Spec("embedding_ref_gatherv2_ids_BT", "GatherV2", embedding(False, (4,))),
+     Spec("embedding_ref_gatherv2_ids_B", "GatherV2",
+          embedding(False, (), how="gather"))])

@@ -1,0 +1,167 @@
+"""Every per-example rule and strategy against the loop reference.
+
+For each row of `specs.SPECS` and each float type, one graph holds the
+spec's variables and three copies of its loss: static B=1, static B=3 and
+dynamic B (placeholders `[None, ...]`). `custagg.testing.loop_per_example`
+on the static copies is the reference; the dynamic copy is run with the
+same B=1 and B=3 data. Checked against it:
+
+* `per_example_gradients` with each strategy ("loop" only for static B);
+* `per_example_norms`, `clipped_gradients` (some examples clipped) and
+  `gradient_second_moments` with "auto", which is the rule's own reduction
+  (outer-product identities, sparse rows) when the rule applies;
+* the plan: "auto" picks the expected strategy and the spec's op type;
+  "rules" on a fallback row raises a ValueError naming the op type.
+
+One graph and one session per (spec, dtype) keeps the run short: TF graph
+construction is the cost.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import testing
+
+import specs
+
+RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
+DTYPES = [tf.float64, tf.float32]
+BATCHES = (1, 3)
+
+# Strategies run on each copy (None: dynamic B, fed B=1 and B=3). float64
+# runs them all; float32 (the same graph code, other rounding) the rule
+# paths. Norms, clipped sums and second moments ("auto") run on the
+# dynamic copy. pfor and loop do not depend on the float type.
+STRATEGIES = {
+    tf.float64: {1: ("rules", "pfor"), 3: ("rules", "pfor", "loop"),
+                 None: ("rules", "pfor", "auto")},
+    tf.float32: {1: (), 3: ("rules",), None: ("rules", "auto")},
+}
+
+
+def assert_close(actual, desired, rtol, label):
+    actual = testing.to_numpy(actual)
+    desired = np.asarray(desired)
+    assert actual is not None, label + ": got None"
+    assert actual.shape == desired.shape, "%s: shape %s, expected %s" % (
+        label, actual.shape, desired.shape)
+    scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+    np.testing.assert_allclose(actual, desired, rtol=rtol, atol=rtol * scale,
+                               err_msg=label)
+
+
+class _Copy(object):
+    """One copy of the spec's loss on fresh placeholders.
+
+    `reference` is the loss the loop reference differentiates: the spec's
+    own, or its `Problem.reference` (the same function of the same
+    variables, built from ops TensorFlow can differentiate on the CPU).
+    """
+
+    def __init__(self, problem, batch, dtype):
+        self.placeholders = [specs.placeholder(i, batch, dtype)
+                             for i in problem.inputs]
+        self.loss = problem.loss(*self.placeholders)
+        self.reference = (problem.reference(*self.placeholders)
+                          if problem.reference else self.loss)
+        self.clip = tf.compat.v1.placeholder(self.loss.dtype, [])
+
+    def feed(self, data, clip=None):
+        feed = dict(zip(self.placeholders, data))
+        if clip is not None:
+            feed[self.clip] = clip
+        return feed
+
+
+def _fetches(spec, copy, xs, strategies, reductions):
+    out = {}
+    for s in strategies:
+        if (s == "rules" and spec.expect != "rules") or s in spec.limits:
+            continue
+        out["per_example/" + s] = custagg.per_example_gradients(
+            copy.loss, xs, strategy=s)
+    if reductions:
+        out["norms"] = custagg.per_example_norms(copy.loss, xs)
+        out["clipped"], out["clipped_norms"] = custagg.clipped_gradients(
+            copy.loss, xs, copy.clip, return_norms=True)
+        out["moments"] = custagg.gradient_second_moments(copy.loss, xs)
+    return out
+
+
+def _expected(ref):
+    """Numpy values of the reductions of `_fetches`, from the reference."""
+    norms = testing.numpy_norms(ref)
+    clip = 0.7 * float(np.median(norms))   # clips some examples, not all
+    clipped, _ = testing.numpy_clipped(ref, clip)
+    return clip, {"norms": norms, "clipped": clipped, "clipped_norms": norms,
+                  "moments": testing.numpy_second_moments(ref)}
+
+
+def _compare(got, ref, expected, rtol, where):
+    for key, value in got.items():
+        want = ref if key.startswith("per_example/") else expected[key]
+        if isinstance(value, list):
+            assert len(value) == len(want)
+            for j, (v, w) in enumerate(zip(value, want)):
+                assert_close(v, w, rtol, "%s %s x%d" % (where, key, j))
+        else:
+            assert_close(value, want, rtol, "%s %s" % (where, key))
+
+
+def _check_plan(spec, loss, xs):
+    plan = custagg.plan_per_example(loss, xs, strategy="auto")
+    for a in plan.assignments:
+        assert a.strategy == spec.expect, str(plan)
+        assert spec.expect == "rules" or a.reason, str(plan)
+    if spec.expect == "rules":
+        used = {c.op.type for a in plan.assignments for c in a.consumers}
+        assert spec.op_type in used, str(plan)
+    else:
+        with pytest.raises(ValueError, match=spec.rules_error) as info:
+            custagg.plan_per_example(loss, xs, strategy="rules")
+        assert "'auto'" in str(info.value) and "'pfor'" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("spec", specs.SPECS, ids=lambda s: s.name)
+def test_matches_loop(spec, dtype):
+    if spec.skip:
+        pytest.skip(spec.skip)
+    rng = np.random.default_rng(sum(map(ord, spec.name)))
+    graph = tf.Graph()
+    with graph.as_default():
+        problem = spec.build(dtype, rng)
+        xs = problem.xs
+        # A float32 x (cast to float64 inside) has float32 gradients.
+        rtol = max([RTOL[dtype]] + [RTOL[x.dtype.base_dtype] for x in xs])
+        copies = {b: _Copy(problem, b, dtype) for b in BATCHES + (None,)}
+        _check_plan(spec, copies[None].loss, xs)
+        refs = {b: testing.loop_per_example(copies[b].reference, xs)
+                for b in BATCHES}
+        fetches = {b: _fetches(spec, copies[b], xs, STRATEGIES[dtype][b],
+                               reductions=b is None) for b in copies}
+        data = {b: [specs.sample(i, b, dtype, rng) for i in problem.inputs]
+                for b in BATCHES}
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            feed = {}
+            for b in BATCHES:
+                feed.update(copies[b].feed(data[b]))
+            ref_values = sess.run(refs, feed)
+            got = sess.run({b: fetches[b] for b in BATCHES}, feed)
+            for b in BATCHES:
+                _compare(got[b], ref_values[b], {}, rtol, "static B=%d" % b)
+            for b in BATCHES:
+                clip, expected = _expected(ref_values[b])
+                got = sess.run(fetches[None], copies[None].feed(data[b], clip))
+                _compare(got, ref_values[b], expected, rtol,
+                         "dynamic B=%d" % b)
+
+
+def test_every_registered_rule_has_a_spec():
+    covered = {s.op_type for s in specs.SPECS if s.expect == "rules"
+               and not s.skip}
+    missing = set(custagg.default_registry().op_types()) - covered
+    assert not missing, "registered rules without a spec: %s" % sorted(missing)
