@@ -127,13 +127,17 @@ class MatMulRule(BilinearRule):
 
 def _leading(rank):
     if rank is None or rank < 3:
-        raise ValueError("the activation needs rank >= 3 (batch-leading)")
+        raise ValueError("the activation needs a known rank of 2 or more")
     return "b" + "tuvwxyz"[:rank - 3]
 
 
 @registry.register_rule("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul")
 class BatchMatMulRule(BilinearRule):
-    """Batch matmul of a batch-leading activation with a rank-2 parameter."""
+    """Batch matmul of a batch-leading activation with a rank-2 parameter.
+
+    The activation is `[B, ..., T, D]` (broadcast against the parameter), or
+    a `[B, D]` matrix, which makes the op a MatMul.
+    """
 
     def subscripts(self, ctx):
         op = ctx.op
@@ -141,12 +145,21 @@ class BatchMatMulRule(BilinearRule):
         if ctx.param.shape.rank != 2:
             raise ValueError("the parameter must have rank 2 (got %s)"
                              % ctx.param.shape)
-        lead = _leading(ctx.other_input().shape.rank)
         x_sub = "kq" if adj_x else "qk"
         y_sub = "nk" if adj_y else "kn"
+        out_sub = "qn"
+        if ctx.other_input().shape.rank == 2:
+            # Two matrices, as in MatMul: the batch is the activation's free
+            # axis (q when the activation is on the left, n on the right).
+            free = "q" if ctx.input_index == 1 else "n"
+            x_sub, y_sub, out_sub = (s.replace(free, "b")
+                                     for s in (x_sub, y_sub, out_sub))
+            lead = ""
+        else:
+            lead = _leading(ctx.other_input().shape.rank)
         if ctx.input_index == 1:
-            return lead + x_sub, y_sub, lead + "qn", "b"
-        return lead + y_sub, x_sub, lead + "qn", "b"
+            return lead + x_sub, y_sub, lead + out_sub, "b"
+        return lead + y_sub, x_sub, lead + out_sub, "b"
 
     def unsupported(self, ctx):
         if ctx.op.type == "BatchMatMulV3" and (

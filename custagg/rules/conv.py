@@ -70,9 +70,11 @@ class _ConvBase(registry.Rule):
 
     def weighted_sum(self, ctx, weights):
         c = tf.cast(weights, ctx.grad.dtype)
-        if self.has_per_example(ctx):
-            # The norms already built them: a [B] x [B, P] product is cheaper
-            # than another backprop-filter pass.
+        _, _, dilations, _ = self._attrs(ctx)
+        # When the norms already built them a [B] x [B, P] product is
+        # cheaper than another backprop-filter pass; with dilations TF's CPU
+        # backprop-filter kernels fail, so the per-example form is used too.
+        if self.has_per_example(ctx) or max(dilations) > 1:
             return tf.tensordot(c, self.cached_per_example(ctx), axes=1)
         return self._backprop_filter(ctx, ctx.grad * c[:, None, None, None])
 
