@@ -146,18 +146,24 @@ def timed_ms(fn):
     return (time.perf_counter() - t) * 1e3
 
 
-def time_against_floor(system_fn, floor_fn, repeats, budget_s, min_runs=3):
+def time_against_floor(system_fn, floor_fn, repeats, budget_s, first_ms):
     """Median ms of system and floor, run alternately so load drifts hit both.
 
-    Stops after `repeats` pairs, or earlier once `budget_s` of wall time has
-    gone and at least min(min_runs, repeats) pairs ran.
+    `first_ms` is the system's first (already done) run. A fast system gets one
+    more warm-up run and at least min(3, repeats) timed pairs; a system whose
+    first run alone exceeds `budget_s` is timed once (its first run warmed it).
+    Stops after `repeats` pairs, or once `budget_s` of wall time has gone.
     """
+    slow = first_ms / 1e3 > budget_s
+    if not slow:
+        system_fn()
+    min_runs = 1 if slow else min(3, repeats)
     sys_ms, floor_ms = [], []
     start = time.perf_counter()
     for _ in range(max(1, repeats)):
         floor_ms.append(timed_ms(floor_fn))
         sys_ms.append(timed_ms(system_fn))
-        if len(sys_ms) >= min(min_runs, repeats) and time.perf_counter() - start > budget_s:
+        if len(sys_ms) >= min_runs and time.perf_counter() - start > budget_s:
             break
     return statistics.median(sys_ms), statistics.median(floor_ms), len(sys_ms)
 

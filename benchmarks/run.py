@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -29,7 +30,7 @@ REPO = os.path.dirname(HERE)
 
 FULL = dict(models=list(models.MODELS), batch_sizes=[32, 128, 512], repeats=10,
             timeout=120.0, budget=3.0, slow_limit=60.0, out=os.path.join(HERE, "results"))
-QUICK = dict(models=list(models.MODELS), batch_sizes=[32], repeats=3,
+QUICK = dict(models=["mlp", "text"], batch_sizes=[32], repeats=3,
              timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
@@ -244,22 +245,24 @@ def predict_skip(cfg, done, args):
             if r["task"] != cfg["task"]:
                 where += " (task %s, same per-example computation)" % r["task"]
             return "skipped (timed out at %s)" % where
-    if not SYSTEMS[cfg["system"]].quadratic:
-        return None
     ok = [r for r in family if r["status"] == "ok" and r["batch_size"] < cfg["batch_size"]
-          and r["task"] == cfg["task"]]
+          and r["task"] == cfg["task"] and r.get("median_ms") is not None]
     if not ok:
         return None
     r = max(ok, key=lambda r: r["batch_size"])
     scale = cfg["batch_size"] / float(r["batch_size"])
-    # Graph size grows ~B^1.6 for per-example loops (measured 6.1 s -> 51 s
-    # for B 128 -> 512 on the MLP); each run grows ~B^2.
-    runs_s = (r["first_run_ms"] + 4 * r["median_ms"]) / 1e3
-    est = (r["build_s"] or 0.0) * scale ** 1.6 + runs_s * scale ** 2 + 3.0
-    if est > args.slow_limit:
+    build_s, runs_s = r["build_s"] or 0.0, (r["first_run_ms"] + 4 * r["median_ms"]) / 1e3
+    if SYSTEMS[cfg["system"]].quadratic:
+        # Graph size grows ~B^1.6 for per-example loops (measured 6.1 s -> 51 s
+        # for B 128 -> 512 on the MLP); each run grows ~B^2.
+        est, limit = build_s * scale ** 1.6 + runs_s * scale ** 2 + 3.0, args.slow_limit
+        what = "limit"
+    else:
+        est, limit, what = build_s * scale + runs_s * scale + 3.0, args.timeout, "timeout"
+    if est > limit:
         return ("skipped (too slow: est %.0f s at B=%d from %.1f s build + %.0f ms/run at B=%d; "
-                "limit %.0f s)" % (est, cfg["batch_size"], r["build_s"] or 0.0, r["median_ms"],
-                                   r["batch_size"], args.slow_limit))
+                "%s %.0f s)" % (est, cfg["batch_size"], build_s, r["median_ms"],
+                                r["batch_size"], what, limit))
     return None
 
 
@@ -326,8 +329,13 @@ def _progress(i, n, rec, wall):
     print("%s %s  (%.1fs)" % (head, body, wall), flush=True)
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt("signal %d" % signum)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)   # so `finally` stops the workers
     os.makedirs(args.out, exist_ok=True)
     dirs = {"logs": os.path.join(args.out, "logs"), "tmp": os.path.join(args.out, "logs", "tmp"),
             "cache": os.path.join(args.out, ".cache")}

@@ -129,7 +129,8 @@ def _wait(pid, timeout):
         done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
             break
-        if time.monotonic() - start > timeout:
+        orphaned = os.getppid() != _PARENT   # the orchestrator died: stop too
+        if orphaned or time.monotonic() - start > timeout:
             os.kill(pid, signal.SIGKILL)
             _, status, usage = os.wait4(pid, 0)
             return {"status": "timeout", "exit": None, "maxrss_mb": usage.ru_maxrss / 1024.0,
@@ -145,7 +146,12 @@ def _wait(pid, timeout):
             "maxrss_mb": usage.ru_maxrss / 1024.0, "wall_s": wall}
 
 
+_PARENT = None
+
+
 def serve(framework):
+    global _PARENT
+    _PARENT = os.getppid()
     # Keep the protocol channel clean: anything printed by libraries goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -164,7 +170,10 @@ def serve(framework):
         pid = os.fork()
         if pid == 0:
             _child(request)
-        proto.write(json.dumps(_wait(pid, request["timeout"])) + "\n")
+        reply = _wait(pid, request["timeout"])
+        if os.getppid() != _PARENT:
+            return 1
+        proto.write(json.dumps(reply) + "\n")
     return 0
 
 

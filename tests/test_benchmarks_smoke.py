@@ -1,0 +1,98 @@
+"""Smoke test of the comparison benchmark (`python -m benchmarks`).
+
+Tiny and fast on purpose: one model, B=8, one repetition, a few TF systems,
+no peers. It checks that the harness runs end to end and writes its outputs in
+the documented format, and that the systems it ran agree with the reference.
+No timing assertions, ever: timings are not what this test is about.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEYS = {"model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
+        "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor", "check"}
+
+
+def _custagg_ready():
+    try:
+        import custagg
+    except Exception:
+        return False
+    return all(hasattr(custagg, n) for n in ("per_example_gradients", "per_example_norms",
+                                              "clipped_gradients"))
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    systems = ["tf_vmap", "tf_grad_ys"] + (["custagg_auto"] if _custagg_ready() else [])
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    # The repository root first: opacus (an optional peer) installs an
+    # unrelated top-level `benchmarks` package into site-packages.
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "benchmarks", "--models", "mlp", "--batch-sizes", "8",
+           "--tasks", "grads,norms,dpsgd,custom", "--systems", ",".join(systems),
+           "--repeats", "1", "--budget", "0", "--timeout", "120", "--out", str(out),
+           "--no-plot"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(str(out), "results.json")) as f:
+        records = json.load(f)
+    return out, proc.stdout, records, systems
+
+
+def test_writes_records_in_the_documented_format(smoke_run):
+    out, stdout, records, systems = smoke_run
+    assert isinstance(records, list) and records
+    for rec in records:
+        assert KEYS <= set(rec), sorted(KEYS - set(rec))
+        assert rec["status"] in ("ok", "skipped", "failed", "timeout")
+    assert {r["system"] for r in records} == set(systems)
+    assert os.path.exists(os.path.join(str(out), "results.md"))
+    assert os.path.exists(os.path.join(str(out), "machine.json"))
+    # One progress line per configuration.
+    assert sum(1 for line in stdout.splitlines() if line.startswith("[")) == len(records)
+
+
+def test_systems_run_and_agree_with_the_reference(smoke_run):
+    _, _, records, _ = smoke_run
+    for rec in records:
+        assert rec["status"] == "ok", rec
+        assert rec["check"] == "pass", rec
+        assert rec["median_ms"] > 0 and rec["floor_ms"] > 0
+        assert rec["ratio_to_floor"] == pytest.approx(rec["median_ms"] / rec["floor_ms"])
+
+
+def test_report_tables_from_records(tmp_path):
+    from benchmarks import report
+    rec = {k: None for k in KEYS}
+    rec.update(model="mlp", batch_size=8, task="norms", system="tf_vmap", status="ok",
+               note="", median_ms=2.0, floor_ms=1.0, ratio_to_floor=2.0, check="pass",
+               framework="tf")
+    skipped = dict(rec, system="tf_loop", status="skipped", note="skipped (too slow: est 99 s)",
+                   median_ms=None, ratio_to_floor=None, check="n/a")
+    path = str(tmp_path / "r.md")
+    report.write_markdown(path, [rec, skipped], {"cpu": "x", "cores": 2, "tolerance": 1e-3})
+    text = open(path).read()
+    assert "2 (2x)" in text and "skipped (too slow" in text
+
+
+def test_skip_estimate_for_quadratic_systems():
+    from benchmarks import run
+    args = run.parse_args(["--slow-limit", "30"])
+    prev = {"model": "mlp", "batch_size": 128, "task": "grads", "system": "tf_loop",
+            "status": "ok", "build_s": 6.0, "first_run_ms": 250.0, "median_ms": 250.0}
+    cfg = {"model": "mlp", "batch_size": 512, "task": "grads", "system": "tf_loop"}
+    note = run.predict_skip(cfg, [prev], args)
+    assert note and note.startswith("skipped (too slow: est")
+    # A timeout at a smaller B skips the larger ones, and (for systems that
+    # materialize per-example gradients) the other tasks at that B too.
+    timed_out = dict(prev, status="timeout", system="tf_vmap")
+    cfg2 = dict(cfg, system="tf_vmap", task="norms", batch_size=128)
+    assert "timed out" in run.predict_skip(cfg2, [timed_out], args)
+    # Linear systems are never skipped by the estimate.
+    assert run.predict_skip(dict(cfg, system="tf_vmap"), [dict(prev, system="tf_vmap")], args) is None
