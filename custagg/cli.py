@@ -39,7 +39,7 @@ AGGREGATIONS = ("sum", "weighted", "clip", "dpsgd")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
 # Per model: learning rate for sgd (the tutorial's 0.5 for softmax).
-DEFAULT_LEARNING_RATE = {"softmax": 0.5, "mlp": 0.1, "cnn": 0.05}
+DEFAULT_LEARNING_RATE = {"softmax": 0.5, "mlp": 0.1, "cnn": 0.1}
 DEFAULT_EPOCHS = 10
 DEFAULT_BATCH_SIZE = 64
 

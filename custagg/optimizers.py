@@ -70,13 +70,10 @@ _Optimizer = tf.compat.v1.train.Optimizer
 
 
 def _api(name):
-    """custagg's public function `name` (late import: custagg imports us)."""
+    """custagg's public function `name`, looked up when first needed
+    (custagg/__init__.py may import this module before it defines them)."""
     import custagg  # pylint: disable=g-import-not-at-top
-    fn = getattr(custagg, name, None)
-    if fn is None:
-        from custagg import per_example  # pylint: disable=g-import-not-at-top
-        fn = getattr(per_example, name)
-    return fn
+    return getattr(custagg, name)
 
 
 def _is_number(x):
@@ -126,6 +123,8 @@ class PerExampleOptimizer(_Optimizer):
         optimizer's name. Slots are named by the wrapped optimizer.
     """
 
+    _name_prefix = "PerExample"
+
     def __init__(self, optimizer, strategy="auto", name=None):
         cls_name = type(self).__name__
         if not isinstance(optimizer, _Optimizer):
@@ -147,8 +146,7 @@ class PerExampleOptimizer(_Optimizer):
                             "'rules', 'pfor' or 'loop'; got %r."
                             % (cls_name, strategy))
         super().__init__(use_locking=False,
-                         name=name or cls_name.replace("Optimizer", "") +
-                         optimizer.get_name())
+                         name=name or self._name_prefix + optimizer.get_name())
         self._optimizer = optimizer
         self._strategy = strategy
         self._last_loss = None
@@ -383,6 +381,8 @@ class WeightedOptimizer(PerExampleOptimizer):
       name: see `PerExampleOptimizer`.
     """
 
+    _name_prefix = "Weighted"
+
     def __init__(self, optimizer, gradient_factors=None, strategy="auto",
                  name=None):
         super().__init__(optimizer, strategy=strategy, name=name)
@@ -456,6 +456,7 @@ class DPOptimizer(PerExampleOptimizer):
     """
 
     _has_noise = True
+    _name_prefix = "DP"
 
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier,
                  num_microbatches=None, seed=None, strategy="auto",
@@ -480,7 +481,6 @@ class DPOptimizer(PerExampleOptimizer):
             raise ValueError("%s: seed must be an int or None; got %r."
                              % (cls_name, seed))
         self._seed = None if seed is None else int(seed)
-        self._clipped_norms_fn = None
         self._clipped_norms = None
         self._noise_stddev = None
 
@@ -515,10 +515,11 @@ class DPOptimizer(PerExampleOptimizer):
     @property
     def per_example_clipped_norms(self):
         """`[M]` global norms of the clipped per-microbatch contributions."""
-        self.per_example_norms  # pylint: disable=pointless-statement
         if self._clipped_norms is None:
-            with self._last_loss.graph.as_default():
-                self._clipped_norms = self._clipped_norms_fn()
+            raise ValueError(
+                "%s.per_example_clipped_norms is available after "
+                "compute_gradients() or minimize() has been called."
+                % type(self).__name__)
         return self._clipped_norms
 
     @property
@@ -602,53 +603,53 @@ class DPOptimizer(PerExampleOptimizer):
         if grad_loss is not None:
             loss = loss * tf.stop_gradient(grad_loss)
             self._last_loss = loss
-        cls_name = type(self).__name__
         clips = self._clips_for(var_list, loss.dtype)
-        batch_static = tf.compat.dimension_value(loss.shape[0])
-        mb = self._num_microbatches
-        if mb is None or (batch_static is not None and mb == batch_static):
-            grads, norms = _api("clipped_gradients")(
-                loss, var_list, clips, strategy=self._strategy,
-                return_norms=True)
-            num_units = (tf.cast(tf.shape(loss)[0], loss.dtype)
-                         if batch_static is None else
-                         tf.constant(batch_static, loss.dtype))
-            if isinstance(clips, list):
-                # Per-layer: norms come per variable; each variable's
-                # contribution is clipped on its own.
-                layer_norms = norms
-                norms = tf.sqrt(tf.add_n([tf.square(n) for n in layer_norms]))
-                clipped = tf.sqrt(tf.add_n([
-                    tf.square(tf.minimum(n, c))
-                    for n, c in zip(layer_norms, clips)]))
-                self._clipped_norms_fn = lambda: clipped
-            else:
-                self._clipped_norms_fn = lambda: tf.minimum(norms, clips)
-        else:
-            if batch_static is not None and batch_static % mb:
-                raise ValueError(
-                    "%s: num_microbatches=%d does not divide the batch size "
-                    "%d." % (cls_name, mb, batch_static))
-            grads, norms, clipped = self._microbatch_clipped(
-                loss, var_list, clips, mb)
-            num_units = tf.constant(mb, loss.dtype)
-            self._clipped_norms_fn = lambda: clipped
-        self._norms = norms
-        self._clipped_norms = None
+        grads, num_units = self._clipped_sum(loss, var_list, clips)
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        if all(g is None for g in grads):
-            self._noise_stddev = tf.constant(0.0, loss.dtype)
-            return grads
         global_clip = (clips if not isinstance(clips, list) else
                        tf.sqrt(tf.add_n([tf.square(c) for c in clips])))
         self._noise_stddev = tf.identity(
             _to_dtype(self._noise_multiplier, loss.dtype) * global_clip,
             name="noise_stddev")
-        if self._has_noise:
+        if self._has_noise and any(g is not None for g in grads):
             noise = self._noise(grads, self._noise_stddev, var_list)
             grads = [None if g is None else g + n
                      for g, n in zip(grads, noise)]
         return [None if g is None else g / num_units for g in grads]
+
+    def _clipped_sum(self, loss, var_list, clips):
+        """`sum_m clip(g_m)` per variable, and M as a `loss.dtype` scalar.
+
+        Also sets the norms before and after clipping.
+        """
+        batch_static = tf.compat.dimension_value(loss.shape[0])
+        mb = self._num_microbatches
+        if mb is not None and not (batch_static is not None
+                                   and mb == batch_static):
+            if batch_static is not None and batch_static % mb:
+                raise ValueError(
+                    "%s: num_microbatches=%d does not divide the batch size "
+                    "%d." % (type(self).__name__, mb, batch_static))
+            grads, self._norms, self._clipped_norms = \
+                self._microbatch_clipped(loss, var_list, clips, mb)
+            return grads, tf.constant(mb, loss.dtype)
+        # One example per microbatch: custagg's clipped sum, which avoids
+        # materializing per-example gradients where it can.
+        grads, norms = _api("clipped_gradients")(
+            loss, var_list, clips, strategy=self._strategy, return_norms=True)
+        if isinstance(clips, list):
+            # Per-layer: the norms come per variable and each variable's
+            # contribution is clipped on its own.
+            self._norms = tf.sqrt(tf.add_n([tf.square(n) for n in norms]))
+            self._clipped_norms = tf.sqrt(tf.add_n([
+                tf.square(tf.minimum(n, c)) for n, c in zip(norms, clips)]))
+        else:
+            self._norms = norms
+            self._clipped_norms = tf.minimum(norms, clips)
+        num_units = (tf.constant(batch_static, loss.dtype)
+                     if batch_static is not None else
+                     tf.cast(tf.shape(loss)[0], loss.dtype))
+        return grads, num_units
 
     def _microbatch_clipped(self, loss, var_list, clips, num_microbatches):
         """Clipped sum over microbatches from materialized per-example grads.
@@ -719,6 +720,7 @@ class ClippedOptimizer(DPOptimizer):
     """
 
     _has_noise = False
+    _name_prefix = "Clipped"
 
     def __init__(self, optimizer, l2_norm_clip, num_microbatches=None,
                  strategy="auto", name=None):

@@ -608,10 +608,12 @@ def test_bad_compute_args(case, exc, match):
 def test_attributes_before_compute():
     opt = opt_lib.DPOptimizer(gd(), 1.0, 1.0)
     with pytest.raises(ValueError, match="after compute_gradients"):
-        opt.per_example_norms  # pylint: disable=pointless-statement
+        _ = opt.per_example_norms
     with pytest.raises(ValueError, match="after compute_gradients"):
-        opt.noise_stddev  # pylint: disable=pointless-statement
+        _ = opt.noise_stddev
+    with pytest.raises(ValueError, match="after compute_gradients"):
+        _ = opt.per_example_clipped_norms
     with pytest.raises(ValueError, match="created by compute_gradients"):
-        opt_lib.WeightedOptimizer(gd()).gradient_factors  # pylint: disable=expression-not-assigned
+        _ = opt_lib.WeightedOptimizer(gd()).gradient_factors
     with pytest.raises(TypeError, match="gradient_factors must be a"):
         opt_lib.WeightedOptimizer(gd(), gradient_factors=[1.0, 2.0])
