@@ -530,7 +530,9 @@ def _total_squared_norms(plan, engine, group):
 
 def _clip_factors(sq_norms, clip, dtype):
     """min(1, C / norm), written C / max(norm, C) so norm 0 gives 1."""
-    c = tf.cast(clip, dtype)
+    # dtype_hint: a Python float must not pass through float32 on its way
+    # to a float64 loss.
+    c = tf.cast(tf.convert_to_tensor(clip, dtype_hint=dtype), dtype)
     return tf.stop_gradient(c / tf.maximum(tf.sqrt(sq_norms), c))
 
 

@@ -144,6 +144,9 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
     unique = list({o.ref(): o for o in outs}.values())
     dz = dict(zip([o.ref() for o in unique], gradients(loss, unique)))
 
+    # pfor runs loop_fn through autograph unless told not to; custagg's
+    # traversal is plain graph-building Python and must not be rewritten.
+    @tf.autograph.experimental.do_not_convert
     def loop_fn(i):
         results = []
         for a, bounds in zip(group, boundaries):
@@ -171,6 +174,9 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
 def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
     """Per-example gradients by the one-hot-seeded full backward pass."""
 
+    # pfor runs loop_fn through autograph unless told not to; custagg's
+    # traversal is plain graph-building Python and must not be rewritten.
+    @tf.autograph.experimental.do_not_convert
     def loop_fn(i):
         seed = tf.one_hot(i, batch, dtype=loss.dtype)
         grads = gradients(loss, tensors, grad_ys=seed)
