@@ -23,12 +23,27 @@ from custagg.registry import RuleContext
 from custagg.registry import RuleRegistry
 from custagg.registry import default_registry
 from custagg.registry import register_rule
+from custagg import datasets  # noqa: F401
+from custagg import optimizers  # noqa: F401
 from custagg import testing  # noqa: F401
+from custagg.optimizers import ClippedOptimizer
+from custagg.optimizers import DPAdagradGaussianOptimizer
+from custagg.optimizers import DPAdamGaussianOptimizer
+from custagg.optimizers import DPGradientDescentGaussianOptimizer
+from custagg.optimizers import DPMomentumGaussianOptimizer
+from custagg.optimizers import DPOptimizer
+from custagg.optimizers import PerExampleOptimizer
+from custagg.optimizers import WeightedOptimizer
+from custagg.optimizers import make_gaussian_optimizer_class
 
 __all__ = [
     "__version__", "AggregationMethod", "gradients", "STRATEGIES", "Plan",
     "clipped_gradients", "gradient_second_moments", "per_example_gradients",
     "per_example_norms", "plan_per_example", "weighted_gradients", "Rule",
     "RuleContext", "RuleRegistry", "default_registry", "register_rule",
-    "testing",
+    "testing", "datasets", "optimizers", "PerExampleOptimizer",
+    "WeightedOptimizer", "ClippedOptimizer", "DPOptimizer",
+    "make_gaussian_optimizer_class", "DPGradientDescentGaussianOptimizer",
+    "DPMomentumGaussianOptimizer", "DPAdagradGaussianOptimizer",
+    "DPAdamGaussianOptimizer",
 ]
