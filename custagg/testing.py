@@ -93,3 +93,17 @@ def numpy_clipped(per_example, clip, per_x=False):
 def numpy_second_moments(per_example):
     """`sum_b g_b ** 2` per x."""
     return [np.sum(np.square(g), axis=0) for g in per_example]
+
+
+def assert_close(actual, desired, rtol, label=""):
+    """`actual` (fetched; `IndexedSlicesValue` densified) equals `desired`
+    to `rtol`, with an absolute floor of `rtol * max|desired|` so entries
+    that cancel to about zero are judged on the array's scale."""
+    actual = to_numpy(actual)
+    desired = np.asarray(desired)
+    assert actual is not None, "%s: got None" % label
+    assert actual.shape == desired.shape, "%s: shape %s, expected %s" % (
+        label, actual.shape, desired.shape)
+    scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+    np.testing.assert_allclose(actual, desired, rtol=rtol, atol=rtol * scale,
+                               err_msg=label)
