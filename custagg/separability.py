@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 
 from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_util
 
 import tensorflow as tf
@@ -95,10 +96,27 @@ def _einsum(op, index, axis):
     return out.index(letter) if letter in out else None
 
 
+def _is_own_batch_size(t, x):
+    """Whether `t` is `tf.shape(x)[0]` (a StridedSlice of x's Shape)."""
+    op = t.op
+    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
+        return False
+    if op.inputs[0].op.inputs[0] is not x:
+        return False
+    return (_const(op.inputs[1]) == [0] and _const(op.inputs[3]) == [1]
+            and op.get_attr("shrink_axis_mask") == 1
+            and not op.get_attr("begin_mask") & 1)
+
+
 def _reshape(op, index, axis):
     if index != 0 or axis != 0:
         return None
     x, z = op.inputs[0], op.outputs[0]
+    shape_op = op.inputs[1].op
+    if (shape_op.type == "Pack" and shape_op.get_attr("axis") == 0
+            and _is_own_batch_size(shape_op.inputs[0], x)):
+        # reshape(x, [tf.shape(x)[0], ...]): each example keeps its row.
+        return 0
     if x.shape.rank is None or z.shape.rank is None or z.shape.rank == 0:
         return None
     in_rest, out_rest = x.shape[1:], z.shape[1:]
@@ -248,6 +266,25 @@ def _gather(op, index, axis):
     return None
 
 
+def _split(op, index, axis):
+    value_index, axis_index = (1, 0) if op.type == "Split" else (0, 2)
+    split_axis = _const(op.inputs[axis_index])
+    rank = _rank(op.inputs[value_index])
+    if index != value_index or split_axis is None or rank is None:
+        return None
+    return None if split_axis[0] % rank == axis else axis
+
+
+def _unpack(op, index, axis):
+    rank = _rank(op.inputs[0])
+    if rank is None:
+        return None
+    unpack_axis = op.get_attr("axis") % rank
+    if unpack_axis == axis:
+        return None
+    return axis - 1 if unpack_axis < axis else axis
+
+
 def _tile(op, index, axis):
     multiples = _const(op.inputs[1])
     if index != 0 or multiples is None or multiples[axis] != 1:
@@ -274,7 +311,8 @@ _TABLE.update({
     "FusedBatchNormV3": _batch_norm, "Pad": _pad, "PadV2": _pad,
     "MirrorPad": _pad, "ConcatV2": _concat, "Pack": _pack,
     "StridedSlice": _strided_slice, "Slice": _slice, "GatherV2": _gather,
-    "ResourceGather": _gather, "Tile": _tile,
+    "ResourceGather": _gather, "Tile": _tile, "Split": _split,
+    "SplitV": _split, "Unpack": _unpack,
 })
 
 
@@ -302,8 +340,50 @@ def ancestors(t):
     return seen
 
 
+def _blocks_gradient(op):
+    """StopGradient, and ops registered with no gradient (tf.no_gradient)."""
+    if op.type == "StopGradient":
+        return True
+    try:
+        return ops._gradient_registry.lookup(op.type) is None  # pylint: disable=protected-access
+    except LookupError:
+        return False
+
+
+_GRADIENT_PATHS = {}
+
+
+def gradient_paths(loss, loss_ancestors):
+    """Refs of the tensors a gradient of `loss` flows back into.
+
+    Not through StopGradient or ops without a gradient, nor along integer
+    or boolean tensors (`tf.shape(z)` feeding a reshape, an argmax): a
+    batch statistic taken under `tf.stop_gradient` couples nothing.
+    Remembers the last loss asked about (the planner asks once per op).
+    """
+    key = loss.ref()
+    if key in _GRADIENT_PATHS:
+        return _GRADIENT_PATHS[key]
+    live = set()
+    queue = collections.deque([loss])
+    while queue:
+        t = queue.popleft()
+        if t.ref() in live:
+            continue
+        live.add(t.ref())
+        if _blocks_gradient(t.op):
+            continue
+        queue.extend(i for i in t.op.inputs if i.op in loss_ancestors
+                     and backprop_util.IsTrainable(i))
+    _GRADIENT_PATHS.clear()
+    _GRADIENT_PATHS[key] = live
+    return live
+
+
 def coupling(start, batch_axis, loss, loss_ancestors):
     """None if examples stay apart from `start` to `loss`, else a reason.
+
+    Only paths a gradient flows back along are followed (`gradient_paths`).
 
     Args:
       start: the rule op's output tensor.
@@ -311,6 +391,7 @@ def coupling(start, batch_axis, loss, loss_ancestors):
       loss: the per-example loss `[B]`.
       loss_ancestors: `ancestors(loss)`.
     """
+    live = gradient_paths(loss, loss_ancestors)
     seen = set()
     queue = collections.deque([(start, batch_axis)])
     while queue:
@@ -324,8 +405,13 @@ def coupling(start, batch_axis, loss, loss_ancestors):
                         % axis)
             continue
         for consumer in t.consumers():
-            if consumer not in loss_ancestors:
+            outs = [out for out in consumer.outputs if out.ref() in live]
+            if not outs or _blocks_gradient(consumer):
                 continue
+            if _has_replaced_gradient(consumer):
+                return ("op '%s' (type %s) has a replaced gradient function "
+                        "(tf.custom_gradient or gradient_override_map), which "
+                        "may mix examples" % (consumer.name, consumer.type))
             for index, inp in enumerate(consumer.inputs):
                 if inp is not t:
                     continue
@@ -334,10 +420,14 @@ def coupling(start, batch_axis, loss, loss_ancestors):
                     return ("op '%s' (type %s) mixes examples or is not known "
                             "to keep them apart" % (consumer.name,
                                                     consumer.type))
-                for out in consumer.outputs:
-                    if (backprop_util.IsTrainable(out) and
-                            (out.op in loss_ancestors) and
-                            any(c in loss_ancestors for c in out.consumers())
-                            or out is loss):
-                        queue.append((out, out_axis))
+                for out in outs:
+                    queue.append((out, out_axis))
     return None
+
+
+def _has_replaced_gradient(op):
+    try:
+        op.get_attr("_gradient_op_type")
+    except ValueError:
+        return False
+    return True
