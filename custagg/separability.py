@@ -55,7 +55,15 @@ def _elementwise(op, index, axis):
     in_rank, out_rank = _rank(op.inputs[index]), _rank(op.outputs[0])
     if in_rank is None or out_rank is None:
         return None
-    return axis + out_rank - in_rank
+    out_axis = axis + out_rank - in_rank
+    # A size-1 axis broadcast against a longer one is not the batch: every
+    # example would see the same entry (a [1, D] parameter times a [1, D]
+    # constant, then times the activations).
+    in_dim = tf.compat.dimension_value(op.inputs[index].shape[axis])
+    out_dim = tf.compat.dimension_value(op.outputs[0].shape[out_axis])
+    if in_dim == 1 and out_dim != 1:
+        return None
+    return out_axis
 
 
 def _last_axis_op(op, index, axis):
@@ -77,7 +85,10 @@ def _batch_matmul(op, index, axis):
     if rank is None or out_rank is None:
         return None
     if axis < rank - 2:
-        return axis + out_rank - rank
+        out_axis = axis + out_rank - rank
+        in_dim = tf.compat.dimension_value(op.inputs[index].shape[axis])
+        out_dim = tf.compat.dimension_value(op.outputs[0].shape[out_axis])
+        return None if in_dim == 1 and out_dim != 1 else out_axis
     adj = op.get_attr("adj_x" if index == 0 else "adj_y")
     kept = (rank - 1 if adj else rank - 2) if index == 0 else \
         (rank - 2 if adj else rank - 1)

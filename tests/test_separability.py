@@ -279,39 +279,64 @@ def test_no_false_positive(model):
 # The propagation table on single ops
 
 
-def _coupling(build_rest, rank=2):
-    """coupling() from `z = x @ w` ([B, 3] placeholder) to `build_rest(z)`."""
+def _coupling(build_rest, rows=None):
+    """coupling() from `z = x @ w` to the loss `build_rest(z, batch)`.
+
+    x is a `[None, 3]` placeholder, or a `[rows, 3]` constant (no batch);
+    `batch` is a `[None, 4]` placeholder the rest may combine z with.
+    """
     with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+        x = (tf.compat.v1.placeholder(tf.float64, [None, 3]) if rows is None
+             else tf.ones([rows, 3], tf.float64))
+        batch = tf.compat.v1.placeholder(tf.float64, [None, 4])
         w = tf.compat.v1.Variable(np.ones((3, 4)), use_resource=True)
         z = tf.matmul(x, w)
-        loss = build_rest(z)
+        loss = build_rest(z, batch)
         return separability.coupling(z, 0, loss, separability.ancestors(loss))
 
 
-@pytest.mark.parametrize("rest, mixes", [
-    (lambda z: tf.reduce_sum(z, axis=1), False),
-    (lambda z: tf.reduce_sum(z, axis=0)[:1] * tf.reduce_sum(z, axis=1),
-     True),
-    (lambda z: tf.reduce_sum(tf.stop_gradient(tf.reduce_mean(z, 0)) * z, 1),
-     False),
-    (lambda z: tf.add_n(tf.split(z, 2, axis=1))[:, 0], False),
-    (lambda z: tf.reduce_sum(tf.concat(tf.split(z, 2, axis=0), 1), 1),
-     True),
-    (lambda z: tf.reduce_sum(tf.reshape(z, [tf.shape(z)[0], 2, 2]), [1, 2]),
-     False),
-    (lambda z: tf.reduce_sum(tf.transpose(tf.transpose(z)), 1), False),
-    (lambda z: tf.reduce_sum(tf.gather(z, [0, 2], axis=1), 1), False),
-    (lambda z: tf.reduce_sum(tf.gather(z, [0, 0]), 1), True),
-    (lambda z: tf.reduce_sum(tf.cumsum(z, axis=1), 1), True),
-    (lambda z: tf.unstack(z, axis=1)[0] + tf.unstack(z, axis=1)[3], False),
-], ids=["sum_features", "sum_batch", "stop_gradient_of_batch_mean",
-        "split_features", "split_batch", "reshape_with_shape_of_z",
-        "double_transpose", "gather_features", "gather_rows",
-        "unknown_op_cumsum", "unstack_features"])
-def test_propagation(rest, mixes):
+PROPAGATION = {
+    "sum_features": (lambda z, _: tf.reduce_sum(z, axis=1), False),
+    "sum_batch": (lambda z, _: tf.reduce_sum(z, axis=0)[:1] *
+                  tf.reduce_sum(z, axis=1), True),
+    "stop_gradient_of_batch_mean": (lambda z, _: tf.reduce_sum(
+        tf.stop_gradient(tf.reduce_mean(z, 0)) * z, 1), False),
+    "split_features": (lambda z, _: tf.add_n(tf.split(z, 2, axis=1))[:, 0],
+                       False),
+    "split_batch": (lambda z, _: tf.reduce_sum(
+        tf.concat(tf.split(z, 2, axis=0), 1), 1), True),
+    "reshape_with_shape_of_z": (lambda z, _: tf.reduce_sum(
+        tf.reshape(z, [tf.shape(z)[0], 2, 2]), [1, 2]), False),
+    "double_transpose": (lambda z, _: tf.reduce_sum(
+        tf.transpose(tf.transpose(z)), 1), False),
+    "gather_features": (lambda z, _: tf.reduce_sum(
+        tf.gather(z, [0, 2], axis=1), 1), False),
+    "gather_rows": (lambda z, _: tf.reduce_sum(tf.gather(z, [0, 0]), 1),
+                    True),
+    "unknown_op_cumsum": (lambda z, _: tf.reduce_sum(tf.cumsum(z, axis=1), 1),
+                          True),
+    "unstack_features": (lambda z, _: tf.unstack(z, axis=1)[0] +
+                         tf.unstack(z, axis=1)[3], False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROPAGATION))
+def test_propagation(name):
+    rest, mixes = PROPAGATION[name]
     reason = _coupling(rest)
     assert (reason is not None) == mixes, reason
+
+
+@pytest.mark.parametrize("rest", [
+    lambda z, batch: tf.reduce_sum(batch * z, 1),
+    lambda z, batch: tf.reduce_sum(tf.matmul(
+        batch[:, None, :], z[None, :, :], transpose_b=True), [1, 2]),
+], ids=["elementwise", "batch_matmul"])
+def test_size_1_axis_broadcast_over_the_batch_is_not_the_batch(rest):
+    """z = c @ w with a constant [1, 3] c has no batch; one op later it is
+    broadcast against the batch, so its axis 0 must not count as one."""
+    reason = _coupling(rest, rows=1)
+    assert reason is not None and "mixes examples" in reason, reason
 
 
 def test_custom_gradient_counts_as_mixing():
@@ -324,5 +349,5 @@ def test_custom_gradient_counts_as_mixing():
             return dz - tf.reduce_mean(dz, axis=0)
         return tf.identity(z), grad
 
-    reason = _coupling(lambda z: tf.reduce_sum(batch_centered_grad(z), 1))
+    reason = _coupling(lambda z, _: tf.reduce_sum(batch_centered_grad(z), 1))
     assert reason is not None and "gradient" in reason, reason

@@ -179,7 +179,7 @@ def broadcast(kind):
     def build(dtype, rng):
         shapes = {"add": [3], "add_raw": [3], "sub_right": [2, 3],
                   "sub_left": [3], "mul": [2, 3], "row": [1, 3],
-                  "scalar": [], "keepdim": [1, 1, 3]}
+                  "scalar": [], "keepdim": [1, 1, 3], "masked": [1, 1, 3]}
         p = var(rng, shapes[kind], dtype)
 
         def loss(x):              # x: [B, 2, 3]
@@ -193,6 +193,10 @@ def broadcast(kind):
                 z = p - x
             elif kind in ("mul", "scalar"):
                 z = x * p
+            elif kind == "masked":
+                # The op with the rule sees no batch (a [1, 1, 3] output);
+                # the batch only arrives by broadcasting one op later.
+                z = x * (p * tf.constant([[[1.0, 0.5, -2.0]]], p.dtype))
             else:                 # "row" [1, 3] and "keepdim" [1, 1, 3]
                 z = tf.tanh(x) * p if kind == "row" else x + p
             return head(z)
@@ -401,6 +405,8 @@ SPECS = (
      Spec("broadcast_mul_1xD", "Mul", broadcast("row")),
      Spec("broadcast_mul_scalar", "Mul", broadcast("scalar")),
      Spec("broadcast_add_1x1xD", "AddV2", broadcast("keepdim")),
+     Spec("broadcast_mul_param_times_constant", "Mul",
+          broadcast("masked"), expect="pfor", rules_error="mixes examples"),
      Spec("layer_norm_scale_shift", "Mul", layer_norm)] +
     [Spec("bmm_v2_adjx%d_adjy%d" % (ax, ay), "BatchMatMulV2",
           batch_matmul("BatchMatMulV2", bool(ax), bool(ay)))
