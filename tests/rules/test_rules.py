@@ -1,20 +1,26 @@
 """Every per-example rule and strategy against the loop reference.
 
-For each row of `specs.SPECS` and each float type, one graph holds the
-spec's variables and three copies of its loss: static B=1, static B=3 and
-dynamic B (placeholders `[None, ...]`). `custagg.testing.loop_per_example`
-on the static copies is the reference; the dynamic copy is run with the
-same B=1 and B=3 data. Checked against it:
+For each row of `specs.SPECS` and a float type, one graph holds the spec's
+variables and three copies of its loss: static B=1, static B=3 and dynamic
+B (placeholders `[None, ...]`, run with the same B=1 and B=3 data).
+`custagg.testing.loop_per_example` on the static copies (or on the row's
+`reference` loss, for ops TF cannot differentiate on the CPU) is the
+reference. Checked against it, to rtol 1e-9 (float64) or 1e-4 (float32):
 
-* `per_example_gradients` with each strategy ("loop" only for static B);
-* `per_example_norms`, `clipped_gradients` (some examples clipped) and
-  `gradient_second_moments` with "auto", which is the rule's own reduction
-  (outer-product identities, sparse rows) when the rule applies;
-* the plan: "auto" picks the expected strategy and the spec's op type;
-  "rules" on a fallback row raises a ValueError naming the op type.
+* `per_example_gradients` with the strategies of `STRATEGIES` ("loop" only
+  for static B; a row's `limits` leave out what TF cannot run);
+* `per_example_norms`, `clipped_gradients` (some examples clipped,
+  `return_norms`) and `gradient_second_moments` with "auto", which is the
+  rule's own reduction (outer-product identities, sparse rows) when the
+  rule applies, on the dynamic copy;
+* the plan: "auto" picks the row's strategy and uses the row's op type;
+  "rules" on a fallback row raises a ValueError matching `rules_error`
+  and suggesting 'auto' and 'pfor'.
 
-One graph and one session per (spec, dtype) keeps the run short: TF graph
-construction is the cost.
+Every registered rule must have a row. float64 runs every row; float32 the
+first row of each op type and the fallback rows, the rest under
+`pytest -m slow`. One graph and one session per case keeps the run short:
+TF graph construction is the cost.
 """
 
 import numpy as np
@@ -28,7 +34,6 @@ from custagg import testing
 import specs
 
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
-DTYPES = [tf.float64, tf.float32]
 BATCHES = (1, 3)
 
 # Strategies run on each copy (None: dynamic B, fed B=1 and B=3). float64
@@ -123,8 +128,25 @@ def _check_plan(spec, loss, xs):
         assert "'auto'" in str(info.value) and "'pfor'" in str(info.value)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
-@pytest.mark.parametrize("spec", specs.SPECS, ids=lambda s: s.name)
+def _cases():
+    """(spec, dtype) pairs: float64 for every row; float32 for the first row
+    of each op type and the fallback rows, the other float32 rows marked
+    slow (`pytest -m slow` runs them)."""
+    first = {}
+    for spec in specs.SPECS:
+        first.setdefault(spec.op_type, spec)
+    cases = []
+    for spec in specs.SPECS:
+        cases.append(pytest.param(spec, tf.float64,
+                                  id=spec.name + "-float64"))
+        quick = first[spec.op_type] is spec or spec.expect != "rules"
+        cases.append(pytest.param(
+            spec, tf.float32, id=spec.name + "-float32",
+            marks=() if quick else pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize("spec, dtype", _cases())
 def test_matches_loop(spec, dtype):
     if spec.skip:
         pytest.skip(spec.skip)
