@@ -439,9 +439,12 @@ def test_argument_errors(graph, name):
     assert "'pfor'" in str(info.value)
     other = tf.Graph()
     with other.as_default():
-        foreign = tf.compat.v1.Variable(np.ones(2), use_resource=True)
-    with pytest.raises(ValueError, match="another graph"):
-        fn(loss, [w, foreign])
+        foreign = [tf.compat.v1.Variable(np.ones(2), use_resource=True),
+                   tf.compat.v1.Variable(np.ones(2), use_resource=False),
+                   tf.constant([1.0, 2.0])]
+    for f in foreign:
+        with pytest.raises(ValueError, match="another graph"):
+            fn(loss, [w, f])
 
 
 def test_unconnected_xs_give_none(graph):

@@ -158,11 +158,14 @@ def dense_bias_add(dtype, rng):
 # BiasAdd and broadcast parameters
 
 
-def bias_add(data_format, raw_v1=False):
+def bias_add(data_format, raw_v1=False, rank=4):
     def build(dtype, rng):
         c = 2
         b = var(rng, [c], dtype)
-        tail = (c, 3, 3) if data_format == "NCHW" else (3, 3, c)
+        if rank == 3:             # a dense layer on a sequence [B, T, C]
+            tail = (3, c)
+        else:
+            tail = (c, 3, 3) if data_format == "NCHW" else (3, 3, c)
 
         def loss(x):
             if raw_v1:
@@ -179,7 +182,8 @@ def broadcast(kind):
     def build(dtype, rng):
         shapes = {"add": [3], "add_raw": [3], "sub_right": [2, 3],
                   "sub_left": [3], "mul": [2, 3], "row": [1, 3],
-                  "scalar": [], "keepdim": [1, 1, 3], "masked": [1, 1, 3]}
+                  "scalar": [], "keepdim": [1, 1, 3], "masked": [1, 1, 3],
+                  "column": [2, 1]}
         p = var(rng, shapes[kind], dtype)
 
         def loss(x):              # x: [B, 2, 3]
@@ -197,6 +201,8 @@ def broadcast(kind):
                 # The op with the rule sees no batch (a [1, 1, 3] output);
                 # the batch only arrives by broadcasting one op later.
                 z = x * (p * tf.constant([[[1.0, 0.5, -2.0]]], p.dtype))
+            elif kind == "column":    # [2, 1]: broadcast over B and axis 2
+                z = p + tf.sin(x)
             else:                 # "row" [1, 3] and "keepdim" [1, 1, 3]
                 z = tf.tanh(x) * p if kind == "row" else x + p
             return head(z)
@@ -248,6 +254,12 @@ def batch_matmul(op_type, adj_x=False, adj_y=False, side="right"):
         return Problem([w], [floats(*tail)], loss)
 
     return build
+
+
+def batch_matmul_rank4(dtype, rng):
+    """`[B, H, T, D] x [D, K]` through tf.matmul (BatchMatMulV2)."""
+    w = var(rng, [4, 2], dtype)
+    return Problem([w], [floats(2, 3, 4)], lambda x: head(tf.matmul(x, w)))
 
 
 def einsum(equation, act_shape, param_shape, transpose_act=None):
@@ -362,15 +374,22 @@ def conv2d_nchw(dtype, rng):
 
 
 def embedding(resource, id_tail, how="embedding_lookup"):
-    """A `[V, D]` table looked up by ids `[B, *id_tail]` (ids repeat)."""
+    """A `[V, D]` table looked up by ids `[B, *id_tail]` (ids repeat).
+
+    `how`: "embedding_lookup", "gather", or "cast" (a table of the other
+    float type, cast, then gathered: GatherV2 on the Cast).
+    """
     vocab = 5
 
     def build(dtype, rng):
-        table = var(rng, [vocab, 3], dtype, resource=resource)
+        table_dtype = _other_float(dtype) if how == "cast" else dtype
+        table = var(rng, [vocab, 3], table_dtype, resource=resource)
 
         def loss(i):
             if how == "embedding_lookup":
                 e = tf.nn.embedding_lookup(table, i)
+            elif how == "cast":
+                e = tf.gather(tf.cast(table, dtype), i)
             else:
                 e = tf.gather(table, i)
             return head(tf.tanh(e))
@@ -397,6 +416,7 @@ SPECS = (
      Spec("bias_add_nhwc", "BiasAdd", bias_add("NHWC")),
      Spec("bias_add_nchw", "BiasAdd", bias_add("NCHW")),
      Spec("bias_add_v1", "BiasAddV1", bias_add("NHWC", raw_v1=True)),
+     Spec("bias_add_rank3", "BiasAdd", bias_add("NHWC", rank=3)),
      Spec("broadcast_add", "AddV2", broadcast("add")),
      Spec("broadcast_add_raw", "Add", broadcast("add_raw")),
      Spec("broadcast_sub_param_right", "Sub", broadcast("sub_right")),
@@ -405,6 +425,7 @@ SPECS = (
      Spec("broadcast_mul_1xD", "Mul", broadcast("row")),
      Spec("broadcast_mul_scalar", "Mul", broadcast("scalar")),
      Spec("broadcast_add_1x1xD", "AddV2", broadcast("keepdim")),
+     Spec("broadcast_add_Tx1", "AddV2", broadcast("column")),
      Spec("broadcast_mul_param_times_constant", "Mul",
           broadcast("masked"), expect="pfor", rules_error="mixes examples"),
      Spec("layer_norm_scale_shift", "Mul", layer_norm)] +
@@ -415,6 +436,7 @@ SPECS = (
           batch_matmul("BatchMatMulV2", side="left")),
      Spec("bmm_v2_param_left_adjx", "BatchMatMulV2",
           batch_matmul("BatchMatMulV2", adj_x=True, side="left")),
+     Spec("bmm_v2_rank4_activation", "BatchMatMulV2", batch_matmul_rank4),
      Spec("bmm_v3_adjy", "BatchMatMulV3",
           batch_matmul("BatchMatMulV3", adj_y=True)),
      Spec("bmm_v1_rank2_adjy", "BatchMatMul",
@@ -475,5 +497,7 @@ SPECS = (
      Spec("embedding_resource_ids_BTU", "ResourceGather",
           embedding(True, (2, 3), how="gather")),
      Spec("embedding_ref_gatherv2_ids_BT", "GatherV2", embedding(False, (4,))),
+     Spec("embedding_cast_table_gatherv2", "GatherV2",
+          embedding(True, (4,), how="cast")),
      Spec("embedding_ref_gatherv2_ids_B", "GatherV2",
           embedding(False, (), how="gather"))])

@@ -41,7 +41,8 @@ BATCHES = (1, 3)
 # paths. Norms, clipped sums and second moments ("auto") run on the
 # dynamic copy. pfor and loop do not depend on the float type.
 STRATEGIES = {
-    tf.float64: {1: ("rules", "pfor"), 3: ("rules", "pfor", "loop"),
+    tf.float64: {1: ("rules", "pfor", "loop"),
+                 3: ("rules", "pfor", "loop", "auto"),
                  None: ("rules", "pfor", "auto")},
     tf.float32: {1: (), 3: ("rules",), None: ("rules", "auto")},
 }
