@@ -369,6 +369,13 @@ def conv2d_nchw(dtype, rng):
         tf.nn.conv2d(x, f, 1, "SAME", data_format="NCHW")))
 
 
+def depthwise_nchw(dtype, rng):
+    f = var(rng, [3, 3, 2, 2], dtype)
+    return Problem([f], [floats(2, 5, 5)], lambda x: head(
+        tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME",
+                               data_format="NCHW")))
+
+
 # --------------------------------------------------------------------------
 # Embedding lookups
 
@@ -405,6 +412,9 @@ NO_GRAD = {"pfor": NO_CPU_DILATED_GRAD, "loop": NO_CPU_DILATED_GRAD}
 NCHW_CONV_SKIP = ("TensorFlow's CPU kernels run Conv2D only in NHWC (the "
                   "op itself fails: 'The Conv2D op currently only supports "
                   "the NHWC tensor format on CPU')")
+NCHW_DEPTHWISE_SKIP = ("TensorFlow's CPU kernel runs DepthwiseConv2dNative "
+                       "only in NHWC ('Depthwise convolution on CPU is only "
+                       "supported for NHWC format')")
 
 SPECS = (
     [Spec("matmul_%s_ta%d_tb%d" % (side, ta, tb), "MatMul",
@@ -477,6 +487,8 @@ SPECS = (
           limits={"pfor": PFOR_EXPLICIT}),
      Spec("conv2d_nchw", "Conv2D", conv2d_nchw, skip=NCHW_CONV_SKIP),
      Spec("depthwise_same_multiplier2", "DepthwiseConv2dNative", depthwise()),
+     Spec("depthwise_nchw", "DepthwiseConv2dNative", depthwise_nchw,
+          skip=NCHW_DEPTHWISE_SKIP),
      Spec("depthwise_valid_stride2", "DepthwiseConv2dNative",
           depthwise(strides=2, padding="VALID", multiplier=1)),
      Spec("depthwise_explicit_padding", "DepthwiseConv2dNative",
