@@ -151,7 +151,7 @@ def write_plot(path, records):
             sizes = sorted({r["batch_size"] for r in rows})
             floors = [_tf_floor(records, model, b) for b in sizes]
             if any(floors):
-                ax.plot(sizes, floors, "k--", lw=1, label="floor (TF)")
+                ax.plot(sizes, floors, "kx--", ms=4, lw=1, label="floor (TF)")
             for s in systems:
                 pts = sorted((r["batch_size"], r["median_ms"]) for r in rows if r["system"] == s)
                 if pts:
@@ -168,8 +168,11 @@ def write_plot(path, records):
     for ax in axes.ravel():
         for h, l in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(l, h)
+    width, height = fig.get_size_inches()
+    ncol = max(1, min(len(handles), int(width / 1.9)))
+    legend_rows = -(-len(handles) // ncol)
     fig.legend(list(handles.values()), list(handles), loc="lower center",
-               ncol=min(8, len(handles)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 + 0.01 * (len(handles) // 8), 1, 1))
+               ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, min(0.4, (0.2 * legend_rows + 0.1) / height), 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)

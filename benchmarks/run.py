@@ -58,7 +58,8 @@ def parse_args(argv=None):
         prog="python -m benchmarks",
         description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
     p.add_argument("--quick", action="store_true",
-                   help="small run (MLP, B=32, 3 repeats; < 3 min on an idle machine), writes to benchmarks/results/quick")
+                   help="small run (MLP, B=32, 3 repeats; < 3 min on an idle machine); "
+                        "writes to benchmarks/results/quick")
     p.add_argument("--models", type=lambda s: _csv(s, models.MODELS, kind="model"),
                    help="comma list of %s" % ",".join(models.MODELS))
     p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in _csv(s)],

@@ -76,10 +76,12 @@ def _build_module(torch, model):
             if model == "mlp":
                 return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
             if model == "cnn":
-                # .contiguous(): a permuted NHWC batch makes conv1's output
-                # channels_last, and Opacus 1.6's conv2 per-sample gradients
-                # are then wrong (measured: sum of grad_sample != grad).
-                h = x.permute(0, 3, 1, 2).contiguous()
+                # A permuted NHWC batch with C=1 has channels_last strides, so
+                # conv1's output is channels_last, and Opacus 1.6's conv2
+                # per-sample gradients are then wrong (sum of grad_sample !=
+                # grad). .contiguous() keeps those strides (C=1 counts as
+                # contiguous); a clone in contiguous_format does not.
+                h = x.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)
                 h = F.max_pool2d(F.relu(self.conv1(h)), 2)
                 h = F.max_pool2d(F.relu(self.conv2(h)), 2)
                 # Flatten in NHWC order, as TF does.
