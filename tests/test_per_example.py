@@ -125,15 +125,19 @@ def _reference_checks(sess, loss, xs, feed, strategies, clip_ph, clips_ph,
     """Builds every front-door quantity per strategy; compares with numpy."""
     ref = testing.loop_per_example(loss, [x for x in xs])
     fetch = {}
+    # pfor in chunks of 3 examples: B=4 makes an uneven last chunk.
+    chunk = {"pfor_chunk_size": 3}
     for s in strategies:
         fetch[s] = {
-            "per_example": custagg.per_example_gradients(loss, xs, s),
-            "norms": custagg.per_example_norms(loss, xs, s),
-            "clipped": custagg.clipped_gradients(loss, xs, clip_ph, s,
-                                                 return_norms=True),
+            "per_example": custagg.per_example_gradients(loss, xs, s,
+                                                         **chunk),
+            "norms": custagg.per_example_norms(loss, xs, s, **chunk),
+            "clipped": custagg.clipped_gradients(
+                loss, xs, clip_ph, s, return_norms=True, **chunk),
             "clipped_per_x": custagg.clipped_gradients(
-                loss, xs, clips_ph, s, return_norms=True),
-            "moments": custagg.gradient_second_moments(loss, xs, s)}
+                loss, xs, clips_ph, s, return_norms=True, **chunk),
+            "moments": custagg.gradient_second_moments(loss, xs, s,
+                                                       **chunk)}
     weighted = custagg.weighted_gradients(loss, xs, weights_ph)
     ref_val = sess.run(ref, feed)
     connected = [r if np.any(r) else None for r in ref_val]
