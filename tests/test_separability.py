@@ -38,8 +38,9 @@ def _var(rng, shape, name=None):
                                  name=name)
 
 
-def _labels(logits_or_classes):
-    return ("labels", logits_or_classes)
+def _labels(classes):
+    """An int32 `[B]` labels input in `[0, classes)`."""
+    return ("labels", classes)
 
 
 def _head(z):

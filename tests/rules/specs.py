@@ -13,8 +13,11 @@ rng)` that creates the variables in the default graph and returns a
   static-B copy of a dynamic-B graph with the same weights.
 
 `expect` is the strategy "auto" must pick for every x: "rules", or "pfor"
-for the entries that document a combination a rule does not take (auto then
-falls back and still matches the loop).
+for the rows that document a combination a rule does not take (auto then
+falls back and still matches the loop). `skip` (a reason) marks rows TF
+cannot run on the CPU at all; `limits` the strategies it cannot run there
+(the dilated Conv2D filter gradient, pfor of an explicitly padded Conv2D's
+filter gradient).
 """
 
 import collections
