@@ -161,113 +161,208 @@ _Slice = collections.namedtuple("_Slice", ["source", "index"])
 _INT_DTYPES = {types_pb2.DT_INT32: np.int32, types_pb2.DT_INT64: np.int64}
 
 
-def _const_ints(t):
-    """The values of `t` as a flat list of ints when it is an integer Const.
+def _op_by_name(graph, name):
+    # The C++ lookup behind get_operation_by_name, without its checks
+    # (about 3x faster, and this runs once or twice per slice).
+    lookup = getattr(graph, "_get_operation_by_name", None)
+    return lookup(name) if lookup else graph.get_operation_by_name(name)
 
-    Returns None for anything else. Like `tensor_util.constant_value`, marks
-    `t` as not feedable: a fed value would contradict what was read here.
+
+def _split_input_name(name):
+    """NodeDef input "op" / "op:2" -> ("op", 2)."""
+    op_name, _, index = name.partition(":")
+    return op_name, int(index) if index else 0
+
+
+def _const_ints(op):
+    """The values of the integer Const `op` as a flat list; else None.
+
+    Unlike `tensor_util.constant_value`, the Const is not marked unfeedable
+    (that costs a few microseconds per slice): the indices read here are
+    the Consts TF's slicing made, which no one feeds.
     """
-    op = t.op
     if op.type != "Const":
         return None
     proto = op.node_def.attr["value"].tensor
-    np_dtype = _INT_DTYPES.get(proto.dtype)
+    dtype = proto.dtype
+    np_dtype = _INT_DTYPES.get(dtype)
     if np_dtype is None:
         return None
     size = 1
     for dim in proto.tensor_shape.dim:
         size *= dim.size
-    if proto.tensor_content:
-        values = np.frombuffer(proto.tensor_content, np_dtype).tolist()
+    content = proto.tensor_content
+    if content:
+        values = np.frombuffer(content, np_dtype).tolist()
     else:
-        values = list(proto.int_val if proto.dtype == types_pb2.DT_INT32
+        values = list(proto.int_val if dtype == types_pb2.DT_INT32
                       else proto.int64_val)
         # A Const stores a run of equal trailing values once.
         if values and len(values) < size:
             values += [values[-1]] * (size - len(values))
     if len(values) != size:
         return None
-    t.graph.prevent_feeding(t)
     return values
 
 
-def _strided_slice_index(op):
-    """k when the StridedSlice `op` computes `source[k]` (or `source[k, ...]`,
-    `source[k, :]`), i.e. one whole element of axis 0; else None."""
-    attrs = op.node_def.attr
-    shrink = attrs["shrink_axis_mask"].i
-    begin_mask, end_mask = attrs["begin_mask"].i, attrs["end_mask"].i
-    ellipsis = attrs["ellipsis_mask"].i
-    # Axis 0 is shrunk to the element at begin[0] (its `end` is then ignored
-    # by TF); no other axis is shrunk or added.
-    if (shrink != 1 or begin_mask & 1 or ellipsis & 1
-            or attrs["new_axis_mask"].i):
+def _first_int(op):
+    """The first value of the integer Const `op` (index 0 of a StridedSlice
+    `begin`, whose dtype TF restricts to int32/int64); else None.
+
+    The fast form of `_const_ints(op)[0]`: `loss[k]` is read once per
+    example, and every proto field touched costs about a microsecond.
+    """
+    if op.type != "Const":
         return None
-    begin = _const_ints(op.inputs[1])
-    strides = _const_ints(op.inputs[3])
-    if not begin or strides is None or strides[0] != 1:
+    proto = op.node_def.attr["value"].tensor
+    # Int32 values live in int_val, int64 in int64_val (a run of equal
+    # values stored once), or all of them in tensor_content.
+    values = proto.int_val or proto.int64_val
+    if values:
+        return values[0]
+    content = proto.tensor_content
+    np_dtype = _INT_DTYPES.get(proto.dtype)
+    if not content or np_dtype is None:
         return None
-    for axis in range(1, len(begin)):      # every later axis taken whole
-        bit = 1 << axis
-        if ellipsis & bit:
-            continue
-        if not (begin_mask & bit and end_mask & bit and strides[axis] == 1):
-            return None
-    return begin[0]
+    return int(np.frombuffer(content, np_dtype, count=1)[0])
 
 
-def _gather_index(op):
-    """k when the Gather(V2) `op` computes `tf.gather(source, k)` on axis 0
-    with a constant scalar k; else None."""
-    attrs = op.node_def.attr
-    if op.type == "GatherV2":
-        if attrs["batch_dims"].i != 0 or _const_ints(op.inputs[2]) != [0]:
+class _SliceFinder(object):
+    """Recognizes ys that are one example of a batch tensor.
+
+    Recognized: `loss[k]` (also `loss[k, :]`, `loss[k, ...]`),
+    `tf.gather(loss, k)` with a constant scalar k on axis 0, and the outputs
+    of `tf.unstack(loss)` (axis 0). Anything else is a per-example term of
+    its own (still correct, seeded and differentiated as a separate y).
+
+    Cost matters here (B calls per gradients call): a StridedSlice is read
+    from its NodeDef alone, its inputs found by name; `op.inputs` would build
+    Tensor objects for all four inputs (~40us) and `op.get_attr` or
+    `tensor_util.constant_value` parse a proto per call.
+    """
+
+    def __init__(self):
+        self._sources = {}      # (graph, input name) -> (tensor, B, rank)
+        self._unpack_axis = {}  # Unpack op -> its axis is 0
+
+    def find(self, y):
+        """`(source, k)` with `0 <= k < B`, or None.
+
+        A negative k is resolved when B is static and not recognized when B
+        is dynamic.
+        """
+        op = y.op
+        kind = op.type
+        if kind == "StridedSlice":
+            node_def = op.node_def
+            source, batch, rank = self._source(op.graph, node_def.input[0])
+            if source is None:
+                return None
+            index = self._strided_slice_index(op.graph, node_def, rank)
+        else:
+            if kind in ("GatherV2", "Gather"):
+                index = self._gather_index(op)
+            elif kind == "Unpack":
+                if op not in self._unpack_axis:
+                    axis = op.node_def.attr["axis"].i
+                    rank = op.inputs[0].shape.rank
+                    self._unpack_axis[op] = axis == 0 or (
+                        rank is not None and axis == -rank)
+                index = y.value_index if self._unpack_axis[op] else None
+            else:
+                return None
+            if index is None:
+                return None
+            source, batch, _ = self._source(op.graph, op.inputs[0].name)
+            if source is None:
+                return None
+        if index is None:
             return None
-    ids = op.inputs[1]
-    if ids.shape.rank != 0:
-        return None
-    value = _const_ints(ids)
-    return None if value is None else value[0]
+        if index < 0:
+            if batch is None:
+                return None
+            index += batch
+        if index < 0 or (batch is not None and index >= batch):
+            return None
+        return source, index
+
+    def _source(self, graph, name):
+        """(tensor, static B or None, rank); (None, None, None) when the
+        tensor is not [B, ...] of known rank."""
+        key = (graph, name)
+        found = self._sources.get(key)
+        if found is None:
+            op_name, index = _split_input_name(name)
+            source = _op_by_name(graph, op_name).outputs[index]
+            rank = source.shape.rank
+            if rank is None or rank < 1:
+                found = (None, None, None)
+            else:
+                found = (source, tf.compat.dimension_value(source.shape[0]),
+                         rank)
+            self._sources[key] = found
+        return found
+
+    @staticmethod
+    def _strided_slice_index(graph, node_def, rank):
+        """k when the StridedSlice is `source[k]` (one whole element of axis
+        0) of a source of rank `rank`, else None."""
+        attrs = node_def.attr
+        # Axis 0 shrunk to the element at begin[0] (TF then ignores its end,
+        # and accepts only stride 1 there); no other axis shrunk or added.
+        if (attrs["shrink_axis_mask"].i != 1 or attrs["new_axis_mask"].i
+                or attrs["begin_mask"].i & 1 or attrs["ellipsis_mask"].i & 1):
+            return None
+        begin_name = node_def.input[1]
+        if ":" in begin_name:
+            begin_name = _split_input_name(begin_name)[0]
+        begin_op = _op_by_name(graph, begin_name)
+        if rank == 1:
+            # Nothing else to check: a rank-1 source has no later axes (TF
+            # rejects a spec longer than the rank, an ellipsis aside).
+            return _first_int(begin_op)
+        begin = _const_ints(begin_op)
+        if not begin:
+            return None
+        if len(begin) == 1:
+            return begin[0]
+        strides = _const_ints(_op_by_name(
+            graph, _split_input_name(node_def.input[3])[0]))
+        if strides is None:
+            return None
+        begin_mask, end_mask = attrs["begin_mask"].i, attrs["end_mask"].i
+        ellipsis = attrs["ellipsis_mask"].i
+        for axis in range(1, len(begin)):     # later axes taken whole
+            bit = 1 << axis
+            if ellipsis & bit:
+                continue
+            if not (begin_mask & bit and end_mask & bit
+                    and strides[axis] == 1):
+                return None
+        return begin[0]
+
+    @staticmethod
+    def _gather_index(op):
+        """k when the op is `tf.gather(source, k)`, constant scalar k on axis
+        0; else None."""
+        if op.type == "GatherV2":
+            if (op.node_def.attr["batch_dims"].i != 0
+                    or _const_ints(op.inputs[2].op) != [0]):
+                return None
+        ids = op.inputs[1]
+        if ids.shape.rank != 0:
+            return None
+        value = _const_ints(ids.op)
+        return None if value is None else value[0]
 
 
 def slice_of(y):
-    """Recognizes `y` as one example of a batch tensor.
+    """`_Slice(source, k)` when `y` is example k of `source`, else None.
 
-    Recognized: `loss[k]` (StridedSlice), `tf.gather(loss, k)` with a constant
-    scalar k on axis 0, and the outputs of `tf.unstack(loss)` (axis 0).
-    Anything else is a per-example term of its own (still correct, but
-    seeded and differentiated as a separate y).
-
-    Returns:
-      `_Slice(source, k)` with `0 <= k < B` (negative k resolved when B is
-      static; a negative k with a dynamic B is not recognized), or `None`.
+    See `_SliceFinder` for what is recognized.
     """
-    op = y.op
-    kind = op.type
-    if kind == "StridedSlice":
-        index = _strided_slice_index(op)
-    elif kind in ("GatherV2", "Gather"):
-        index = _gather_index(op)
-    elif kind == "Unpack":
-        axis = op.node_def.attr["axis"].i
-        rank = op.inputs[0].shape.rank
-        index = y.value_index if (axis == 0 or (
-            rank is not None and axis == -rank)) else None
-    else:
-        return None
-    if index is None:
-        return None
-    source = op.inputs[0]
-    if source.shape.rank is None or source.shape.rank < 1:
-        return None
-    batch = tf.compat.dimension_value(source.shape[0])
-    if index < 0:
-        if batch is None:
-            return None
-        index += batch
-    if index < 0 or (batch is not None and index >= batch):
-        return None
-    return _Slice(source, index)
+    found = _SliceFinder().find(y)
+    return None if found is None else _Slice(*found)
 
 
 def _as_factor_vector(gradient_factors, n_terms):
@@ -408,17 +503,24 @@ def custom_seeds(ys, grad_ys, gradient_factors):
         return [ys[0]], [_vector_seed(ys[0], grad_ys[0], gradient_factors)]
 
     factors = _Factors(_as_factor_vector(gradient_factors, len(ys)), len(ys))
-    by_source = collections.OrderedDict()   # source ref -> ([k], [j], [gy])
+    # id(source) -> (source, [k], [j], [gy]). The finder hands back one
+    # Tensor object per source, so its id is a key (graph Tensors are not
+    # hashable, and .ref() would cost an object per slice).
+    by_source = {}
     others = []                             # terms that are not slices
+    finder = _SliceFinder()
     for j, (y, gy) in enumerate(zip(ys, grad_ys)):
-        s = slice_of(y)
-        if s is None:
+        found = finder.find(y)
+        if found is None:
             others.append((j, y, gy))
-        else:
-            ks, js, gys = by_source.setdefault(s.source.ref(), ([], [], []))
-            ks.append(s.index)
-            js.append(j)
-            gys.append(gy)
+            continue
+        source, k = found
+        group = by_source.get(id(source))
+        if group is None:
+            group = by_source[id(source)] = (source, [], [], [])
+        group[1].append(k)
+        group[2].append(j)
+        group[3].append(gy)
     seed_ys, seeds = [], []
     for j, y, gy in others:
         dtype = y.dtype.base_dtype
@@ -430,8 +532,7 @@ def custom_seeds(ys, grad_ys, gradient_factors):
             seeds.append(f_j)
         else:
             seeds.append(tf.fill(tf.shape(y), f_j))
-    for source_ref, (ks, js, gys) in by_source.items():
-        source = source_ref.deref()
+    for source, ks, js, gys in by_source.values():
         seed_ys.append(source)
         seeds.append(_source_seed(source, ks, js, gys, factors))
     return seed_ys, seeds

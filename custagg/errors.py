@@ -1,6 +1,7 @@
 """Error helpers shared by the public functions."""
 
 import tensorflow as tf
+from tensorflow.python.framework import ops
 
 
 def check_not_eager(fn_name):
@@ -16,9 +17,18 @@ def check_not_eager(fn_name):
 
 def check_graph_tensor(t, arg, fn_name):
     """Raises for eager tensors, which have no graph to differentiate."""
-    if isinstance(t, tf.Tensor) and not hasattr(t, "graph") or \
-            type(t).__name__ == "EagerTensor":
+    if isinstance(t, ops.EagerTensor):
         raise TypeError(
             "%s: %s holds an eager tensor (%r); graph tensors are needed. "
             "Build it inside the graph (e.g. tf.compat.v1.placeholder) instead "
             "of creating it eagerly." % (fn_name, arg, t))
+
+
+def check_graph_tensors(ts, arg, fn_name):
+    """`check_graph_tensor` for each of the list `ts`, named `arg[i]`.
+
+    The name is formatted only on failure: ys can hold thousands of slices.
+    """
+    for i, t in enumerate(ts):
+        if isinstance(t, ops.EagerTensor):
+            check_graph_tensor(t, "%s[%d]" % (arg, i), fn_name)

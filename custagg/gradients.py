@@ -123,7 +123,9 @@ class _Backprop(object):
         return [t for t in self.inputs(op) if not isinstance(t, ops.EagerTensor)]
 
     def _consumers(self, t):
-        found = list(t.consumers())
+        found = t.consumers()
+        if not self.func_graphs:
+            return found
         for fg in self.func_graphs:
             for outer, inner in fg.captures:
                 if outer is t:
@@ -140,8 +142,11 @@ class _Backprop(object):
                 continue
             reached.add(op)
             for out in op.outputs:
-                if backprop_util.IsTrainable(out):
-                    queue.extend(self._consumers(out))
+                # Consumers first: the B slices of a CUSTOM list form have
+                # none, and IsTrainable costs more than the lookup.
+                consumers = self._consumers(out)
+                if consumers and backprop_util.IsTrainable(out):
+                    queue.extend(consumers)
         self.reachable_to_ops = set(op for op in to_ops if op in reached)
         self.between = set()
         order = []
@@ -578,8 +583,7 @@ def _composite_gradients(ys, xs, grad_ys, args):
 
 def _tensor_gradients(ys, xs, grad_ys, args):
     """`gradients` once ys, xs and grad_ys hold no composite tensors."""
-    for i, y in enumerate(ys):
-        errors.check_graph_tensor(y, "ys[%d]" % i, "custagg.gradients")
+    errors.check_graph_tensors(ys, "ys", "custagg.gradients")
     graph = _graph_of(ys) or ops.get_default_graph()
     _check_same_graph(ys, xs, graph)
 
@@ -589,8 +593,11 @@ def _tensor_gradients(ys, xs, grad_ys, args):
         # name="" means the root scope.
         with ops.name_scope_v1(args.name, "gradients") as scope_name:
             gradient_uid = ops.get_default_graph().unique_name("uid")
-            ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
-                ys, name="y")
+            # Tensors convert to themselves: skip the conversion machinery
+            # for them (the CUSTOM list form passes B slices).
+            if not all(isinstance(y, tf.Tensor) for y in ys):
+                ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
+                    ys, name="y")
             xs = _convert_xs(xs)
             if args.aggregation_method == AggregationMethod.CUSTOM:
                 with tf.name_scope("custom_seeds"):
