@@ -353,7 +353,9 @@ class _SliceFinder(object):
         if ids.shape.rank != 0:
             return None
         value = _const_ints(ids.op)
-        return None if value is None else value[0]
+        # A negative index is an error for tf.gather (unlike loss[-1]): such
+        # a y is left to TF's own gradient rather than read as loss[B-1].
+        return None if value is None or value[0] < 0 else value[0]
 
 
 def slice_of(y):
@@ -382,8 +384,10 @@ def _as_factor_vector(gradient_factors, n_terms):
                 "custagg.gradients: gradient_factors must be a numeric tensor "
                 "of shape [B] (one factor per example); got %r (%s)."
                 % (gradient_factors, e))
+    errors.check_graph_tensor(f, "gradient_factors", "custagg.gradients")
     graph = ops.get_default_graph()
-    if (isinstance(f, tf.Tensor) and f.graph is not graph
+    f_graph = getattr(f, "graph", None)
+    if (f_graph is not None and f_graph is not graph
             and not graph._building_function):  # pylint: disable=protected-access
         raise ValueError(
             "custagg.gradients: gradient_factors (%s) is from another graph "

@@ -183,6 +183,62 @@ def test_slice_forms_against_tf(pick, sess, rng):
         _assert_all_close(a, e, rtol=1e-12)
 
 
+_SLICE_EXPRESSIONS = [
+    # (id, expression of loss [B] / out [B, 3] / i (an int32 placeholder),
+    #  recognized as one example of its source)
+    ("loss[2]", lambda loss, out, i: loss[2], True),
+    ("loss[-1]", lambda loss, out, i: loss[-1], True),
+    ("out[1]", lambda loss, out, i: out[1], True),
+    ("out[1,:]", lambda loss, out, i: out[1, :], True),
+    ("out[1,...]", lambda loss, out, i: out[1, ...], True),
+    ("loss[1,...]", lambda loss, out, i: loss[1, ...], True),
+    ("gather(loss,2)", lambda loss, out, i: tf.gather(loss, 2), True),
+    ("gather(out,1)", lambda loss, out, i: tf.gather(out, 1), True),
+    ("gather(loss,-1)", lambda loss, out, i: tf.gather(loss, -1), False),
+    ("unstack(out)[2]", lambda loss, out, i: tf.unstack(out)[2], True),
+    ("unstack(loss,-1)", lambda loss, out, i: tf.unstack(loss, axis=-1)[3],
+     True),
+    ("out[:,1]", lambda loss, out, i: out[:, 1], False),
+    ("out[1,1:]", lambda loss, out, i: out[1, 1:], False),
+    ("out[1,::2]", lambda loss, out, i: out[1, ::2], False),
+    ("out[1:2]", lambda loss, out, i: out[1:2], False),
+    ("loss[1:2]", lambda loss, out, i: loss[1:2], False),
+    ("out[...,1]", lambda loss, out, i: out[..., 1], False),
+    ("out[1,0]", lambda loss, out, i: out[1, 0], False),
+    ("out[newaxis,1]", lambda loss, out, i: out[tf.newaxis, 1], False),
+    ("loss[i]", lambda loss, out, i: loss[i], False),
+    ("gather(out,1,axis=1)", lambda loss, out, i: tf.gather(out, 1, axis=1),
+     False),
+    ("gather(loss,[1])", lambda loss, out, i: tf.gather(loss, [1]), False),
+    ("unstack(out,axis=1)", lambda loss, out, i: tf.unstack(out, axis=1)[0],
+     False),
+]
+
+
+@pytest.mark.parametrize("expr,recognized",
+                         [(e, r) for _, e, r in _SLICE_EXPRESSIONS],
+                         ids=[n for n, _, _ in _SLICE_EXPRESSIONS])
+def test_slice_recognition_and_its_result(expr, recognized, sess, rng):
+    """What is taken for one example, and the result either way (vs TF)."""
+    from custagg import aggregation
+    batch = 4
+    x = tf.compat.v1.placeholder(tf.float64, [batch, 2])
+    w = tf.compat.v1.Variable(rng.normal(size=(2, 3)))
+    out = tf.sin(tf.matmul(x, w))                           # [B, 3]
+    loss = tf.reduce_sum(tf.square(out), axis=1)           # [B]
+    i = tf.compat.v1.placeholder(tf.int32, [])
+    term = expr(loss, out, i)
+    assert (aggregation.slice_of(term) is not None) == recognized
+    ys = [term, loss[0]]
+    f = tf.compat.v1.placeholder(tf.float64, [2])
+    got = custagg.gradients(ys, [w], aggregation_method=CUSTOM,
+                            gradient_factors=f)
+    want = reference(ys, [w], f)
+    a, e = _run(sess, [got, want], {x: rng.normal(size=(batch, 2)),
+                                    f: [0.7, -1.3], i: 2})
+    _assert_all_close(a, e, rtol=1e-12)
+
+
 def test_list_of_slices_is_one_backward_pass():
     """The list form builds the vector form's ops, not a pass per example."""
     def new_op_types(form, batch):
