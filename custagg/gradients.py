@@ -16,11 +16,14 @@ With `AggregationMethod.CUSTOM`, `ys` are per-example terms; they are weighted
 by `gradient_factors` before the pass starts (see `aggregation.custom_seeds`).
 
 Control flow: v2 (`While`/`If`, what TF 2.21 builds under
-`tf.compat.v1.disable_eager_execution()`) is supported; its gradients are
-registered functions like any other op's. v1 while loops (`Enter`/`Exit`,
-built under `tf.compat.v1.disable_v2_behavior()`) need TF's loop-state
-bookkeeping and are rejected with an error saying how to switch to v2; v1
-`cond` (`Switch`/`Merge` outside loops) works.
+`tf.compat.v1.disable_eager_execution()`) needs nothing special: its
+gradients are registered functions like any other op's. v1 control flow
+(`Switch`/`Merge`, and `Enter`/`Exit`/`NextIteration` loops, built under
+`tf.compat.v1.disable_v2_behavior()`) is differentiated as TF does it: a
+v1 while loop's gradient is itself a while loop, built by TF's loop-state
+object (`control_flow_state`), which the traversal enters and leaves around
+each op and asks for zeros; the traversal only decides when each op is
+visited.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import indexed_slices as indexed_slices_lib
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import control_flow_state
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import gen_functional_ops
 from tensorflow.python.ops import resource_variable_ops
@@ -44,10 +48,6 @@ from tensorflow.python.util import object_identity
 from custagg import aggregation
 from custagg import errors
 from custagg.aggregation import AggregationMethod
-
-_V1_LOOP_OPS = frozenset(["Enter", "RefEnter", "Exit", "RefExit",
-                          "NextIteration", "RefNextIteration", "LoopCond"])
-
 
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
@@ -107,9 +107,12 @@ class _Backprop(object):
         # op -> list (one per output) of received contributions; replaced by
         # the aggregated gradient once the op has been visited.
         self.grads = {}
-        self._find_between([y.op for y in ys], [x.op for x in xs])
-        self.stop_ops = self._stop_ops([x.op for x in xs],
-                                       [t.op for t in stop_tensors])
+        self.from_ops = [x.op for x in xs]
+        self.stop_gradient_ops = [t.op for t in stop_tensors]
+        self.stop_ops = set()       # set by run(), after loop exits are known
+        # TF's bookkeeping of v1 while loops (None when there are none).
+        self.loop_state = None
+        self._find_between([y.op for y in ys], self.from_ops)
 
     # -- graph structure -------------------------------------------------
 
@@ -157,16 +160,11 @@ class _Backprop(object):
                 self.between.add(op)
                 order.append(op)
                 queue.extend(t.op for t in self._graph_inputs(op))
-        loop_ops = [op for op in order if op.type in _V1_LOOP_OPS]
-        if loop_ops:
-            raise NotImplementedError(
-                "custagg.gradients: the path from ys to xs goes through a v1 "
-                "while loop (op '%s' of type %s, built under "
-                "tf.compat.v1.disable_v2_behavior()). custagg supports "
-                "control flow v2: call tf.compat.v1.enable_control_flow_v2() "
-                "after disable_v2_behavior() (or use only "
-                "tf.compat.v1.disable_eager_execution()) before building the "
-                "loop." % (loop_ops[0].name, loop_ops[0].type))
+        # A v1 while loop between them: TF's loop state takes all the loop's
+        # Exits in (adding them to `order` and `between`), since the gradient
+        # loop carries every loop variable.
+        self.loop_state = control_flow_state.MaybeCreateControlFlowState(
+            order, self.between, self.colocate)
         # pending[op]: contributions op still waits for (one per edge).
         self.pending = collections.defaultdict(int)
         for op in order:
@@ -189,7 +187,18 @@ class _Backprop(object):
         if per_output is None:
             per_output = [[] for _ in t.op.outputs]
             self.grads[t.op] = per_output
-        per_output[t.value_index].append(grad)
+        received = per_output[t.value_index]
+        if isinstance(received, list):
+            received.append(grad)
+        else:
+            # Only a v1 loop's Switch is visited twice: its gradient from
+            # the loop's exit is replaced by the one from the back edge.
+            per_output[t.value_index] = grad
+
+    def _has_grads(self, op):
+        per_output = self.grads.get(op, ())
+        return any(g is not None if not isinstance(g, list)
+                   else any(c is not None for c in g) for g in per_output)
 
     def _aggregate(self, op):
         """Sums each output's contributions in place; returns the sums.
@@ -205,8 +214,9 @@ class _Backprop(object):
             per_output = [[] for _ in op.outputs]
             self.grads[op] = per_output
         for i, contribs in enumerate(per_output):
-            per_output[i] = aggregation.aggregate_contributions(
-                contribs, self.sum_method, op, self.gradient_uid)
+            if isinstance(contribs, list):   # else: a v1 loop Switch's, kept
+                per_output[i] = aggregation.aggregate_contributions(
+                    contribs, self.sum_method, op, self.gradient_uid)
         return per_output
 
     def result(self, x, unconnected):
@@ -263,32 +273,69 @@ class _Backprop(object):
             g = getattr(g, "outer_graph", None)
         return None
 
+    @contextlib.contextmanager
+    def _in_grad_loop(self, op, before):
+        """Inside the gradient while loop of op's v1 loop, if it has one.
+
+        `before=True` is the context the output gradients are summed in
+        (for a loop's Exit, the loop outside it); `before=False` the one
+        op's gradient function runs in.
+        """
+        if self.loop_state is None:
+            yield
+            return
+        self.loop_state.EnterGradWhileContext(op, before)
+        try:
+            yield
+        finally:
+            self.loop_state.ExitGradWhileContext(op, before)
+
+    def _check_not_through_loop_entry(self, op):
+        """A loop's Switch reached from outside the loop: TF can only
+        differentiate through loop invariants and the body's inputs."""
+        ctxt = op._control_flow_context  # pylint: disable=protected-access
+        if (control_flow_util.IsSwitch(op) and ctxt is not None
+                and ctxt.IsWhileContext() and ctxt ==
+                self.graph._get_control_flow_context()):  # pylint: disable=protected-access
+            raise ValueError(
+                "custagg.gradients: cannot differentiate with respect to, or "
+                "through, the initial value of a v1 while loop variable (op "
+                "'%s'). Gradients can be taken through loop invariants or "
+                "with respect to the inputs of the loop body." % op.name)
+
     def visit(self, op):
         """Aggregates op's output gradients and sends its input gradients on."""
         with self._maybe_colocate(op):
-            out_grads = self._aggregate(op)
+            with self._in_grad_loop(op, before=True):
+                out_grads = self._aggregate(op)
             has_grads = any(g is not None for g in out_grads)
             grad_fn, is_call, func = None, False, None
             if has_grads and op not in self.stop_ops:
                 grad_fn, is_call, func = self._lookup(op)
-            inputs = self.inputs(op)
-            if has_grads and (grad_fn is not None or is_call):
-                in_grads = self._call_gradient(op, grad_fn, func, out_grads)
-            else:
-                in_grads = [None] * len(inputs)
-            for i, (t_in, g) in enumerate(zip(inputs, in_grads)):
-                if g is None:
-                    continue
-                if isinstance(g, tf.Tensor) and t_in.dtype != tf.resource:
-                    try:
-                        g.set_shape(t_in.shape)
-                    except ValueError:
-                        raise ValueError(
-                            "custagg.gradients: the gradient function of op "
-                            "'%s' returned shape %s for input %d, whose shape "
-                            "is %s." % (op.name, g.shape, i, t_in.shape))
-                if not isinstance(t_in, ops.EagerTensor):
-                    self.add(t_in, g)
+            with self._in_grad_loop(op, before=False):
+                self._check_not_through_loop_entry(op)
+                inputs = self.inputs(op)
+                if has_grads and (grad_fn is not None or is_call):
+                    in_grads = self._call_gradient(op, grad_fn, func,
+                                                   out_grads)
+                else:
+                    in_grads = [None] * len(inputs)
+                for i, (t_in, g) in enumerate(zip(inputs, in_grads)):
+                    if g is not None:
+                        self._send(op, i, t_in, g)
+
+    def _send(self, op, i, t_in, g):
+        """Records `g` as a contribution to input i of op, `t_in`."""
+        if isinstance(g, tf.Tensor) and t_in.dtype != tf.resource:
+            try:
+                g.set_shape(t_in.shape)
+            except ValueError:
+                raise ValueError(
+                    "custagg.gradients: the gradient function of op '%s' "
+                    "returned shape %s for input %d, whose shape is %s."
+                    % (op.name, g.shape, i, t_in.shape))
+        if not isinstance(t_in, ops.EagerTensor):
+            self.add(t_in, g)
 
     def _call_gradient(self, op, grad_fn, func, out_grads):
         # The gradient of an output nothing depends on is zero; gradient
@@ -296,7 +343,11 @@ class _Backprop(object):
         for i, g in enumerate(out_grads):
             if g is None and ((grad_fn is None) or
                               backprop_util.IsTrainable(op.outputs[i])):
-                if default_gradient.supports_default_grad(op.outputs[i]):
+                if self.loop_state is not None:
+                    # Inside a gradient loop zeros must be made per
+                    # iteration (TF keeps their shapes on a stack).
+                    out_grads[i] = self.loop_state.ZerosLikeV1WhileLoop(op, i)
+                elif default_gradient.supports_default_grad(op.outputs[i]):
                     out_grads[i] = control_flow_state.ZerosLike(op, i)
         with tf.name_scope(op.name + "_grad"):
             with self.graph._original_op(op):  # pylint: disable=protected-access
@@ -367,13 +418,62 @@ class _Backprop(object):
                     and op in self.reachable_to_ops):
                 queued.add(op)
                 queue.append(op)
+        if self.loop_state is not None:
+            # Exits of a v1 loop that ys do not use get zeros (the gradient
+            # loop carries every loop variable).
+            for y in self.loop_state.ProcessUnusedLoopExits(self.pending,
+                                                            queued):
+                if backprop_util.IsTrainable(y):
+                    self.add(y, self.loop_state.ZerosLikeForExit(y))
+                queue.append(y.op)
+        # After the loop exits: they may mark loop Enters as pending.
+        self.stop_ops = self._stop_ops(self.from_ops, self.stop_gradient_ops)
         while queue:
             op = queue.popleft()
             self.visit(op)
-            for t in self._graph_inputs(op):
-                self.pending[t.op] -= 1
-                if self.pending[t.op] == 0:
-                    queue.append(t.op)
+            self._release_inputs(op, queue)
+        if self.loop_state is not None:
+            self.loop_state.PostProcessing()
+
+    def _release_inputs(self, op, queue):
+        """Counts op's contributions as received; queues the ready inputs."""
+        for t in self._graph_inputs(op):
+            self.pending[t.op] -= 1
+            ready = self.pending[t.op] == 0
+            if not ready and self.loop_state is not None:
+                # A v1 loop's Switch goes first with the exit's gradient,
+                # and again once the back edge's has come.
+                ready = (self.pending[t.op] > 0
+                         and control_flow_util.IsLoopSwitch(t.op))
+            if not ready:
+                continue
+            if control_flow_util.IsLoopExit(t.op):
+                self._exit_ready(t, queue)
+            else:
+                queue.append(t.op)
+
+    def _exit_ready(self, exit_t, queue):
+        """A v1 loop's Exit waits until all the loop's Exits are ready.
+
+        Then the loop is entered only if one of them got a gradient, and
+        the others get zeros; with none, all go on with None.
+        """
+        grad_state = self.loop_state.GetGradState(exit_t.op, before=False)
+        grad_state.deferred_exits.append(exit_t)
+        grad_state.pending_exits_count -= 1
+        if grad_state.pending_exits_count:
+            return
+        used = False
+        for y in grad_state.deferred_exits:
+            if self._has_grads(y.op):
+                used = True
+                queue.append(y.op)
+            else:
+                grad_state.unused_exits.append(y)
+        for y in grad_state.unused_exits:
+            if used and backprop_util.IsTrainable(y):
+                self.add(y, self.loop_state.ZerosLikeForExit(y))
+            queue.append(y.op)
 
 
 def _check_seed_dtype(i, y, gy):

@@ -468,3 +468,37 @@ def test_custom_and_other_arguments(sess, rng):
     assert stopped == [None, None]
     a, e = _run(sess, [got, want], {**data, f: _factors(rng, batch)})
     _assert_all_close(a, e, rtol=1e-12)
+
+
+@pytest.mark.parametrize("control_flow", ["v2", "v1"])
+def test_rnn_in_a_while_loop(control_flow, request, sess, rng):
+    """Per-example losses of an RNN built with tf.compat.v1.while_loop."""
+    if control_flow == "v1":
+        request.getfixturevalue("control_flow_v1")
+    batch, steps, n_in, n_hidden = 4, 3, 2, 5
+    x = tf.compat.v1.placeholder(tf.float64, [batch, steps, n_in])
+    w_x = tf.compat.v1.Variable(rng.normal(size=(n_in, n_hidden)))
+    w_h = tf.compat.v1.Variable(rng.normal(size=(n_hidden, n_hidden)) * 0.3)
+    inputs = tf.TensorArray(tf.float64, size=steps).unstack(
+        tf.transpose(x, [1, 0, 2]))
+
+    def body(t, h):
+        return t + 1, tf.tanh(tf.matmul(inputs.read(t), w_x) +
+                              tf.matmul(h, w_h))
+    _, h = tf.compat.v1.while_loop(
+        lambda t, h: t < steps, body,
+        [tf.constant(0), tf.zeros([batch, n_hidden], tf.float64)])
+    loss = tf.reduce_sum(tf.square(h), axis=1)             # [B]
+    assert any(op.type == ("Exit" if control_flow == "v1" else "While")
+               for op in loss.graph.get_operations())
+    f = tf.compat.v1.placeholder(tf.float64, [batch])
+    listed = custagg.gradients([loss[i] for i in range(batch)], [w_x, w_h],
+                               aggregation_method=CUSTOM, gradient_factors=f)
+    vector = custagg.gradients(loss, [w_x, w_h], aggregation_method=CUSTOM,
+                               gradient_factors=f)
+    want = tf.compat.v1.gradients(loss, [w_x, w_h], grad_ys=f)
+    a = _run(sess, [listed, vector, want],
+             {x: rng.normal(size=(batch, steps, n_in)),
+              f: _factors(rng, batch)})
+    _assert_all_close(a[0], a[2], rtol=1e-12)
+    _assert_all_close(a[1], a[2], rtol=1e-12)

@@ -721,20 +721,125 @@ def test_cond_v1(control_flow_v1):
     assert_parity(build, unconnected_gradients="zero")
 
 
-def test_while_v1_raises_clear_error(control_flow_v1):
+def _v1_simple_loop(rng, grad_fn):
+    x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+    w = tf.compat.v1.get_variable("w", [3, 3])
+    _, h = tf.compat.v1.while_loop(
+        lambda i, h: i < 3,
+        lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w)) + x), [0, x])
+    return case(tf.reduce_sum(h * h), [x, w], {x: rng.normal(size=(4, 3))})
+
+
+def _v1_unused_exit(rng, grad_fn):
+    x = tf.compat.v1.placeholder(tf.float64, [2])
+    res = tf.compat.v1.while_loop(
+        lambda i, a, b: i < 3,
+        lambda i, a, b: (i + 1, a * x, b + tf.reduce_sum(a)),
+        [0, x, tf.constant(0.0, tf.float64)])
+    return case([res[2], res[1]], [x], {x: rng.normal(size=2)},
+                grad_ys=[None, tf.zeros([2], tf.float64)])
+
+
+def _v1_nested_loops(rng, grad_fn):
     x = tf.compat.v1.placeholder(tf.float32, [3])
+
+    def outer(i, a):
+        _, b = tf.compat.v1.while_loop(lambda j, b: j < 2,
+                                       lambda j, b: (j + 1, b * x + 1.0),
+                                       [0, a])
+        return i + 1, b
+    _, y = tf.compat.v1.while_loop(lambda i, a: i < 2, outer, [0, x])
+    return case(tf.reduce_sum(y), [x], {x: rng.normal(size=3)})
+
+
+def _v1_cond_in_loop(rng, grad_fn):
+    x = tf.compat.v1.placeholder(tf.float32, [3])
+
+    def body(i, acc):
+        return i + 1, acc + tf.compat.v1.cond(
+            i > 1, lambda: acc * x, lambda: tf.square(acc))
+    _, z = tf.compat.v1.while_loop(lambda i, a: i < 4, body, [0, x])
+    return case(tf.reduce_sum(z), [x], {x: rng.normal(size=3)})
+
+
+def _v1_dynamic_shapes_and_zero(rng, grad_fn):
+    x = tf.compat.v1.placeholder(tf.float32, [None])
+    n = tf.compat.v1.placeholder(tf.int32, [])
+    _, h, _ = tf.compat.v1.while_loop(
+        lambda i, h, u: i < n, lambda i, h, u: (i + 1, h * x, u + 1.0),
+        [0, x, tf.zeros_like(x)])
+    return case(tf.reduce_sum(h), [x, n], {x: rng.normal(size=3), n: 3},
+                unconnected_gradients="zero")
+
+
+def _v1_ref_variable_rnn(rng, grad_fn):
+    steps, batch, n_in, n_hidden = 4, 3, 2, 5
+    x = tf.compat.v1.placeholder(tf.float32, [batch, steps, n_in])
+    w_x = tf.compat.v1.Variable(rng.normal(size=(n_in, n_hidden)).astype(
+        np.float32), use_resource=False)
+    w_h = tf.compat.v1.Variable(rng.normal(size=(n_hidden, n_hidden)).astype(
+        np.float32) * 0.3, use_resource=False)
+    inputs = tf.TensorArray(tf.float32, size=steps).unstack(
+        tf.transpose(x, [1, 0, 2]))
+
+    def body(t, h):
+        return t + 1, tf.tanh(tf.matmul(inputs.read(t), w_x) +
+                              tf.matmul(h, w_h))
+    _, h = tf.compat.v1.while_loop(
+        lambda t, h: t < steps, body,
+        [tf.constant(0), tf.zeros([batch, n_hidden])])
+    return case(tf.reduce_sum(tf.square(h)), [w_x, w_h, x],
+                {x: rng.normal(size=(batch, steps, n_in))})
+
+
+def _v1_second_derivative(rng, grad_fn):
+    x = tf.compat.v1.placeholder(tf.float64, [3])
     _, h = tf.compat.v1.while_loop(lambda i, h: i < 3,
-                                   lambda i, h: (i + 1, h * x), [0, x])
-    assert any(op.type == "Enter" for op in h.graph.get_operations())
-    tf.compat.v1.gradients(h, x)     # TF itself handles it
-    with pytest.raises(NotImplementedError,
-                       match="v1 while loop.*enable_control_flow_v2"):
-        custagg.gradients(h, x)
+                                   lambda i, h: (i + 1, tf.sin(h) * x),
+                                   [0, x])
+    g, = grad_fn(tf.reduce_sum(h), x)
+    return case(tf.reduce_sum(g * g), [x], {x: rng.normal(size=3)})
+
+
+@pytest.mark.parametrize("build", [
+    _v1_simple_loop, _v1_unused_exit, _v1_nested_loops, _v1_cond_in_loop,
+    _v1_dynamic_shapes_and_zero, _v1_ref_variable_rnn],
+    ids=lambda f: f.__name__[4:])
+def test_while_v1(build, control_flow_v1):
+    ref, ours = assert_parity(build)
+    assert any(t == "Exit" for _, t in ours.ops)     # a v1 gradient loop
+
+
+def test_while_v1_second_derivative_unsupported_like_tf(control_flow_v1):
+    for grad_fn in (tf.compat.v1.gradients, custagg.gradients):
+        with tf.Graph().as_default():
+            with pytest.raises(TypeError, match="Second-order gradient for "
+                               "while loops not supported"):
+                _build(_v1_second_derivative, grad_fn)
+
+
+def test_while_v1_gradient_inside_the_loop_wrt_initial_value(control_flow_v1):
+    """TF's limit: no gradient through a loop variable's initial value."""
+    def build(grad_fn):
+        x = tf.compat.v1.placeholder(tf.float32, [3])
+
+        def body(i, h):
+            g, = grad_fn(tf.reduce_sum(h * h), x)
+            return i + 1, h + g
+        tf.compat.v1.while_loop(lambda i, h: i < 2, body, [0, x])
+
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match="while loop"):
+            build(tf.compat.v1.gradients)
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match=r"initial value of a v1 while "
+                           r"loop variable"):
+            build(custagg.gradients)
 
 
 def test_disable_v2_behavior_in_subprocess(run_python):
-    """Under disable_v2_behavior: ref variables, v1 cond works, v1 while
-    raises, and enable_control_flow_v2() brings working While loops back."""
+    """Under disable_v2_behavior (ref variables, v1 cond and while loops) as
+    TF; after enable_control_flow_v2(), While loops as TF too."""
     proc = run_python("""
         import json, os
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
@@ -757,11 +862,12 @@ def test_disable_v2_behavior_in_subprocess(run_python):
         ours = custagg.gradients(loss, [x, w])
         _, h = tf.compat.v1.while_loop(lambda i, h: i < 3,
                                        lambda i, h: (i + 1, h * w), [0, x])
-        try:
-            custagg.gradients(tf.reduce_sum(h), [x, w])
-            out["v1_while"] = "no error"
-        except NotImplementedError as e:
-            out["v1_while"] = str(e)
+        out["while_ops"] = sorted(set(op.type for op in
+                                      h.graph.get_operations()
+                                      if op.type in ("Enter", "Exit",
+                                                     "While")))
+        ref1 = tf.compat.v1.gradients(tf.reduce_sum(h), [x, w])
+        ours1 = custagg.gradients(tf.reduce_sum(h), [x, w])
         tf.compat.v1.enable_control_flow_v2()
         _, h2 = tf.compat.v1.while_loop(lambda i, h: i < 3,
                                         lambda i, h: (i + 1, h * w), [0, x])
@@ -770,10 +876,12 @@ def test_disable_v2_behavior_in_subprocess(run_python):
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for xv in ([1.0, 2.0, 0.5], [-1.0, -2.0, 0.5]):
-                a, b, a2, b2 = sess.run([ref, ours, ref2, ours2],
-                                        {x: xv})
+                a, b, a1, b1, a2, b2 = sess.run(
+                    [ref, ours, ref1, ours1, ref2, ours2], {x: xv})
                 out.setdefault("cond_err", []).append(max(
                     float(np.max(np.abs(p - q))) for p, q in zip(a, b)))
+                out.setdefault("while_v1_err", []).append(max(
+                    float(np.max(np.abs(p - q))) for p, q in zip(a1, b1)))
                 out.setdefault("while_v2_err", []).append(max(
                     float(np.max(np.abs(p - q))) for p, q in zip(a2, b2)))
         print("RESULT" + json.dumps(out))
@@ -784,8 +892,8 @@ def test_disable_v2_behavior_in_subprocess(run_python):
     assert out["ref_variable"] is True
     assert out["cond_ops"] == ["Merge", "Switch"]
     assert out["cond_err"] == [0.0, 0.0]
-    assert "v1 while loop" in out["v1_while"]
-    assert "enable_control_flow_v2" in out["v1_while"]
+    assert out["while_ops"] == ["Enter", "Exit"]
+    assert out["while_v1_err"] == [0.0, 0.0]
     assert out["while_v2_err"] == [0.0, 0.0]
 
 
