@@ -193,8 +193,8 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size):
         if why:
             return None, "the %s rule does not handle op '%s': %s" % (
                 op.type, op.name, why)
-        coupled = separability.coupling(op.outputs[0],
-                                        rule.output_batch_axis(ctx), loss,
+        start, axis = rule.coupling_start(ctx)
+        coupled = separability.coupling(start, axis, loss,
                                         loss_ancestors)
         if coupled:
             return None, ("batch coupling between op '%s' and the loss: %s; "

@@ -19,6 +19,7 @@ A `Rule` computes, from the op's inputs and `dz` alone (one backward pass),
     weighted_sum(ctx, c)    -> p.shape            sum_i c_i g_i   (c: [B])
     squared_sum(ctx)        -> p.shape            sum_i g_i ** 2  (elementwise)
     output_batch_axis(ctx)  -> int                axis of op.outputs[0] that is the batch
+    coupling_start(ctx)     -> (tensor, axis)     where the batch-coupling check starts
     unsupported(ctx)        -> None or a reason   (attributes the rule does not handle)
 
 Only `per_example` is required; the defaults of the others reduce it, and a
@@ -82,6 +83,14 @@ class Rule(object):
     def output_batch_axis(self, ctx):
         del ctx
         return 0
+
+    def coupling_start(self, ctx):
+        """(tensor, batch axis) from which examples must stay apart to the loss.
+
+        Default: the op's output and `output_batch_axis`. A rule that reads
+        past a reshape folding the batch into rows starts after the unfold.
+        """
+        return ctx.op.outputs[0], self.output_batch_axis(ctx)
 
     def per_example(self, ctx):
         raise NotImplementedError

@@ -327,8 +327,77 @@ _TABLE.update({
 })
 
 
+class Folded(collections.namedtuple("Folded", ["middle"])):
+    """The batch folded into rows: axis 0 holds (example, t...) pairs.
+
+    `tf.tensordot` (Keras Dense on `[B, T..., D]`) reshapes to `[B*T, D]`,
+    multiplies, and reshapes back. `middle` is the static `T...` shape. Rows
+    stay apart through a MatMul on the left and row-wise elementwise ops,
+    and the unfold reshape brings the batch back to axis 0.
+    """
+
+
+def _fold(op, x, z):
+    """Folded(middle) when reshape `x` `[B, T..., D]` -> `z` `[B*T, D]`."""
+    if x.shape.rank is None or x.shape.rank < 3 or z.shape.rank != 2:
+        return None
+    middle = x.shape[1:-1]
+    depth = tf.compat.dimension_value(x.shape[-1])
+    if not middle.is_fully_defined() or depth is None:
+        return None
+    width = tf.compat.dimension_value(z.shape[-1])
+    if width is None:
+        # The row width is known only where it is used: a MatMul taking the
+        # rows with a static inner dimension D runs only if the width is D.
+        def fixes_width(c):
+            if c.type != "MatMul" or c.get_attr("transpose_a") or \
+                    c.inputs[0] is not z:
+                return False
+            inner = c.inputs[1].shape[1 if c.get_attr("transpose_b") else 0]
+            return tf.compat.dimension_value(inner) == depth
+        if not any(fixes_width(c) for c in z.consumers()):
+            return None
+    elif width != depth:
+        return None
+    return Folded(tuple(middle.as_list()))
+
+
+def _propagate_folded(op, index, axis):
+    """Rows (example, t) on axis 0: which ops keep them apart."""
+    if op.type == "Transpose":
+        perm = _const(op.inputs[1])
+        return axis if perm is not None and perm[0] == 0 and index == 0 \
+            else None
+    if op.type == "MatMul":
+        return axis if index == 0 and not op.get_attr("transpose_a") else None
+    if op.type == "Reshape" and index == 0:
+        z = op.outputs[0]
+        if z.shape.rank == len(axis.middle) + 2 and \
+                tuple(z.shape[1:-1].as_list()) == axis.middle:
+            return 0
+        return None
+    if op.type in _ELEMENTWISE_UNARY or op.type in _ELEMENTWISE_BINARY:
+        # Row-wise only when no operand carries rows of its own shape other
+        # than folded ones (ranks equal) and the others broadcast along rows.
+        out_rank = _rank(op.outputs[0])
+        if out_rank != _rank(op.inputs[index]):
+            return None
+        return axis
+    return None
+
+
 def propagate(op, index, axis):
     """Batch axis of `op`'s outputs given the batch at `axis` of input `index`."""
+    if isinstance(axis, Folded):
+        try:
+            return _propagate_folded(op, index, axis)
+        except (ValueError, TypeError, IndexError):
+            return None
+    if op.type == "Reshape" and axis == 0 and index == 0 and \
+            _reshape(op, index, axis) is None:
+        folded = _fold(op, op.inputs[0], op.outputs[0])
+        if folded is not None:
+            return folded
     fn = _TABLE.get(op.type)
     if fn is None:
         return None

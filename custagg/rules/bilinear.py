@@ -15,6 +15,7 @@ sums without materializing); otherwise a generic einsum materializes.
 """
 
 import tensorflow as tf
+from tensorflow.python.framework import tensor_util
 
 from custagg import registry
 from custagg.rules import _outer
@@ -49,6 +50,9 @@ class BilinearRule(registry.Rule):
     def _activation(self, ctx):
         return ctx.other_input()
 
+    def _grad(self, ctx):
+        return ctx.grad
+
     def _outer(self, ctx):
         """An `_outer.Outer`, or None when the letters do not split cleanly."""
         a_sub, p_sub, out_sub, b = self.subscripts(ctx)
@@ -65,7 +69,7 @@ class BilinearRule(registry.Rule):
         a = self._activation(ctx)
         a = tf.einsum("%s->%s" % (a_sub, b + "".join(t_letters + d_letters)),
                       a) if a_sub != b + "".join(t_letters + d_letters) else a
-        g = ctx.grad
+        g = self._grad(ctx)
         g_order = b + "".join(t_letters + k_letters)
         if out_sub != g_order:
             g = tf.einsum("%s->%s" % (out_sub, g_order), g)
@@ -82,7 +86,7 @@ class BilinearRule(registry.Rule):
             return outer.per_example()
         a_sub, p_sub, out_sub, b = self.subscripts(ctx)
         return tf.einsum("%s,%s->%s" % (a_sub, out_sub, b + p_sub),
-                         self._activation(ctx), ctx.grad)
+                         self._activation(ctx), self._grad(ctx))
 
     def squared_norms(self, ctx):
         outer = self._outer(ctx)
@@ -98,7 +102,8 @@ class BilinearRule(registry.Rule):
         # The weights index the batch axis wherever it sits in the output.
         shape = [1] * len(out_sub)
         shape[out_sub.index(b)] = -1
-        g = ctx.grad * tf.reshape(tf.cast(weights, ctx.grad.dtype), shape)
+        g = self._grad(ctx)
+        g = g * tf.reshape(tf.cast(weights, g.dtype), shape)
         return tf.einsum("%s,%s->%s" % (a_sub, out_sub, p_sub),
                          self._activation(ctx), g)
 
@@ -120,9 +125,78 @@ class MatMulRule(BilinearRule):
         ta, tb = ctx.op.get_attr("transpose_a"), ctx.op.get_attr("transpose_b")
         x_sub = "km" if ta else "mk"
         y_sub = "nk" if tb else "kn"
+        folded = _folded_rows(ctx)
+        if folded is not None:      # z[(b, t...), n] = x[b, t..., k] w[k, n]
+            lead = "b" + "tuvwxyz"[:folded[0].shape.rank - 2]
+            return lead + "k", y_sub, lead + "n", "b"
         if ctx.input_index == 1:    # z[b, n] = a[b, k] w[k, n]: batch is m
             return x_sub.replace("m", "b"), y_sub, "bn", "b"
         return y_sub.replace("n", "b"), x_sub, "mb", "b"
+
+    def _activation(self, ctx):
+        folded = _folded_rows(ctx)
+        return folded[0] if folded is not None else ctx.other_input()
+
+    def _grad(self, ctx):
+        folded = _folded_rows(ctx)
+        if folded is None:
+            return ctx.grad
+        x, _ = folded
+        return tf.reshape(ctx.grad, tf.concat(
+            [tf.shape(x)[:-1], tf.shape(ctx.grad)[-1:]], axis=0))
+
+    def coupling_start(self, ctx):
+        folded = _folded_rows(ctx)
+        if folded is not None:
+            return folded[1].outputs[0], 0
+        return super(MatMulRule, self).coupling_start(ctx)
+
+
+def _skip_identity_transpose(t):
+    """`t`'s input when `t` is a transpose by the identity permutation."""
+    if t.op.type == "Transpose":
+        perm = tensor_util.constant_value(t.op.inputs[1])
+        if perm is not None and list(perm) == list(range(len(perm))):
+            return t.op.inputs[0]
+    return t
+
+
+def _folded_rows(ctx):
+    """`(x, unfold_op)` when this MatMul is a dense layer on `[B, T..., D]`.
+
+    `tf.tensordot` (and so Keras/`tf.compat.v1.layers` Dense on inputs of
+    rank 3 or more) reshapes `x` `[B, T..., D]` to rows `[B*T, D]`, multiplies
+    and reshapes back to `[B, T..., K]`. Row `(b, t)` belongs to example b,
+    so the rule can read `x` and the unfolded output gradient directly and
+    sum over T per example. Recognized only when the shapes prove it: the
+    fold keeps D as the last axis (row-major order then makes row n =
+    (b, t)), and the product's only consumer unfolds it to `[?, T..., K]`
+    with the same static T.
+    """
+    op = ctx.op
+    if (ctx.input_index != 1 or op.get_attr("transpose_a")
+            or op.inputs[0].op.type != "Reshape"):
+        return None
+    x = _skip_identity_transpose(op.inputs[0].op.inputs[0])
+    p_dims = _outer.static_dims(ctx.param)
+    if x.shape.rank is None or x.shape.rank < 3 or p_dims is None:
+        return None
+    depth = p_dims[1] if op.get_attr("transpose_b") else p_dims[0]
+    middle = x.shape[1:-1]
+    if not middle.is_fully_defined() or \
+            tf.compat.dimension_value(x.shape[-1]) != depth:
+        return None
+    consumers = op.outputs[0].consumers()
+    if len(consumers) != 1 or consumers[0].type != "Reshape":
+        return None
+    unfold = consumers[0]
+    out = unfold.outputs[0]
+    width = p_dims[0] if op.get_attr("transpose_b") else p_dims[1]
+    if (unfold.inputs[0] is not op.outputs[0] or out.shape.rank != x.shape.rank
+            or out.shape[1:-1].as_list() != middle.as_list()
+            or tf.compat.dimension_value(out.shape[-1]) != width):
+        return None
+    return x, unfold
 
 
 def _leading(rank):

@@ -151,6 +151,34 @@ def matmul_read(read):
     return build
 
 
+def tensordot_dense(depth_dynamic):
+    """Two dense layers on `[B, T, D]` through tf.tensordot (what Keras Dense
+    and tf.compat.v1.layers.dense build): a `[B*T, D]` MatMul between a fold
+    and an unfold reshape. `depth_dynamic`: T unknown in the placeholder, so
+    tensordot builds its reshapes from tf.shape (rules then do not apply)."""
+
+    def build(dtype, rng):
+        w1, b1 = var(rng, [3, 5], dtype), var(rng, [5], dtype)
+        w2 = var(rng, [5, 2], dtype)
+
+        def loss(x):
+            h = tf.tanh(tf.tensordot(x, w1, [[2], [0]]) + b1)
+            return head(tf.tensordot(h, w2, [[2], [0]]))
+        return Problem([w1, b1, w2], [floats(4, 3, dynamic=(
+            (0,) if depth_dynamic else ()))], loss)
+
+    return build
+
+
+def folded_rows_not_a_fold(dtype, rng):
+    """A reshape `[B, 4, 3] -> [B*2, 6]` before a MatMul: rows are not
+    (example, t) pairs of the last axis, so no rule claims it."""
+    w = var(rng, [6, 2], dtype)
+    return Problem([w], [floats(4, 3)],
+                   lambda x: head(tf.reshape(
+                       tf.matmul(tf.reshape(x, [-1, 6]), w), [-1, 2, 2])))
+
+
 def dense_bias_add(dtype, rng):
     w, b = var(rng, [4, 3], dtype), var(rng, [3], dtype)
     return Problem([w, b], [floats(4)],
@@ -425,6 +453,11 @@ SPECS = (
      for side in ("right", "left") for ta in (0, 1) for tb in (0, 1)] +
     [Spec("matmul_read_" + r, "MatMul", matmul_read(r))
      for r in ("identity", "cast", "ref")] +
+    [Spec("matmul_tensordot_folded_rows", "MatMul", tensordot_dense(False)),
+     Spec("matmul_tensordot_dynamic_T", "MatMul", tensordot_dense(True),
+          expect="pfor"),
+     Spec("matmul_reshape_not_a_fold", "MatMul", folded_rows_not_a_fold,
+          expect="pfor", rules_error="mixes examples")] +
     [Spec("dense_bias_add", "BiasAdd", dense_bias_add),
      Spec("bias_add_nhwc", "BiasAdd", bias_add("NHWC")),
      Spec("bias_add_nchw", "BiasAdd", bias_add("NCHW")),
