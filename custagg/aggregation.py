@@ -161,13 +161,6 @@ _Slice = collections.namedtuple("_Slice", ["source", "index"])
 _INT_DTYPES = {types_pb2.DT_INT32: np.int32, types_pb2.DT_INT64: np.int64}
 
 
-def _op_by_name(graph, name):
-    # The C++ lookup behind get_operation_by_name, without its checks
-    # (about 3x faster, and this runs once or twice per slice).
-    lookup = getattr(graph, "_get_operation_by_name", None)
-    return lookup(name) if lookup else graph.get_operation_by_name(name)
-
-
 def _split_input_name(name):
     """NodeDef input "op" / "op:2" -> ("op", 2)."""
     op_name, _, index = name.partition(":")
@@ -235,14 +228,21 @@ class _SliceFinder(object):
     of `tf.unstack(loss)` (axis 0). Anything else is a per-example term of
     its own (still correct, seeded and differentiated as a separate y).
 
-    Cost matters here (B calls per gradients call): a StridedSlice is read
-    from its NodeDef alone, its inputs found by name; `op.inputs` would build
-    Tensor objects for all four inputs (~40us) and `op.get_attr` or
-    `tensor_util.constant_value` parse a proto per call.
+    Cost matters here: `find` runs once per example, B times per gradients
+    call, against a vector form that builds a dozen ops (~5 ms). A
+    StridedSlice is read from its NodeDef alone and its inputs are found by
+    name (`op.inputs` would build Tensor objects for all four inputs,
+    ~40 us; `op.get_attr` and `tensor_util.constant_value` parse a proto
+    per call), and the common path `loss[k]` makes no call it can avoid:
+    about 10 us per slice on a 2-core CPU, mostly TF's own NodeDef reads.
     """
 
-    def __init__(self):
-        self._sources = {}      # (graph, input name) -> (tensor, B, rank)
+    def __init__(self, graph):
+        self._graph = graph
+        # The C++ lookup behind get_operation_by_name, without its checks.
+        self._op_by_name = getattr(graph, "_get_operation_by_name",
+                                   graph.get_operation_by_name)
+        self._sources = {}      # input name -> (tensor, B, rank)
         self._unpack_axis = {}  # Unpack op -> its axis is 0
 
     def find(self, y):
@@ -255,11 +255,33 @@ class _SliceFinder(object):
         kind = op.type
         if kind == "StridedSlice":
             node_def = op.node_def
-            source, batch, rank = self._source(op.graph, node_def.input[0])
+            attrs = node_def.attr
+            # Axis 0 shrunk to the element at begin[0] (TF then ignores its
+            # end, and accepts only stride 1 there); no other axis shrunk or
+            # added.
+            if (attrs["shrink_axis_mask"].i != 1 or attrs["new_axis_mask"].i
+                    or attrs["begin_mask"].i & 1
+                    or attrs["ellipsis_mask"].i & 1
+                    or op.graph is not self._graph):
+                return None
+            inputs = node_def.input
+            found = self._sources.get(inputs[0])
+            if found is None:
+                found = self._source(inputs[0])
+            source, batch, rank = found
             if source is None:
                 return None
-            index = self._strided_slice_index(op.graph, node_def, rank)
+            begin_op = self._op_by_name(_split_input_name(inputs[1])[0]
+                                        if ":" in inputs[1] else inputs[1])
+            if rank == 1:
+                # Nothing else to check: a rank-1 source has no later axes
+                # (TF rejects a spec longer than the rank, an ellipsis aside).
+                index = _first_int(begin_op)
+            else:
+                index = self._longer_spec_index(attrs, begin_op, inputs[3])
         else:
+            if op.graph is not self._graph:
+                return None
             if kind in ("GatherV2", "Gather"):
                 index = self._gather_index(op)
             elif kind == "Unpack":
@@ -273,7 +295,7 @@ class _SliceFinder(object):
                 return None
             if index is None:
                 return None
-            source, batch, _ = self._source(op.graph, op.inputs[0].name)
+            source, batch, _ = self._source(op.inputs[0].name)
             if source is None:
                 return None
         if index is None:
@@ -286,53 +308,37 @@ class _SliceFinder(object):
             return None
         return source, index
 
-    def _source(self, graph, name):
+    def _source(self, name):
         """(tensor, static B or None, rank); (None, None, None) when the
         tensor is not [B, ...] of known rank."""
-        key = (graph, name)
-        found = self._sources.get(key)
+        found = self._sources.get(name)
         if found is None:
             op_name, index = _split_input_name(name)
-            source = _op_by_name(graph, op_name).outputs[index]
+            source = self._op_by_name(op_name).outputs[index]
             rank = source.shape.rank
             if rank is None or rank < 1:
                 found = (None, None, None)
             else:
                 found = (source, tf.compat.dimension_value(source.shape[0]),
                          rank)
-            self._sources[key] = found
+            self._sources[name] = found
         return found
 
-    @staticmethod
-    def _strided_slice_index(graph, node_def, rank):
-        """k when the StridedSlice is `source[k]` (one whole element of axis
-        0) of a source of rank `rank`, else None."""
-        attrs = node_def.attr
-        # Axis 0 shrunk to the element at begin[0] (TF then ignores its end,
-        # and accepts only stride 1 there); no other axis shrunk or added.
-        if (attrs["shrink_axis_mask"].i != 1 or attrs["new_axis_mask"].i
-                or attrs["begin_mask"].i & 1 or attrs["ellipsis_mask"].i & 1):
-            return None
-        begin_name = node_def.input[1]
-        if ":" in begin_name:
-            begin_name = _split_input_name(begin_name)[0]
-        begin_op = _op_by_name(graph, begin_name)
-        if rank == 1:
-            # Nothing else to check: a rank-1 source has no later axes (TF
-            # rejects a spec longer than the rank, an ellipsis aside).
-            return _first_int(begin_op)
+    def _longer_spec_index(self, attrs, begin_op, strides_name):
+        """k when a StridedSlice of a source of rank >= 2 (its masks checked
+        for axis 0) takes every later axis whole: `out[k]`, `out[k, :]`."""
         begin = _const_ints(begin_op)
         if not begin:
             return None
         if len(begin) == 1:
             return begin[0]
-        strides = _const_ints(_op_by_name(
-            graph, _split_input_name(node_def.input[3])[0]))
+        strides = _const_ints(self._op_by_name(
+            _split_input_name(strides_name)[0]))
         if strides is None:
             return None
         begin_mask, end_mask = attrs["begin_mask"].i, attrs["end_mask"].i
         ellipsis = attrs["ellipsis_mask"].i
-        for axis in range(1, len(begin)):     # later axes taken whole
+        for axis in range(1, len(begin)):
             bit = 1 << axis
             if ellipsis & bit:
                 continue
@@ -363,7 +369,7 @@ def slice_of(y):
 
     See `_SliceFinder` for what is recognized.
     """
-    found = _SliceFinder().find(y)
+    found = _SliceFinder(y.graph).find(y)
     return None if found is None else _Slice(*found)
 
 
@@ -509,19 +515,23 @@ def custom_seeds(ys, grad_ys, gradient_factors):
     factors = _Factors(_as_factor_vector(gradient_factors, len(ys)), len(ys))
     # id(source) -> (source, [k], [j], [gy]). The finder hands back one
     # Tensor object per source, so its id is a key (graph Tensors are not
-    # hashable, and .ref() would cost an object per slice).
+    # hashable, and .ref() would cost an object per slice). This loop runs
+    # B times: it keeps to the finder's call and three appends.
     by_source = {}
     others = []                             # terms that are not slices
-    finder = _SliceFinder()
+    find = _SliceFinder(ys[0].graph).find
+    last_source, group = None, None
     for j, (y, gy) in enumerate(zip(ys, grad_ys)):
-        found = finder.find(y)
+        found = find(y)
         if found is None:
             others.append((j, y, gy))
             continue
         source, k = found
-        group = by_source.get(id(source))
-        if group is None:
-            group = by_source[id(source)] = (source, [], [], [])
+        if source is not last_source:
+            group = by_source.get(id(source))
+            if group is None:
+                group = by_source[id(source)] = (source, [], [], [])
+            last_source = source
         group[1].append(k)
         group[2].append(j)
         group[3].append(gy)
