@@ -88,9 +88,15 @@ def build(layers, batch, form):
         model_s = time.perf_counter() - tm0
         n0 = len(graph.get_operations())
         t0 = time.perf_counter()
-        ys = [loss[i] for i in range(batch)] if form == "list" else loss
-        t1 = time.perf_counter()
+        ys = {"vector": lambda: loss,
+              "list": lambda: [loss[i] for i in range(batch)],
+              "unstack": lambda: tf.unstack(loss)}[form]()
+        slicing_s = time.perf_counter() - t0
         n1 = len(graph.get_operations())
+        # The slicing's garbage is collected here, untimed: otherwise the
+        # collector pause it causes can land in the call (it did at B=512).
+        gc.collect()
+        t1 = time.perf_counter()
         c1 = time.process_time()
         grads = custagg.gradients(
             ys, params, aggregation_method=custagg.AggregationMethod.CUSTOM,
@@ -101,7 +107,7 @@ def build(layers, batch, form):
         init = tf.compat.v1.global_variables_initializer()
     return {"graph": graph, "grads": grads, "init": init,
             "feeds": (x, labels, f), "call_s": t2 - t1,
-            "call_cpu_s": c2 - c1, "with_slices_s": t2 - t0,
+            "call_cpu_s": c2 - c1, "with_slices_s": slicing_s + (t2 - t1),
             "graph_s": model_s + (t2 - t1), "call_ops": n2 - n1,
             "with_slices_ops": n2 - n0}
 
@@ -109,7 +115,7 @@ def build(layers, batch, form):
 def measure(layers, batch, build_repeats, repeats, warmup=3):
     # Builds alternate between the forms, each after a garbage collection,
     # so that machine load and collector pauses fall on both alike.
-    builds = {"vector": [], "list": []}
+    builds = {"vector": [], "list": [], "unstack": []}
     for _ in range(build_repeats):
         for form in builds:
             gc.collect()
@@ -137,7 +143,8 @@ def measure(layers, batch, build_repeats, repeats, warmup=3):
     for sess, _, _ in sessions.values():
         sess.close()
     max_diff = max(float(np.max(np.abs(a - b)))
-                   for a, b in zip(values["vector"], values["list"]))
+                   for form in ("list", "unstack")
+                   for a, b in zip(values["vector"], values[form]))
     row = {"batch": batch, "max_abs_diff": max_diff}
     for form, bs in builds.items():
         row[form] = {
@@ -160,6 +167,12 @@ def measure(layers, batch, build_repeats, repeats, warmup=3):
         "ops_with_slices": l["with_slices_ops"] / v["call_ops"],
         "run": l["run_s"] / v["run_s"],
     }
+    u = row["unstack"]
+    row["ratio_unstack"] = {
+        "build_call": u["call_s"] / v["call_s"],
+        "build_with_slices": u["with_slices_s"] / v["call_s"],
+        "run": u["run_s"] / v["run_s"],
+    }
     return row
 
 
@@ -172,12 +185,15 @@ def to_markdown(result):
             result["tensorflow"], result["python"]),
         "",
         "- call: wall-clock ms of the `custagg.gradients` call (median of %d "
-        "fresh graphs per form, the forms alternating); cpu: its process "
-        "CPU time (less disturbed by other load on the machine);"
+        "fresh graphs per form, the forms alternating, garbage collected "
+        "before each call); cpu: its process CPU time (less disturbed by "
+        "other load on the machine);"
         % result["build_repeats"],
         "- graph: the whole graph (model + call), the slicing excluded;",
         "- +slices: the call plus building `[loss[i] for i in range(B)]` "
         "(the caller's code);",
+        "- unstack: the list form built with `tf.unstack(loss)` (one op "
+        "for all B slices) instead;",
         "- ops: ops the call adds (with the slices in brackets);",
         "- run: median of %d runs fetching the gradients (interleaved)."
         % result["repeats"],
@@ -190,19 +206,25 @@ def to_markdown(result):
             "## %s" % model, "",
             "| B | call ms: vector / list (ratio) | cpu ratio | graph ratio "
             "| +slices ms (ratio) | ops: vector / list (+slices) | run ms: "
-            "vector / list (ratio) |",
-            "|---|---|---|---|---|---|---|",
+            "vector / list (ratio) | unstack: call ms (ratio), +unstack ms "
+            "(ratio), run ratio |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
             v, l, q = row["vector"], row["list"], row["ratio"]
+            u, qu = row["unstack"], row["ratio_unstack"]
             lines.append(
                 "| %d | %.1f / %.1f (%.2fx) | %.2fx | %.2fx | %.0f (%.1fx) | "
-                "%d / %d (%d) | %.2f / %.2f (%.2fx) |" % (
+                "%d / %d (%d) | %.2f / %.2f (%.2fx) | %.1f (%.2fx), %.1f "
+                "(%.2fx), %.2fx |" % (
                     row["batch"], 1e3 * v["call_s"], 1e3 * l["call_s"],
                     q["build_call"], q["build_call_cpu"], q["build_graph"],
                     1e3 * l["with_slices_s"], q["build_with_slices"],
                     v["call_ops"], l["call_ops"], l["with_slices_ops"],
-                    1e3 * v["run_s"], 1e3 * l["run_s"], q["run"]))
+                    1e3 * v["run_s"], 1e3 * l["run_s"], q["run"],
+                    1e3 * u["call_s"], qu["build_call"],
+                    1e3 * u["with_slices_s"], qu["build_with_slices"],
+                    qu["run"]))
         lines.append("")
     lines += ["## Acceptance at B=%d" % ACCEPT_B, ""]
     for check in result["acceptance"]:
@@ -238,9 +260,11 @@ def main(argv=None):
             rows.append(row)
             q = row["ratio"]
             print("%-20s B=%-5d build %.2fx (+slices %.2fx) ops %.2fx "
-                  "run %.2fx  diff %.1e" % (
+                  "run %.2fx  unstack build %.2fx  diff %.1e" % (
                       model, batch, q["build_call"], q["build_with_slices"],
-                      q["ops_call"], q["run"], row["max_abs_diff"]),
+                      q["ops_call"], q["run"],
+                      row["ratio_unstack"]["build_call"],
+                      row["max_abs_diff"]),
                   flush=True)
             if batch == ACCEPT_B:
                 result["acceptance"] += [
