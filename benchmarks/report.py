@@ -17,7 +17,9 @@ def _cell(rec):
         return ""
     if rec["status"] != "ok":
         return _SHORT.get(rec["status"], rec["status"])
-    text = "%s (%.2gx)" % (_fmt_ms(rec["median_ms"]), rec["ratio_to_floor"])
+    ratio = rec["ratio_to_floor"]
+    text = "%s (%s)" % (_fmt_ms(rec["median_ms"]),
+                        ("%.1fx" if ratio < 10 else "%.0fx") % ratio)
     if rec.get("check") == "fail":
         text += " ✗"
     return text
@@ -149,7 +151,7 @@ def write_plot(path, records):
             ax = axes[ti][mi]
             rows = [r for r in ok if r["task"] == task and r["model"] == model]
             sizes = sorted({r["batch_size"] for r in rows})
-            floors = [_tf_floor(records, model, b) for b in sizes]
+            floors = [_tf_floor(records, model, b, task) for b in sizes]
             if any(floors):
                 ax.plot(sizes, floors, "kx--", ms=4, lw=1, label="floor (TF)")
             for s in systems:

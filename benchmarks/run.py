@@ -87,6 +87,8 @@ def parse_args(argv=None):
                    help="intra/inter-op threads for every framework (default 1: the same for all, "
                         "and robust on a machine shared with other jobs)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rewrite results.md and results.png from --out/results.json")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
@@ -336,6 +338,8 @@ def _terminate(signum, frame):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report_only:
+        return report_only(args)
     signal.signal(signal.SIGTERM, _terminate)   # so `finally` stops the workers
     os.makedirs(args.out, exist_ok=True)
     dirs = {"logs": os.path.join(args.out, "logs"), "tmp": os.path.join(args.out, "logs", "tmp"),
@@ -457,7 +461,30 @@ def _reference(workers, cfg, ref_path, args, dirs):
 def _merged(old, done):
     keys = {(r["model"], r["batch_size"], r["task"], r["system"]) for r in done}
     kept = [r for r in old if (r["model"], r["batch_size"], r["task"], r["system"]) not in keys]
-    return kept + done
+    return sorted(kept + done, key=_record_order)
+
+
+def _record_order(r):
+    def pos(seq, v):
+        seq = list(seq)
+        return seq.index(v) if v in seq else len(seq)
+    return (pos(models.MODELS, r["model"]), r["batch_size"], pos(TASKS, r["task"]),
+            pos(SYSTEMS, r["system"]), r["system"])
+
+
+def report_only(args):
+    """--report-only: rewrite results.md / results.png from --out's JSON files."""
+    with open(os.path.join(args.out, "results.json")) as f:
+        records = json.load(f)
+    meta_path = os.path.join(args.out, "machine.json")
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+    from benchmarks import report
+    report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
+    if not args.no_plot:
+        report.write_plot(os.path.join(args.out, "results.png"), records)
+    print("wrote %s/results.md%s" % (os.path.relpath(args.out, REPO),
+                                     "" if args.no_plot else " and results.png"))
+    return 0
 
 
 def _write_outputs(args, records, machine, versions, references, started, final):
@@ -469,7 +496,18 @@ def _write_outputs(args, records, machine, versions, references, started, final)
     meta["references"] = {"%s B=%d" % k: v["note"] for k, v in references.items()}
     meta["wall_s"] = time.time() - started
     meta["tolerance"] = common.TOLERANCE
-    common.dump_json(os.path.join(args.out, "machine.json"), meta)
+    meta_path = os.path.join(args.out, "machine.json")
+    if args.merge and os.path.exists(meta_path):
+        # The main run's description stays; merged re-runs are listed under it.
+        with open(meta_path) as f:
+            base = json.load(f)
+        base.setdefault("merged_runs", []).append(
+            {k: meta[k] for k in ("command", "started", "wall_s", "loadavg_start", "loadavg_end")
+             if k in meta})
+        for fw, v in versions.items():
+            base.setdefault("versions", {}).setdefault(fw, {}).update(v)
+        meta = base
+    common.dump_json(meta_path, meta)
     from benchmarks import report
     report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
     if not args.no_plot:
