@@ -78,7 +78,7 @@ def test_report_tables_from_records(tmp_path):
     path = str(tmp_path / "r.md")
     report.write_markdown(path, [rec, skipped], {"cpu": "x", "cores": 2, "tolerance": 1e-3})
     text = open(path).read()
-    assert "2 (2x)" in text and "skipped (too slow" in text
+    assert "2 (2.0x)" in text and "skipped (too slow" in text
 
 
 def test_skip_estimate_for_quadratic_systems():
