@@ -30,7 +30,7 @@ REPO = os.path.dirname(HERE)
 
 FULL = dict(models=list(models.MODELS), batch_sizes=[32, 128, 512], repeats=10,
             timeout=120.0, budget=2.0, slow_limit=60.0, out=os.path.join(HERE, "results"))
-QUICK = dict(models=["mlp"], batch_sizes=[32], repeats=3,
+QUICK = dict(models=["mlp", "text"], batch_sizes=[32], repeats=3,
              timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
@@ -58,7 +58,7 @@ def parse_args(argv=None):
         prog="python -m benchmarks",
         description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
     p.add_argument("--quick", action="store_true",
-                   help="small run (MLP, B=32, 3 repeats; < 3 min on an idle machine); "
+                   help="small run (MLP and text, B=32, 3 repeats; < 3 min on an idle machine); "
                         "writes to benchmarks/results/quick")
     p.add_argument("--models", type=lambda s: _csv(s, models.MODELS, kind="model"),
                    help="comma list of %s" % ",".join(models.MODELS))
