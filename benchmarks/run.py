@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 FULL = dict(models=list(models.MODELS), batch_sizes=[32, 128, 512], repeats=10,
-            timeout=120.0, budget=2.0, slow_limit=60.0, out=os.path.join(HERE, "results"))
+            timeout=120.0, budget=2.0, slow_limit=30.0, out=os.path.join(HERE, "results"))
 QUICK = dict(models=["mlp", "text"], batch_sizes=[32], repeats=3,
              timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
 
@@ -356,7 +356,9 @@ def main(argv=None):
     started = time.time()
     machine = common.machine_info({"command": "python -m benchmarks " + " ".join(
         sys.argv[1:] if argv is None else argv), "started": datetime.datetime.now().isoformat(
-        timespec="seconds"), "threads": args.threads})
+        timespec="seconds"), "threads": args.threads, "settings": {
+            k: getattr(args, k) for k in ("repeats", "budget", "timeout", "slow_limit", "threads",
+                                          "batch_sizes", "models", "tasks", "systems")}})
     print("benchmarks: %d configurations; %s, %d cores; out %s"
           % (len(configs), machine["cpu"], machine["cores"], os.path.relpath(args.out, REPO)),
           flush=True)
