@@ -10,7 +10,7 @@ keeping B full gradients around:
   proj/<v>     [B]   <g_i[v], r_v> for a fixed random vector r_v per variable
   sum/<v>            sum_i g_i[v]                      (the floor's output)
   wsum/<v>           sum_i f_i g_i[v]                  (task "custom")
-  csum/<v>           sum_i min(1, C/||g_i||) g_i[v]    (task "dpsgd", noise 0)
+  csum/<v>           sum_i min(1, C/||g_i||) g_i[v]    (tasks "clip", "dpsgd" with noise 0)
 
 with fixed factors f [B] and clip norm C (the median of the norms, so about
 half of the examples are clipped).

@@ -35,7 +35,7 @@ def smoke_run(tmp_path_factory):
     # unrelated top-level `benchmarks` package into site-packages.
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "benchmarks", "--models", "mlp", "--batch-sizes", "8",
-           "--tasks", "grads,norms,dpsgd,custom", "--systems", ",".join(systems),
+           "--tasks", "grads,norms,clip,dpsgd,custom", "--systems", ",".join(systems),
            "--repeats", "1", "--budget", "0", "--timeout", "120", "--out", str(out),
            "--no-plot"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

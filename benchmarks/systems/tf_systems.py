@@ -167,10 +167,11 @@ def _task_from_per_example(provider):
         norms = tf.sqrt(sumsq)
         if task == "norms":
             return Built(norms, {"norms": norms}, "")
-        if task == "dpsgd":
+        if task in ("clip", "dpsgd"):
             scale = ctx.clip / tf.maximum(norms, ctx.clip)
             sums = [tf.tensordot(scale, g, axes=1) for g in per_example]
-            return Built(_noised(ctx, sums), _keyed("csum/", ctx.names, sums), "")
+            fetch = _noised(ctx, sums) if task == "dpsgd" else sums
+            return Built(fetch, _keyed("csum/", ctx.names, sums), "")
         raise ValueError("task %r is not built from per-example gradients" % task)
     return build
 
@@ -198,9 +199,10 @@ def _custagg_system(strategy):
         if task == "norms":
             norms = ca.per_example_norms(ctx.loss, ctx.var_list, strategy=strategy)
             return Built(norms, {"norms": norms}, "")
-        if task == "dpsgd":
+        if task in ("clip", "dpsgd"):
             sums = ca.clipped_gradients(ctx.loss, ctx.var_list, ctx.clip, strategy=strategy)
-            return Built(_noised(ctx, sums), _keyed("csum/", ctx.names, sums), "")
+            fetch = _noised(ctx, sums) if task == "dpsgd" else sums
+            return Built(fetch, _keyed("csum/", ctx.names, sums), "")
         if task == "custom":
             note = ""
             if "strategy" in inspect.signature(ca.weighted_gradients).parameters:
