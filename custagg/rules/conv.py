@@ -235,6 +235,10 @@ class DepthwiseConv2dRule(_ConvBase):
     """
 
     def per_example(self, ctx):
+        _, _, dilations, _ = self._attrs(ctx)
+        if max(dilations) == 1:
+            return self._folded_per_example(ctx)
+        # TF's CPU depthwise backprop-filter kernels reject dilations.
         patches, g = self._patches(ctx)
         kh, kw, cin, m = _outer.static_dims(ctx.param)
         batch = tf.shape(patches)[0]
@@ -242,6 +246,43 @@ class DepthwiseConv2dRule(_ConvBase):
         g = tf.reshape(g, [batch, -1, cin, m])
         per = tf.einsum("bpkc,bpcm->bkcm", patches, g)
         return tf.reshape(per, [batch, kh, kw, cin, m])
+
+    def _folded_per_example(self, ctx):
+        """`[B, kh, kw, Cin, M]` from one depthwise backprop-filter call.
+
+        A depthwise convolution never mixes channels, so B images folded
+        into one `[1, H, W, B*Cin]` image (channel b*Cin + c) convolved with
+        a `[kh, kw, B*Cin, M]` filter are B independent convolutions; the
+        filter gradient of the folded call is the per-example gradients
+        side by side. Output channel (b*Cin + c)*M + m is exactly the
+        folded `[1, H', W', B*Cin*M]` output gradient.
+        """
+        fmt, strides, dilations, padding = self._attrs(ctx)
+        kh, kw, cin, m = _outer.static_dims(ctx.param)
+        x = ctx.op.inputs[0]
+        to_hwbc = [2, 3, 0, 1] if fmt == "NCHW" else [1, 2, 0, 3]
+        batch = tf.shape(x)[0]
+
+        def fold(t, channels):
+            t = tf.transpose(t, to_hwbc)
+            hw = tf.shape(t)[:2]
+            return tf.reshape(t, tf.concat([[1], hw, [batch * channels]], 0))
+
+        x = fold(x, cin)
+        g = fold(ctx.grad, cin * m)
+        explicit = []
+        if padding == "EXPLICIT":
+            pads = list(ctx.op.get_attr("explicit_paddings"))
+            pairs = [pads[i:i + 2] for i in range(0, 8, 2)]
+            hw_pairs = pairs[2:4] if fmt == "NCHW" else pairs[1:3]
+            explicit = [0, 0] + hw_pairs[0] + hw_pairs[1] + [0, 0]
+        folded = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+            input=x, filter_sizes=tf.stack([kh, kw, batch * cin, m]),
+            out_backprop=g, strides=[1] + strides + [1], padding=padding,
+            explicit_paddings=explicit, data_format="NHWC",
+            dilations=[1] + dilations + [1])
+        folded = tf.reshape(folded, tf.stack([kh, kw, batch, cin, m]))
+        return tf.transpose(folded, [2, 0, 1, 3, 4])
 
     def _backprop_filter(self, ctx, g):
         fmt, _, _, padding = self._attrs(ctx)
