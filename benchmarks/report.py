@@ -42,11 +42,63 @@ def _tf_floor(records, model, batch_size, task=None):
     return statistics.median(floors) if floors else None
 
 
-def write_markdown(path, records, meta):
-    idx = _index(records)
+def task_tables(records, tasks=None, heading="##"):
+    """Markdown lines: one table per task, a row per (model, B), a column per system."""
     models = _ordered((r["model"] for r in records),
                       ["softmax", "mlp", "cnn", "text", "lstm", "transformer"])
     sizes = sorted({r["batch_size"] for r in records})
+    idx = _index(records)
+    lines = []
+    for task in _ordered((r["task"] for r in records), list(TASKS)):
+        if tasks is not None and task not in tasks:
+            continue
+        systems = _ordered((r["system"] for r in records if r["task"] == task), list(SYSTEMS))
+        lines += ["%s %s" % (heading, TASKS.get(task, task)), ""]
+        lines.append("| model | B | floor ms | " + " | ".join(systems) + " |")
+        lines.append("|---|---:|---:|" + "---:|" * len(systems))
+        for model in models:
+            for b in sizes:
+                row = [idx.get((model, b, task, s)) for s in systems]
+                if not any(row):
+                    continue
+                lines.append("| %s | %d | %s | %s |" % (
+                    model, b, _fmt_ms(_tf_floor(records, model, b, task)),
+                    " | ".join(_cell(r) for r in row)))
+        lines.append("")
+    return lines
+
+
+README_START = "<!-- benchmark-tables:start (python -m benchmarks --report-only --readme README.md) -->"
+README_END = "<!-- benchmark-tables:end -->"
+
+
+def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")):
+    """Replaces the block between README_START and README_END in `path` with
+    the machine line and the tables of `tasks` from `records`."""
+    with open(path) as f:
+        text = f.read()
+    if README_START not in text or README_END not in text:
+        raise ValueError("%s has no benchmark block (%s ... %s)" % (path, README_START, README_END))
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    block = [README_START, "",
+             "Measured on %s, %s cores, %s GB RAM; %s; `%s`, %s, %.0f s in all "
+             "(load average at start %s). Cells: median ms (ratio to the floor measured in "
+             "the same process); skip: estimated too slow (B^2 systems) or not supported by the "
+             "strategy, see `benchmarks/results/results.md`." % (
+                 meta.get("cpu"), meta.get("cores"), meta.get("memory_gb"),
+                 "; ".join("%s %s" % kv for v in meta.get("versions", {}).values()
+                           for kv in v.items() if not kv[0].endswith("_s")),
+                 meta.get("command"), (meta.get("started") or "")[:10], meta.get("wall_s", 0.0),
+                 _load(meta.get("loadavg_start"))),
+             ""]
+    block += task_tables(records, tasks=tasks, heading="####")
+    block.append(README_END)
+    with open(path, "w") as f:
+        f.write(head + "\n".join(block) + tail)
+
+
+def write_markdown(path, records, meta):
     lines = ["# custagg comparison benchmark", ""]
     versions = []
     for fw_versions in meta.get("versions", {}).values():
@@ -69,20 +121,7 @@ def write_markdown(path, records, meta):
         "below." % meta.get("tolerance", 1e-3),
         "",
     ]
-    for task in _ordered((r["task"] for r in records), list(TASKS)):
-        systems = _ordered((r["system"] for r in records if r["task"] == task), list(SYSTEMS))
-        lines += ["## %s" % TASKS.get(task, task), ""]
-        lines.append("| model | B | floor ms | " + " | ".join(systems) + " |")
-        lines.append("|---|---:|---:|" + "---:|" * len(systems))
-        for model in models:
-            for b in sizes:
-                row = [idx.get((model, b, task, s)) for s in systems]
-                if not any(row):
-                    continue
-                lines.append("| %s | %d | %s | %s |" % (
-                    model, b, _fmt_ms(_tf_floor(records, model, b, task)),
-                    " | ".join(_cell(r) for r in row)))
-        lines.append("")
+    lines += task_tables(records, heading="##")
 
     bad = [r for r in records if r.get("check") == "fail"]
     lines += ["## Check failures", ""]

@@ -87,6 +87,9 @@ def parse_args(argv=None):
                    help="intra/inter-op threads for every framework (default 1: the same for all, "
                         "and robust on a machine shared with other jobs)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--readme", metavar="PATH",
+                   help="with --report-only: rewrite the benchmark tables in PATH (README.md) "
+                        "from --out's results")
     p.add_argument("--report-only", action="store_true",
                    help="only rewrite results.md and results.png from --out/results.json")
     args = p.parse_args(argv)
@@ -486,6 +489,9 @@ def report_only(args):
         report.write_plot(os.path.join(args.out, "results.png"), records)
     print("wrote %s/results.md%s" % (os.path.relpath(args.out, REPO),
                                      "" if args.no_plot else " and results.png"))
+    if args.readme:
+        report.update_readme(args.readme, records, meta)
+        print("updated the benchmark tables in %s" % args.readme)
     return 0
 
 

@@ -81,6 +81,25 @@ def test_report_tables_from_records(tmp_path):
     assert "2 (2.0x)" in text and "skipped (too slow" in text
 
 
+def test_readme_tables_are_rewritten_between_the_markers(tmp_path):
+    from benchmarks import report
+    rec = {k: None for k in KEYS}
+    rec.update(model="cnn", batch_size=32, task="clip", system="custagg_rules", status="ok",
+               note="", median_ms=3.0, floor_ms=2.0, ratio_to_floor=1.5, check="pass",
+               framework="tf")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n%s\nstale table\n%s\noutro\n"
+                      % (report.README_START, report.README_END))
+    report.update_readme(str(readme), [rec], {"cpu": "x", "cores": 2, "wall_s": 1.0})
+    text = readme.read_text()
+    assert "stale table" not in text
+    assert text.startswith("intro\n") and text.endswith("outro\n")
+    assert "| cnn | 32 | 2 | 3 (1.5x) |" in text
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="no benchmark block"):
+        report.update_readme(str(readme), [rec], {})
+
+
 def test_skip_estimate_for_quadratic_systems():
     from benchmarks import run
     args = run.parse_args(["--slow-limit", "30"])
