@@ -18,6 +18,7 @@ import collections
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import indexed_slices as indexed_slices_lib
 from tensorflow.python.framework import ops
@@ -161,6 +162,12 @@ _Slice = collections.namedtuple("_Slice", ["source", "index"])
 _INT_DTYPES = {types_pb2.DT_INT32: np.int32, types_pb2.DT_INT64: np.int64}
 
 
+# `Operation.node_def` is this parse of the bytes TF serializes for the op
+# (`op._node_def`, TF 2.21); the finder calls it directly, saving the
+# property's Python frame twice per example of the list form.
+_parse_node_def = node_def_pb2.NodeDef.FromString
+
+
 def _split_input_name(name):
     """NodeDef input "op" / "op:2" -> ("op", 2)."""
     op_name, _, index = name.partition(":")
@@ -198,16 +205,19 @@ def _const_ints(op):
     return values
 
 
-def _first_int(op):
-    """The first value of the integer Const `op` (index 0 of a StridedSlice
-    `begin`, whose dtype TF restricts to int32/int64); else None.
+def _first_int(node_def):
+    """The first value of an integer Const, given its parsed NodeDef (index 0
+    of a StridedSlice `begin`, whose dtype TF restricts to int32/int64);
+    else None.
 
     The fast form of `_const_ints(op)[0]`: `loss[k]` is read once per
-    example, and every proto field touched costs about a microsecond.
+    example, and every proto field touched costs about a microsecond. The
+    caller parses the NodeDef, and the op type is read from it, not from
+    `op.type` (another call into TF).
     """
-    if op.type != "Const":
+    if node_def.op != "Const":
         return None
-    proto = op.node_def.attr["value"].tensor
+    proto = node_def.attr["value"].tensor
     # Int32 values live in int_val, int64 in int64_val (a run of equal
     # values stored once), or all of them in tensor_content.
     values = proto.int_val or proto.int64_val
@@ -254,7 +264,7 @@ class _SliceFinder(object):
         op = y.op
         kind = op.type
         if kind == "StridedSlice":
-            node_def = op.node_def
+            node_def = _parse_node_def(op._node_def)  # pylint: disable=protected-access
             attrs = node_def.attr
             # Axis 0 shrunk to the element at begin[0] (TF then ignores its
             # end, and accepts only stride 1 there); no other axis shrunk or
@@ -265,18 +275,21 @@ class _SliceFinder(object):
                     or op.graph is not self._graph):
                 return None
             inputs = node_def.input
-            found = self._sources.get(inputs[0])
+            source_name = inputs[0]
+            found = self._sources.get(source_name)
             if found is None:
-                found = self._source(inputs[0])
+                found = self._source(source_name)
             source, batch, rank = found
             if source is None:
                 return None
-            begin_op = self._op_by_name(_split_input_name(inputs[1])[0]
-                                        if ":" in inputs[1] else inputs[1])
+            begin_name = inputs[1]
+            begin_op = self._op_by_name(
+                begin_name if ":" not in begin_name
+                else _split_input_name(begin_name)[0])
             if rank == 1:
                 # Nothing else to check: a rank-1 source has no later axes
                 # (TF rejects a spec longer than the rank, an ellipsis aside).
-                index = _first_int(begin_op)
+                index = _first_int(_parse_node_def(begin_op._node_def))  # pylint: disable=protected-access
             else:
                 index = self._longer_spec_index(attrs, begin_op, inputs[3])
         else:
