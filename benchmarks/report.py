@@ -72,25 +72,32 @@ README_START = "<!-- benchmark-tables:start (python -m benchmarks --report-only 
 README_END = "<!-- benchmark-tables:end -->"
 
 
-def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")):
+def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd"),
+                  results_md="benchmarks/results/results.md"):
     """Replaces the block between README_START and README_END in `path` with
     the machine line and the tables of `tasks` from `records`."""
     with open(path) as f:
         text = f.read()
-    if README_START not in text or README_END not in text:
-        raise ValueError("%s has no benchmark block (%s ... %s)" % (path, README_START, README_END))
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError("%s has no benchmark block (%s, then %s)"
+                         % (path, README_START, README_END))
+    head, tail = text[:start], text[end + len(README_END):]
+    versions = "; ".join("%s %s" % kv for v in meta.get("versions", {}).values()
+                         for kv in v.items() if not kv[0].endswith("_s"))
+    runs = "`%s`, %s, %.0f s in all (load average at start %s)" % (
+        meta.get("command", "?"), (meta.get("started") or "?")[:10], meta.get("wall_s", 0.0),
+        _load(meta.get("loadavg_start")))
+    for merged in meta.get("merged_runs", []):
+        runs += "; merged: `%s`, %.0f s" % (merged.get("command", "?"), merged.get("wall_s", 0.0))
     block = [README_START, "",
-             "Measured on %s, %s cores, %s GB RAM; %s; `%s`, %s, %.0f s in all "
-             "(load average at start %s). Cells: median ms (ratio to the floor measured in "
-             "the same process); skip: estimated too slow (B^2 systems) or not supported by the "
-             "strategy, see `benchmarks/results/results.md`." % (
-                 meta.get("cpu"), meta.get("cores"), meta.get("memory_gb"),
-                 "; ".join("%s %s" % kv for v in meta.get("versions", {}).values()
-                           for kv in v.items() if not kv[0].endswith("_s")),
-                 meta.get("command"), (meta.get("started") or "")[:10], meta.get("wall_s", 0.0),
-                 _load(meta.get("loadavg_start"))),
+             "Measured on %s, %s cores, %s GB RAM; %s; %s. Cells: median ms (ratio to the "
+             "floor: the aggregated gradient of the summed loss in the system's own framework, "
+             "measured in the same process; the `floor ms` column is TensorFlow's). skip: "
+             "estimated too slow (B² systems) or not supported by the strategy; notes, the "
+             "other figures and task (d) are in [`%s`](%s)." % (
+                 meta.get("cpu", "?"), meta.get("cores", "?"), meta.get("memory_gb", "?"),
+                 versions or "versions not recorded", runs, results_md, results_md),
              ""]
     block += task_tables(records, tasks=tasks, heading="####")
     block.append(README_END)

@@ -65,7 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in _csv(s)],
                    help="comma list (default 32,128,512; --quick: 32)")
     p.add_argument("--tasks", type=lambda s: _csv(s, list(TASKS), TASK_ALIASES, "task"),
-                   help="comma list of %s (or a,b,c,d)" % ",".join(TASKS))
+                   help="comma list of %s (or a,b,b2,c,d)" % ",".join(TASKS))
     p.add_argument("--systems", type=lambda s: _csv(s, list(SYSTEMS), kind="system"),
                    help="comma list of %s" % ",".join(SYSTEMS))
     p.add_argument("--no-peers", action="store_true",
@@ -88,8 +88,8 @@ def parse_args(argv=None):
                         "and robust on a machine shared with other jobs)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--readme", metavar="PATH",
-                   help="with --report-only: rewrite the benchmark tables in PATH (README.md) "
-                        "from --out's results")
+                   help="also rewrite the benchmark tables in PATH (README.md) from --out's "
+                        "results (after the run, or alone with --report-only)")
     p.add_argument("--report-only", action="store_true",
                    help="only rewrite results.md and results.png from --out/results.json")
     args = p.parse_args(argv)
@@ -490,7 +490,9 @@ def report_only(args):
     print("wrote %s/results.md%s" % (os.path.relpath(args.out, REPO),
                                      "" if args.no_plot else " and results.png"))
     if args.readme:
-        report.update_readme(args.readme, records, meta)
+        report.update_readme(args.readme, records, meta,
+                             results_md=os.path.relpath(os.path.join(args.out, "results.md"),
+                                                        os.path.dirname(os.path.abspath(args.readme))))
         print("updated the benchmark tables in %s" % args.readme)
     return 0
 
@@ -523,6 +525,11 @@ def _write_outputs(args, records, machine, versions, references, started, final)
             report.write_plot(os.path.join(args.out, "results.png"), records)
         except Exception as e:  # a plot must never lose the numbers
             print("  plot failed: %s" % e, flush=True)
+    if args.readme:
+        report.update_readme(args.readme, records, meta,
+                             results_md=os.path.relpath(os.path.join(args.out, "results.md"),
+                                                        os.path.dirname(os.path.abspath(args.readme))))
+        print("updated the benchmark tables in %s" % args.readme, flush=True)
 
 
 if __name__ == "__main__":

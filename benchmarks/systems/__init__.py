@@ -13,12 +13,11 @@ TASKS = collections.OrderedDict([
     ("grads", "(a) per-example gradients materialized and consumed "
               "(fetch sum of squares per example)"),
     ("norms", "(b) per-example global L2 norms [B]"),
-    ("clip", "(b2) clipped sum sum_i min(1, C/||g_i||) g_i, no noise (the cost DP-SGD adds "
-             "to a training step)"),
+    ("clip", "(b2) clipped sum sum_i min(1, C/||g_i||) g_i (DP-SGD without the noise)"),
     ("dpsgd", "(c) one DP-SGD step: sum_i min(1, C/||g_i||) g_i + N(0, (sigma C)^2)"),
     ("custom", "(d) custom weighted sum sum_i f_i g_i (custagg CUSTOM aggregation)"),
 ])
-TASK_ALIASES = {"a": "grads", "b": "norms", "c": "dpsgd", "d": "custom"}
+TASK_ALIASES = {"a": "grads", "b": "norms", "b2": "clip", "c": "dpsgd", "d": "custom"}
 
 System = collections.namedtuple("System", "name framework tasks quadratic description")
 

@@ -3,13 +3,24 @@
 A convolution is a matmul of image patches with the flattened filter:
 `z[b, p, :] = patches[b, p, :] @ W.reshape(kh*kw*Cin, Cout)`, so example b's
 filter gradient is `sum_p patches[b, p] (x) dz[b, p]` (the `_outer` family,
-with T = the output positions). Conv2D computes it as one grouped
-backprop-filter call (the batch folded into the channels) where the kernels
-allow, else as one batched matmul per filter offset, else from
-`tf.image.extract_patches`. Weighted sums use the op's own
-backprop-filter kernel on `c_b * dz_b`. `Conv1D` reaches `Conv2D` through an
-`ExpandDims` of its filter, which the front door follows.
+with T = the output positions).
+
+Per-example filter gradients, fastest form first:
+
+* folded: the batch folded into the channels (`[1, H, W, B*Cin]`) makes B
+  separate convolutions one grouped (Conv2D) or depthwise convolution, whose
+  filter gradient, one kernel call, is the B per-example gradients side by
+  side. Needs TF's oneDNN CPU kernels (TF's own reject grouped filters and
+  run a batch-1 depthwise gradient on one thread) and, for Conv2D, float32.
+* offsets: one batched matmul per filter offset (Conv2D, static H and W).
+* patches: `tf.image.extract_patches`, then one batched matmul.
+
+Weighted sums use the op's own backprop-filter kernel on `c_b * dz_b`.
+`Conv1D` reaches `Conv2D` through an `ExpandDims` of its filter, which the
+front door follows.
 """
+
+import os
 
 import tensorflow as tf
 
@@ -24,6 +35,45 @@ def _nhwc(t, data_format):
 def _hw(values, data_format):
     values = list(values)
     return values[2:4] if data_format == "NCHW" else values[1:3]
+
+
+def _explicit_hw_pads(op, data_format):
+    """The op's explicit paddings of H and W: `[[top, bottom], [left, right]]`.
+
+    `explicit_paddings` lists (before, after) per dimension in the op's own
+    data_format order.
+    """
+    pads = list(op.get_attr("explicit_paddings"))
+    return _hw([pads[i:i + 2] for i in range(0, 8, 2)], data_format)
+
+
+def _fold_batch(t, data_format, channels, batch):
+    """`[B, H, W, C]` (or `[B, C, H, W]`) -> `[1, H, W, B*C]`, channel b*C + c."""
+    t = tf.transpose(t, [2, 3, 0, 1] if data_format == "NCHW" else [1, 2, 0, 3])
+    hw = tf.shape(t)[:2]
+    return tf.reshape(t, tf.concat([[1], hw, [batch * channels]], 0))
+
+
+def _folded_kernels_available():
+    """Whether the folded (grouped / batch-1 depthwise) form should be used.
+
+    TF's own CPU kernels reject a Conv2D filter with fewer input channels
+    than the image (a grouped convolution), and run a depthwise filter
+    gradient of one image on one thread; TF's oneDNN kernels do both well.
+    TF turns oneDNN on by default on x86 CPUs with AVX512-VNNI / AVX-VNNI /
+    AMX and off with `TF_ENABLE_ONEDNN_OPTS=0`; this asks TF. The choice is
+    made when the graph is built: set `CUSTAGG_FOLDED_CONV=0` to build
+    graphs that will run where oneDNN is off (exported graphs, remote
+    workers), `=1` to force the folded form.
+    """
+    forced = os.environ.get("CUSTAGG_FOLDED_CONV")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):  # a TF without the probe
+        return False
 
 
 class _ConvBase(registry.Rule):
@@ -52,11 +102,7 @@ class _ConvBase(registry.Rule):
         kh, kw = _outer.static_dims(ctx.param)[:2]
         x = _nhwc(ctx.op.inputs[0], fmt)
         if padding == "EXPLICIT":
-            pads = list(ctx.op.get_attr("explicit_paddings"))
-            pairs = [pads[i:i + 2] for i in range(0, 8, 2)]
-            if fmt == "NCHW":
-                pairs = [pairs[0], pairs[2], pairs[3], pairs[1]]
-            x = tf.pad(x, pairs)
+            x = tf.pad(x, [[0, 0]] + _explicit_hw_pads(ctx.op, fmt) + [[0, 0]])
             padding = "VALID"
         patches = tf.image.extract_patches(
             x, sizes=[1, kh, kw, 1], strides=[1] + strides + [1],
@@ -74,25 +120,12 @@ class _ConvBase(registry.Rule):
         c = tf.cast(weights, ctx.grad.dtype)
         _, _, dilations, _ = self._attrs(ctx)
         # When the norms already built them a [B] x [B, P] product is
-        # cheaper than another backprop-filter pass; with dilations TF's CPU
-        # backprop-filter kernels fail, so the per-example form is used too.
+        # cheaper than another backprop-filter pass. With dilations TF's own
+        # CPU backprop-filter kernels fail (oneDNN's float32 ones do not), so
+        # the per-example form is used then too.
         if self.has_per_example(ctx) or max(dilations) > 1:
             return tf.tensordot(c, self.cached_per_example(ctx), axes=1)
         return self._backprop_filter(ctx, ctx.grad * c[:, None, None, None])
-
-
-def _grouped_kernels_available():
-    """Whether TF's CPU convolutions run grouped (oneDNN) in this process.
-
-    TF's own CPU kernels reject a filter with fewer input channels than the
-    image (a grouped convolution); the oneDNN ones, on by default on x86
-    Linux (off with TF_ENABLE_ONEDNN_OPTS=0), accept it for float32.
-    """
-    try:
-        from tensorflow.python.util import _pywrap_util_port
-        return bool(_pywrap_util_port.IsMklEnabled())
-    except (ImportError, AttributeError):  # a TF without the probe
-        return False
 
 
 @registry.register_rule("Conv2D")
@@ -112,30 +145,19 @@ class Conv2DRule(_ConvBase):
         summed filter gradient, against `kh*kw` small batched matmuls (the
         offset form, 2-3x slower on a CPU) or B calls (TF's pfor converter
         loops). Returns None where the kernels cannot run it: another dtype
-        than float32, or no oneDNN (see `_grouped_kernels_available`).
+        than float32, or no oneDNN (see `_folded_kernels_available`).
         """
         fmt, strides, dilations, padding = self._attrs(ctx)
         kh, kw, cin, cout = _outer.static_dims(ctx.param)
         x = ctx.op.inputs[0]
         if (x.dtype.base_dtype != tf.float32
-                or not _grouped_kernels_available()):
+                or not _folded_kernels_available()):
             return None
-        # [B, H, W, C] (or [B, C, H, W]) -> [1, H, W, B*C], channel b*C + c.
-        to_hwbc = [2, 3, 0, 1] if fmt == "NCHW" else [1, 2, 0, 3]
         batch = tf.shape(x)[0]
-
-        def fold(t, channels):
-            t = tf.transpose(t, to_hwbc)
-            hw = tf.shape(t)[:2]
-            return tf.reshape(t, tf.concat([[1], hw, [batch * channels]], 0))
-
-        x = fold(x, cin)
-        g = fold(ctx.grad, cout)
+        x = _fold_batch(x, fmt, cin, batch)
+        g = _fold_batch(ctx.grad, fmt, cout, batch)
         if padding == "EXPLICIT":
-            explicit = list(ctx.op.get_attr("explicit_paddings"))
-            pairs = [explicit[i:i + 2] for i in range(0, 8, 2)]
-            hw_pairs = pairs[2:4] if fmt == "NCHW" else pairs[1:3]
-            x = tf.pad(x, [[0, 0]] + hw_pairs + [[0, 0]])
+            x = tf.pad(x, [[0, 0]] + _explicit_hw_pads(ctx.op, fmt) + [[0, 0]])
             padding = "VALID"
         grouped = tf.raw_ops.Conv2DBackpropFilter(
             input=x, filter_sizes=tf.stack([kh, kw, cin, batch * cout]),
@@ -173,11 +195,7 @@ class Conv2DRule(_ConvBase):
                 total = max((n_out - 1) * s + (k - 1) * d + 1 - n_in, 0)
                 pads.append([total // 2, total - total // 2])
             else:
-                explicit = list(ctx.op.get_attr("explicit_paddings"))
-                pairs = [explicit[i:i + 2] for i in range(0, 8, 2)]
-                if fmt == "NCHW":
-                    pairs = [pairs[0], pairs[2], pairs[3], pairs[1]]
-                pads.append(pairs[1 + axis])
+                pads.append(_explicit_hw_pads(ctx.op, fmt)[axis])
         x = tf.pad(x, [[0, 0]] + pads + [[0, 0]])
         batch = tf.shape(x)[0]
         positions = out_hw[0] * out_hw[1]
@@ -236,9 +254,9 @@ class DepthwiseConv2dRule(_ConvBase):
 
     def per_example(self, ctx):
         _, _, dilations, _ = self._attrs(ctx)
-        if max(dilations) == 1:
-            return self._folded_per_example(ctx)
         # TF's CPU depthwise backprop-filter kernels reject dilations.
+        if max(dilations) == 1 and _folded_kernels_available():
+            return self._folded_per_example(ctx)
         patches, g = self._patches(ctx)
         kh, kw, cin, m = _outer.static_dims(ctx.param)
         batch = tf.shape(patches)[0]
@@ -260,22 +278,12 @@ class DepthwiseConv2dRule(_ConvBase):
         fmt, strides, dilations, padding = self._attrs(ctx)
         kh, kw, cin, m = _outer.static_dims(ctx.param)
         x = ctx.op.inputs[0]
-        to_hwbc = [2, 3, 0, 1] if fmt == "NCHW" else [1, 2, 0, 3]
         batch = tf.shape(x)[0]
-
-        def fold(t, channels):
-            t = tf.transpose(t, to_hwbc)
-            hw = tf.shape(t)[:2]
-            return tf.reshape(t, tf.concat([[1], hw, [batch * channels]], 0))
-
-        x = fold(x, cin)
-        g = fold(ctx.grad, cin * m)
+        x = _fold_batch(x, fmt, cin, batch)
+        g = _fold_batch(ctx.grad, fmt, cin * m, batch)
         explicit = []
         if padding == "EXPLICIT":
-            pads = list(ctx.op.get_attr("explicit_paddings"))
-            pairs = [pads[i:i + 2] for i in range(0, 8, 2)]
-            hw_pairs = pairs[2:4] if fmt == "NCHW" else pairs[1:3]
-            explicit = [0, 0] + hw_pairs[0] + hw_pairs[1] + [0, 0]
+            explicit = [0, 0] + sum(_explicit_hw_pads(ctx.op, fmt), []) + [0, 0]
         folded = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
             input=x, filter_sizes=tf.stack([kh, kw, batch * cin, m]),
             out_backprop=g, strides=[1] + strides + [1], padding=padding,

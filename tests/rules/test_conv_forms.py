@@ -1,87 +1,146 @@
-"""The Conv2D rule's three ways to per-example filter gradients, each alone.
+"""The convolution rules' ways to per-example filter gradients, each alone.
 
 `Conv2DRule.per_example` takes the first form that applies: one grouped
-backprop-filter call (float32 with oneDNN kernels), one batched matmul per
-filter offset (static spatial dims), or image patches. The spec table
-exercises whichever form a row reaches; here every form is forced on the
-same float32 problems and compared with the loop reference, so a form the
-platform would not pick by default is still checked, and a row cannot pass
-through a fallback while the fast form is broken.
+backprop-filter call on the batch folded into the channels (float32 with
+oneDNN kernels), one batched matmul per filter offset (static spatial
+dims), or image patches; `DepthwiseConv2dRule` a folded depthwise call or
+patches. The spec table exercises whichever form a row reaches; here every
+form is forced on the same float32 problems and compared with the loop
+reference, so a form the platform would not pick by default is still
+checked, and a row cannot pass through a fallback while the fast form is
+broken.
 """
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from custagg import registry, testing
+from custagg import registry
 from custagg.rules import conv
 
-# (batch, image HxW, Cin, Cout, kernel, strides, padding, dilations, format)
+
+def _onednn():
+    from tensorflow.python.util import _pywrap_util_port
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
+# (batch, image HxW, Cin, Cout or multiplier, kernel, strides, padding,
+#  dilations, static spatial dims)
 CASES = [
-    (1, 7, 2, 3, 3, [1, 1], "SAME", [1, 1], "NHWC"),
-    (4, 9, 3, 2, 3, [2, 2], "VALID", [1, 1], "NHWC"),
-    (3, 10, 2, 4, 4, [1, 2], "SAME", [1, 1], "NHWC"),
-    (3, 9, 2, 3, 3, [1, 1], "SAME", [2, 2], "NHWC"),
-    (2, 8, 1, 5, 5, [1, 1], [[0, 0], [1, 2], [2, 0], [0, 0]], [1, 1], "NHWC"),
+    (1, 7, 2, 3, 3, [1, 1], "SAME", [1, 1], True),
+    (4, 9, 3, 2, 3, [2, 2], "VALID", [1, 1], True),
+    (3, 10, 2, 4, 4, [1, 2], "SAME", [1, 1], True),
+    (3, 9, 2, 3, 3, [1, 1], "SAME", [2, 2], True),
+    (2, 8, 1, 5, 5, [1, 1], [[0, 0], [1, 2], [2, 0], [0, 0]], [1, 1], True),
+    (3, 9, 2, 3, 3, [2, 2], "SAME", [1, 1], False),
 ]
 
 
-def _problem(case, rng):
-    batch, hw, cin, cout, k, strides, padding, dilations, fmt = case
-    x = tf.constant(rng.randn(batch, hw, hw, cin).astype(np.float32))
+def _problem(case, rng, depthwise=False):
+    batch, hw, cin, cout, k, strides, padding, dilations, static = case
+    if max(dilations) > 1 and not _onednn():
+        # The loop reference needs a dilated backprop-filter kernel: TF's
+        # own CPU kernels have none (oneDNN's float32 ones do).
+        pytest.skip("no CPU kernel for the dilated reference gradient")
+    if depthwise and strides[0] != strides[1] and not _onednn():
+        pytest.skip("TF's own CPU depthwise kernel needs equal strides")
+    shape = [None, hw, hw, cin] if static else [None, None, None, cin]
+    x = tf.compat.v1.placeholder(tf.float32, shape)
+    feed = {x: rng.randn(batch, hw, hw, cin).astype(np.float32)}
     w = tf.Variable(rng.randn(k, k, cin, cout).astype(np.float32))
     explicit = []
     if not isinstance(padding, str):
         explicit = [p for pair in padding for p in pair]
         padding = "EXPLICIT"
-    z = tf.raw_ops.Conv2D(input=x, filter=w.read_value(),
-                          strides=[1] + strides + [1], padding=padding,
-                          explicit_paddings=explicit,
-                          dilations=[1] + dilations + [1], data_format=fmt)
-    loss = tf.reduce_sum(tf.sin(z) * tf.cos(1.0 + z), axis=[1, 2, 3])
+    conv_op = (tf.raw_ops.DepthwiseConv2dNative if depthwise
+               else tf.raw_ops.Conv2D)
+    z = conv_op(input=x, filter=w.read_value(), strides=[1] + strides + [1],
+                padding=padding, explicit_paddings=explicit,
+                dilations=[1] + dilations + [1], data_format="NHWC")
+    def per_example_loss(z):
+        return tf.reduce_sum(tf.sin(z) * tf.cos(1.0 + z), axis=[1, 2, 3])
+
+    loss = per_example_loss(z)
     dz = tf.gradients(tf.reduce_sum(loss), z)[0]
     ctx = registry.RuleContext(z.op, 1, dz, tf.shape(x)[0])
-    return w, loss, ctx
+    if depthwise and max(dilations) > 1:
+        # TF's registered gradient of a dilated DepthwiseConv2dNative
+        # ignores the dilations on the CPU (its forward is right): the
+        # reference goes through tf.nn.depthwise_conv2d's space-to-batch
+        # form of the same convolution instead.
+        assert padding == "SAME" and strides == [1, 1]
+        loss = per_example_loss(tf.nn.depthwise_conv2d(
+            x, w, [1, 1, 1, 1], "SAME", dilations=dilations))
+    return w, loss, ctx, feed
 
 
-FORMS = {
+def _check(per, loss, w, feed):
+    batch = next(iter(feed.values())).shape[0]
+    # The loop reference needs a static B: slice the loss B times.
+    ref = tf.stack([tf.gradients(loss[i], w)[0] for i in range(batch)])
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got, want = sess.run([per, ref], feed)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+
+
+CONV2D_FORMS = {
     "grouped": lambda rule, ctx: rule._grouped_per_example(ctx),
     "offsets": lambda rule, ctx: rule._offsets_per_example(ctx),
     "patches": lambda rule, ctx: rule._outer(ctx).per_example(),
 }
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("form", sorted(CONV2D_FORMS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_form_matches_loop(graph, form, case):
+def test_conv2d_form_matches_loop(graph, form, case):
     rng = np.random.RandomState(7)
-    w, loss, ctx = _problem(case, rng)
-    per = FORMS[form](conv.Conv2DRule(), ctx)
+    w, loss, ctx, feed = _problem(case, rng)
+    per = CONV2D_FORMS[form](conv.Conv2DRule(), ctx)
     if per is None:
-        assert form == "grouped" and not conv._grouped_kernels_available()
+        if form == "offsets":
+            assert not case[-1], "offsets form refused static spatial dims"
+            pytest.skip("the offsets form needs static spatial dims")
+        assert form == "grouped" and not conv._folded_kernels_available()
         pytest.skip("no grouped convolution kernels here (oneDNN off)")
-    ref = testing.loop_per_example(loss, [w])[0]
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        got, want = sess.run([per, ref])
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-4,
-                               atol=1e-4 * np.abs(want).max())
+    _check(per, loss, w, feed)
 
 
-def test_without_grouped_kernels_the_rule_uses_offsets(graph, monkeypatch):
-    monkeypatch.setattr(conv, "_grouped_kernels_available", lambda: False)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_depthwise_forms_match_loop(graph, case, monkeypatch):
+    rng = np.random.RandomState(11)
+    w, loss, ctx, feed = _problem(case, rng, depthwise=True)
+    rule = conv.DepthwiseConv2dRule()
+    forms = {"patches": None}
+    if max(case[7]) == 1:
+        forms["folded"] = rule._folded_per_example(ctx)
+    monkeypatch.setattr(conv, "_folded_kernels_available", lambda: False)
+    forms["patches"] = rule.per_example(ctx)
+    for per in forms.values():
+        _check(per, loss, w, feed)
+
+
+def test_without_folded_kernels_conv2d_uses_offsets(graph, monkeypatch):
+    monkeypatch.setattr(conv, "_folded_kernels_available", lambda: False)
     rng = np.random.RandomState(3)
-    w, loss, ctx = _problem(CASES[2], rng)
+    w, loss, ctx, feed = _problem(CASES[2], rng)
     rule = conv.Conv2DRule()
     assert rule._grouped_per_example(ctx) is None
     per = rule.per_example(ctx)
-    ref = testing.loop_per_example(loss, [w])[0]
-    with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        got, want = sess.run([per, ref])
-    np.testing.assert_allclose(got, want, rtol=1e-4,
-                               atol=1e-4 * np.abs(want).max())
+    types = {op.type for op in graph.get_operations()}
+    assert "ExtractImagePatches" not in types and "BatchMatMulV2" in types
+    _check(per, loss, w, feed)
+
+
+def test_folded_form_switch(monkeypatch):
+    monkeypatch.setenv("CUSTAGG_FOLDED_CONV", "0")
+    assert not conv._folded_kernels_available()
+    monkeypatch.setenv("CUSTAGG_FOLDED_CONV", "1")
+    assert conv._folded_kernels_available()
+    monkeypatch.delenv("CUSTAGG_FOLDED_CONV")
+    assert conv._folded_kernels_available() == _onednn()
 
 
 def test_grouped_form_skips_float64(graph):
