@@ -20,6 +20,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from benchmarks import common, models
@@ -32,6 +33,10 @@ FULL = dict(models=list(models.MODELS), batch_sizes=[32, 128, 512], repeats=10,
             timeout=120.0, budget=2.0, slow_limit=30.0, out=os.path.join(HERE, "results"))
 QUICK = dict(models=["mlp", "text"], batch_sizes=[32], repeats=3,
              timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
+
+# Relative wall time of each model's configurations in a full run (measured
+# 2026-12-03), used to deal the costliest models out first with --jobs.
+_MODEL_COST = {"lstm": 6, "cnn": 5, "text": 4, "transformer": 4, "mlp": 3, "softmax": 1}
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
                "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
@@ -86,6 +91,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="intra/inter-op threads for every framework (default 1: the same for all, "
                         "and robust on a machine shared with other jobs)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="configurations run at once, each in its own worker (default: 2 on a "
+                        "machine with 2+ cores, else 1). Models are dealt out to the jobs, so "
+                        "the B-ascending skip estimates still see each model's smaller B first; "
+                        "every ratio is still measured inside one process")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--readme", metavar="PATH",
                    help="also rewrite the benchmark tables in PATH (README.md) from --out's "
@@ -98,6 +108,10 @@ def parse_args(argv=None):
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.tasks = args.tasks or list(TASKS)
+    if args.jobs is None:
+        args.jobs = 2 if (os.cpu_count() or 1) >= 2 else 1
+    if args.jobs < 1:
+        p.error("--jobs must be at least 1")
     if args.systems is None:
         args.systems = [s for s in SYSTEMS if not (
             args.no_peers and (SYSTEMS[s].framework in PEER_FRAMEWORKS or s == "tfp_vectorized"))]
@@ -135,15 +149,16 @@ class ForkServer:
 
     START_TIMEOUT = 300.0
 
-    def __init__(self, framework, python, log_dir, threads):
+    def __init__(self, framework, python, log_dir, threads, job=0):
         self.framework, self.python, self.log_dir = framework, python, log_dir
-        self.threads = threads
+        self.threads, self.job = threads, job
         self.proc, self.versions, self.error = None, None, None
 
     def ensure(self):
         if self.proc is not None and self.proc.poll() is None:
             return True
-        log = open(os.path.join(self.log_dir, "server_%s.log" % self.framework), "a")
+        log = open(os.path.join(self.log_dir, "server_%s_job%d.log" % (self.framework, self.job)),
+                   "a")
         self.proc = subprocess.Popen(
             [self.python, "-m", "benchmarks.worker", "serve", self.framework],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
@@ -188,7 +203,7 @@ class ForkServer:
 class FreshProcess:
     """--no-fork: one `python -m benchmarks.worker once` per configuration."""
 
-    def __init__(self, framework, python, log_dir, threads):
+    def __init__(self, framework, python, log_dir, threads, job=0):
         self.framework, self.python, self.log_dir = framework, python, log_dir
         self.threads = threads
         self.versions, self.error = {}, None
@@ -353,18 +368,20 @@ def main(argv=None):
     configs = plan(args)
     frameworks = sorted({c["framework"] for c in configs} | ({"tf"} if configs else set()))
     worker_cls = FreshProcess if args.no_fork else ForkServer
-    workers = {fw: worker_cls(fw, args.pythons.get(fw, sys.executable), dirs["logs"], args.threads)
-               for fw in frameworks}
+    n_jobs = max(1, min(args.jobs, len({c["model"] for c in configs}) or 1))
+    job_workers = [{fw: worker_cls(fw, args.pythons.get(fw, sys.executable), dirs["logs"],
+                                   args.threads, job) for fw in frameworks}
+                   for job in range(n_jobs)]
 
     started = time.time()
     machine = common.machine_info({"command": "python -m benchmarks " + " ".join(
         sys.argv[1:] if argv is None else argv), "started": datetime.datetime.now().isoformat(
-        timespec="seconds"), "threads": args.threads, "settings": {
+        timespec="seconds"), "threads": args.threads, "jobs": n_jobs, "settings": {
             k: getattr(args, k) for k in ("repeats", "budget", "timeout", "slow_limit", "threads",
-                                          "batch_sizes", "models", "tasks", "systems")}})
-    print("benchmarks: %d configurations; %s, %d cores; out %s"
-          % (len(configs), machine["cpu"], machine["cores"], os.path.relpath(args.out, REPO)),
-          flush=True)
+                                          "jobs", "batch_sizes", "models", "tasks", "systems")}})
+    print("benchmarks: %d configurations in %d job%s; %s, %d cores; out %s"
+          % (len(configs), n_jobs, "" if n_jobs == 1 else "s", machine["cpu"], machine["cores"],
+             os.path.relpath(args.out, REPO)), flush=True)
 
     old = []
     results_path = os.path.join(args.out, "results.json")
@@ -373,67 +390,117 @@ def main(argv=None):
             old = json.load(f)
 
     versions, references, done = {}, {}, []
-    machine_short = None
+    machine_info = {"short": None}
     code_hash = _code_hash()
     unavailable = {}
+    lock = threading.Lock()      # guards versions, unavailable, done, the counter, outputs
+    counter = [0]
 
-    def start(fw):
-        if fw not in versions and fw not in unavailable:
-            t0 = time.monotonic()
-            if workers[fw].ensure():
-                versions[fw] = workers[fw].versions or {}
-                print("  %s worker ready in %.1fs: %s" % (fw, time.monotonic() - t0, ", ".join(
-                    "%s %s" % kv for kv in versions[fw].items())), flush=True)
-            else:
+    def start(workers, fw):
+        with lock:
+            if fw in unavailable:
+                return
+        t0 = time.monotonic()
+        if workers[fw].ensure():
+            with lock:
+                if fw not in versions:
+                    versions[fw] = workers[fw].versions or {}
+                    print("  %s worker ready in %.1fs: %s" % (fw, time.monotonic() - t0, ", ".join(
+                        "%s %s" % kv for kv in versions[fw].items())), flush=True)
+        else:
+            with lock:
                 unavailable[fw] = workers[fw].error
                 print("  %s unavailable: %s" % (fw, workers[fw].error), flush=True)
 
-    try:
-        for i, cfg in enumerate(configs, 1):
-            fw = cfg["framework"]
-            worker = workers[fw]
-            start("tf")      # the reference and the machine line need TensorFlow
-            start(fw)
-            if machine_short is None:
+    def run_config(cfg, workers):
+        fw = cfg["framework"]
+        worker = workers[fw]
+        start(workers, "tf")      # the reference and the machine line need TensorFlow
+        start(workers, fw)
+        with lock:
+            if machine_info["short"] is None:
                 tfv = versions.get("tf", {}).get("tensorflow", "?")
-                machine_short = "%s, %d cores, TF %s" % (machine["cpu"], machine["cores"], tfv)
-
-            rec = _empty_record(cfg, machine_short)
-            rec["loadavg_1m"] = os.getloadavg()[0]
-            t0 = time.monotonic()
-            ref_key = (cfg["model"], cfg["batch_size"])
-            ref_path = os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
-                cfg["model"], cfg["batch_size"], code_hash))
-            if fw in unavailable:
-                rec.update(status="skipped", note="%s not available (%s); see "
-                           "benchmarks/requirements-peers.txt" % (fw, unavailable[fw]))
-            elif "tf" in unavailable:
-                rec.update(status="skipped", note="reference needs TensorFlow: %s" % unavailable["tf"])
+                machine_info["short"] = "%s, %d cores, TF %s" % (machine["cpu"], machine["cores"],
+                                                                 tfv)
+            missing = dict(unavailable)
+            family = list(done)
+        rec = _empty_record(cfg, machine_info["short"])
+        rec["loadavg_1m"] = os.getloadavg()[0]
+        t0 = time.monotonic()
+        ref_key = (cfg["model"], cfg["batch_size"])
+        ref_path = os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
+            cfg["model"], cfg["batch_size"], code_hash))
+        if fw in missing:
+            rec.update(status="skipped", note="%s not available (%s); see "
+                       "benchmarks/requirements-peers.txt" % (fw, missing[fw]))
+        elif "tf" in missing:
+            rec.update(status="skipped", note="reference needs TensorFlow: %s" % missing["tf"])
+        else:
+            # Only the job that owns a model computes its references.
+            if ref_key not in references:
+                references[ref_key] = _reference(workers, cfg, ref_path, args, dirs)
+            skip = predict_skip(cfg, family, args)
+            if not references[ref_key]["ok"]:
+                rec.update(status="skipped", note="no reference: " + references[ref_key]["note"])
+            elif skip:
+                rec.update(status="skipped", note=skip)
             else:
-                if ref_key not in references:
-                    references[ref_key] = _reference(workers, cfg, ref_path, args, dirs)
-                skip = predict_skip(cfg, done, args)
-                if not references[ref_key]["ok"]:
-                    rec.update(status="skipped", note="no reference: " + references[ref_key]["note"])
-                elif skip:
-                    rec.update(status="skipped", note=skip)
-                else:
-                    run_cfg = dict(cfg, repeats=args.repeats, budget_s=args.budget,
-                                   timeout=args.timeout, ref_path=ref_path, threads=args.threads)
-                    tag = "%s_B%d_%s_%s" % (cfg["model"], cfg["batch_size"], cfg["task"], cfg["system"])
-                    result, reply = execute(worker, run_cfg, args, dirs, tag)
-                    rec.update(result)
-                    if rec.get("peak_rss_mb") is None and reply.get("maxrss_mb"):
-                        rec["peak_rss_mb"] = reply["maxrss_mb"]
-                    rec["wall_s"] = reply.get("wall_s")
-            rec["note"] = rec.get("note") or ""
+                run_cfg = dict(cfg, repeats=args.repeats, budget_s=args.budget,
+                               timeout=args.timeout, ref_path=ref_path, threads=args.threads)
+                tag = "%s_B%d_%s_%s" % (cfg["model"], cfg["batch_size"], cfg["task"],
+                                        cfg["system"])
+                result, reply = execute(worker, run_cfg, args, dirs, tag)
+                rec.update(result)
+                if rec.get("peak_rss_mb") is None and reply.get("maxrss_mb"):
+                    rec["peak_rss_mb"] = reply["maxrss_mb"]
+                rec["wall_s"] = reply.get("wall_s")
+        rec["note"] = rec.get("note") or ""
+        with lock:
             done.append(rec)
-            _progress(i, len(configs), rec, time.monotonic() - t0)
+            counter[0] += 1
+            _progress(counter[0], len(configs), rec, time.monotonic() - t0)
             _write_outputs(args, _merged(old, done), machine, versions, references, started,
                            final=False)
-    finally:
-        for worker in workers.values():
-            worker.close()
+
+    # Whole models are dealt to the jobs, costliest first (each job runs a
+    # model's configurations in plan order: B ascending, so the skip
+    # estimates of a larger B see the smaller ones).
+    by_model = {}
+    for cfg in configs:
+        by_model.setdefault(cfg["model"], []).append(cfg)
+    queue = sorted(by_model, key=lambda m: -_MODEL_COST.get(m, 1))
+    failures = []
+
+    def job(workers):
+        try:
+            while True:
+                with lock:
+                    if not queue or failures:
+                        return
+                    model = queue.pop(0)
+                for cfg in by_model[model]:
+                    run_config(cfg, workers)
+        except BaseException as e:  # reported by the main thread
+            failures.append(e)
+        finally:
+            for worker in workers.values():
+                worker.close()
+
+    threads = [threading.Thread(target=job, args=(w,), daemon=True) for w in job_workers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)
+    except BaseException:
+        failures.append(KeyboardInterrupt())
+        for workers in job_workers:
+            for worker in workers.values():
+                worker.close()
+        raise
+    if failures:
+        raise failures[0]
     machine["loadavg_end"] = os.getloadavg()
     _write_outputs(args, _merged(old, done), machine, versions, references, started, final=True)
     counts = {}
