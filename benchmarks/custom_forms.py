@@ -176,13 +176,25 @@ def measure(layers, batch, build_repeats, repeats, warmup=3):
     return row
 
 
+def _load_average():
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def to_markdown(result):
+    load = result.get("load_average", {})
     lines = [
         "# CUSTOM aggregation: list-of-slices form vs vector form",
         "",
-        "`%s` on %s (%d CPUs), TensorFlow %s, Python %s." % (
+        "`%s` on %s (%d CPUs), TensorFlow %s, Python %s%s." % (
             result["command"], result["machine"], result["cpus"],
-            result["tensorflow"], result["python"]),
+            result["tensorflow"], result["python"],
+            "; 1-minute load average %s at the start, %s at the end (this "
+            "run adds about 1)" % (load.get("start"), load.get("end"))
+            if load else ""),
         "",
         "- call: wall-clock ms of the `custagg.gradients` call (median of %d "
         "fresh graphs per form, the forms alternating, garbage collected "
@@ -251,6 +263,8 @@ def main(argv=None):
         "cpus": os.cpu_count(), "tensorflow": tf.__version__,
         "python": platform.python_version(), "repeats": args.repeats,
         "build_repeats": args.build_repeats, "models": {}, "acceptance": [],
+        # Other processes' load disturbs the wall clock (cpu less so).
+        "load_average": {"start": _load_average()},
     }
     for model in args.models.split(","):
         rows = []
@@ -278,6 +292,7 @@ def main(argv=None):
                      "pass": q["run"] <= ACCEPT_RUN},
                 ]
         result["models"][model] = rows
+    result["load_average"]["end"] = _load_average()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "custom_forms.json"), "w") as fh:
         json.dump(result, fh, indent=1)

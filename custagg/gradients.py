@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
@@ -51,6 +52,23 @@ from custagg.aggregation import AggregationMethod
 
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _one_per_class(ts):
+    """One element of `ts` per distinct class, for isinstance checks.
+
+    `any(isinstance(t, C) for t in ts)` is the same test on these: the
+    answer depends on the class only (`type(t)`, and `t.__class__`, which a
+    proxy may change; both are keyed). ys can hold thousands of slices of one
+    class (CUSTOM list form), and an isinstance check against TF's abstract
+    classes (Variable, CompositeTensor) costs about a microsecond; this is a
+    few C-level passes.
+    """
+    return list(dict(zip(zip(map(type, ts), map(_class_of, ts)),
+                         ts)).values())
+
+
+_class_of = operator.attrgetter("__class__")
 
 
 def _is_func_graph(graph):
@@ -138,15 +156,29 @@ class _Backprop(object):
     def _find_between(self, to_ops, from_ops):
         """Marks the ops on a differentiable path from xs to ys; counts edges."""
         reached = set()
+        # With one op in ys that is not in a v1 while loop, nothing
+        # downstream of it leads back to it (only a loop's back edge,
+        # NextIteration -> Merge, closes a cycle), so its consumers cannot
+        # be between xs and ys and are not walked: `between` and `order`
+        # come out the same. This keeps the B slices of a CUSTOM list form
+        # (consumers of the tensor custom_seeds put in their place) out of
+        # the walk, ~1 us each.
+        end = set(to_ops)
+        end = end.pop() if len(end) == 1 else None
+        if end is not None and control_flow_util.IsInWhileLoop(end):
+            end = None
         queue = collections.deque(from_ops)
         while queue:
             op = queue.popleft()
             if op in reached:
                 continue
             reached.add(op)
+            if op is end:
+                continue
             for out in op.outputs:
-                # Consumers first: the B slices of a CUSTOM list form have
-                # none, and IsTrainable costs more than the lookup.
+                # Consumers first: many outputs have none (the B slices of a
+                # CUSTOM list form, when reached), and IsTrainable costs more
+                # than the lookup.
                 consumers = self._consumers(out)
                 if consumers and backprop_util.IsTrainable(out):
                     queue.extend(consumers)
@@ -538,10 +570,12 @@ def _graph_of(ts):
 
 
 def _check_same_graph(ys, xs, graph):
+    if _is_func_graph(graph):
+        # A function's body may use tensors of enclosing graphs (captures).
+        return
     for arg, ts in (("ys", ys), ("xs", xs)):
         for i, t in enumerate(ts):
-            if getattr(t, "graph", graph) is not graph and \
-                    not _is_func_graph(graph):
+            if getattr(t, "graph", graph) is not graph:
                 raise ValueError(
                     "custagg.gradients: %s[%d] (%s) is from another graph than "
                     "ys[0]; all of ys and xs must come from the same tf.Graph "
@@ -633,8 +667,12 @@ def gradients(ys,
 
     # Resource variables are differentiated through their handles (ys are
     # read); ref variables convert to their ref tensor / snapshot below.
-    ys = [tf.convert_to_tensor(y) if isinstance(y, tf.Variable) else y
-          for y in _as_list(ys)]
+    ys = _as_list(ys)
+    y_kinds = _one_per_class(ys)
+    if any(isinstance(y, tf.Variable) for y in y_kinds):
+        ys = [tf.convert_to_tensor(y) if isinstance(y, tf.Variable) else y
+              for y in ys]
+        y_kinds = _one_per_class(ys)
     xs = [x.handle if resource_variable_ops.is_resource_variable(x) else x
           for x in _as_list(xs)]
     stop_gradients = [] if stop_gradients is None else _as_list(stop_gradients)
@@ -648,9 +686,10 @@ def gradients(ys,
                  unconnected_gradients, gradient_factors)
     # As in tf.gradients, composite grad_ys alone (an IndexedSlices seed)
     # do not take this path: they are kept as they are.
-    if any(isinstance(t, composite_tensor.CompositeTensor) for t in ys + xs):
+    if any(isinstance(t, composite_tensor.CompositeTensor)
+           for t in y_kinds + xs):
         return _composite_gradients(ys, xs, grad_ys, args)
-    return _tensor_gradients(ys, xs, grad_ys, args)
+    return _tensor_gradients(ys, xs, grad_ys, args, y_kinds)
 
 
 # The checked arguments of one gradients call, passed on unchanged.
@@ -681,9 +720,16 @@ def _composite_gradients(ys, xs, grad_ys, args):
         xs, flat_grads)
 
 
-def _tensor_gradients(ys, xs, grad_ys, args):
-    """`gradients` once ys, xs and grad_ys hold no composite tensors."""
-    errors.check_graph_tensors(ys, "ys", "custagg.gradients")
+def _tensor_gradients(ys, xs, grad_ys, args, y_kinds=None):
+    """`gradients` once ys, xs and grad_ys hold no composite tensors.
+
+    `y_kinds`: `_one_per_class(ys)` when the caller has it.
+    """
+    if y_kinds is None:
+        y_kinds = _one_per_class(ys)
+    # Per class first: B slices are all graph Tensors.
+    if any(isinstance(y, ops.EagerTensor) for y in y_kinds):
+        errors.check_graph_tensors(ys, "ys", "custagg.gradients")
     graph = _graph_of(ys) or ops.get_default_graph()
     _check_same_graph(ys, xs, graph)
 
@@ -695,7 +741,7 @@ def _tensor_gradients(ys, xs, grad_ys, args):
             gradient_uid = ops.get_default_graph().unique_name("uid")
             # Tensors convert to themselves: skip the conversion machinery
             # for them (the CUSTOM list form passes B slices).
-            if not all(isinstance(y, tf.Tensor) for y in ys):
+            if not all(isinstance(y, tf.Tensor) for y in y_kinds):
                 ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
                     ys, name="y")
             xs = _convert_xs(xs)

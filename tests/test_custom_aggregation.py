@@ -10,6 +10,8 @@ Two references:
   weighted sum, computed by TF term by term.
 """
 
+import importlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -502,3 +504,71 @@ def test_rnn_in_a_while_loop(control_flow, request, sess, rng):
               f: _factors(rng, batch)})
     _assert_all_close(a[0], a[2], rtol=1e-12)
     _assert_all_close(a[1], a[2], rtol=1e-12)
+
+
+# --------------------------------------------------------------------------
+# What the list form costs per slice: the shortcuts taken for B slices.
+
+
+def test_the_walk_does_not_visit_the_slices(monkeypatch):
+    """The B slices consume the tensor custom_seeds starts from; the walk
+    from xs stops at that tensor instead of visiting each slice."""
+    gradients_module = importlib.import_module("custagg.gradients")
+    visited = []
+    consumers = gradients_module._Backprop._consumers
+
+    def counting(self, t):
+        visited.append(t)
+        return consumers(self, t)
+    monkeypatch.setattr(gradients_module._Backprop, "_consumers", counting)
+
+    def walked(batch):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [batch, 3])
+            w = tf.compat.v1.get_variable("w", [3, 2])
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)), axis=1)
+            f = tf.compat.v1.placeholder(tf.float32, [batch])
+            del visited[:]
+            custagg.gradients([loss[i] for i in range(batch)], [w],
+                              aggregation_method=CUSTOM, gradient_factors=f)
+            return len(visited)
+
+    assert walked(4) == walked(64)
+
+
+def test_one_y_with_consumers_that_lead_to_xs(sess, rng):
+    """With one y, what lies downstream of it is not walked; xs there (and
+    the y itself as an x) get what tf.gradients gives."""
+    loss, xs, data, _ = softmax_regression(rng, 4, 3)
+    after = tf.square(loss)                   # downstream of ys
+    ys = [loss[i] for i in range(4)]
+    f = tf.compat.v1.placeholder(tf.float64, [4])
+    got = custagg.gradients(ys, xs + [after, loss], aggregation_method=CUSTOM,
+                            gradient_factors=f)
+    want = tf.compat.v1.gradients(loss, xs + [after, loss], grad_ys=f)
+    assert got[2] is None and want[2] is None
+    a, e = _run(sess, [[got[i] for i in (0, 1, 3)],
+                       [want[i] for i in (0, 1, 3)]],
+                {**data, f: _factors(rng, 4)})
+    _assert_all_close(a, e, rtol=1e-12)
+
+
+def test_one_per_class_checks_each_class_once():
+    gradients_module = importlib.import_module("custagg.gradients")
+
+    class Proxy(object):
+        """Claims another class, as wrapt-style proxies do."""
+        def __init__(self, wrapped):
+            self._wrapped = wrapped
+
+        @property
+        def __class__(self):
+            return type(self._wrapped)
+
+    t = tf.constant(1.0)
+    v = tf.compat.v1.Variable(1.0)
+    kinds = gradients_module._one_per_class([t] * 50 + [1.0, Proxy(v), t])
+    assert len(kinds) == 3
+    assert any(isinstance(k, tf.Variable) for k in kinds)
+    assert gradients_module._one_per_class([]) == []
