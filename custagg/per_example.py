@@ -387,6 +387,15 @@ class _Engine(object):
                 loss, fast, fast_bounds, batch, self.chunk)
             result.update(zip([id(a) for a in fast], stacked))
         if slow:
+            # Silent B^2 costs surprise people (an RNN at B=512 takes seconds):
+            # say once per call which variables pay it, and why.
+            _LOG.warning(
+                "custagg: per-example gradients of %s go through pfor over the "
+                "whole backward pass, whose cost grows with B^2 (%s). "
+                "custagg.plan_per_example(...) shows the plan; a per-example "
+                "rule for the op (custagg.register_rule) avoids it.",
+                ", ".join(a.name for a in slow),
+                "; ".join(sorted({a.reason for a in slow if a.reason})))
             stacked = vectorized.whole_pass_per_example(
                 loss, [a.tensor for a in slow],
                 [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a)) for a in slow],

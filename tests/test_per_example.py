@@ -338,6 +338,33 @@ def test_auto_falls_back_where_no_rule(graph, op_type):
                               ("auto", "pfor"))
 
 
+def test_rnn_weight_in_a_while_loop_warns_of_the_quadratic_form(graph, caplog):
+    rng = np.random.default_rng(9)
+    x = tf.compat.v1.placeholder(tf.float64, [4, 3, 2])
+    w = tf.compat.v1.Variable(0.5 * rng.normal(size=(2, 2)), use_resource=True,
+                              name="cell_w")
+    v = _var(rng, [2], "readout")
+
+    def body(t, h):
+        return t + 1, tf.tanh(tf.matmul(x[:, t, :] + h, w))
+
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < 3, body,
+                                   [0, tf.zeros([4, 2], tf.float64)])
+    loss = tf.reduce_sum(h * v, axis=1)
+    with caplog.at_level("WARNING", logger="custagg"):
+        got = custagg.per_example_gradients(loss, [w, v])
+    warned = [r.getMessage() for r in caplog.records
+              if "B^2" in r.getMessage()]
+    assert len(warned) == 1 and "cell_w" in warned[0], warned
+    assert "readout" not in warned[0]
+    ref = testing.loop_per_example(loss, [w, v])
+    with _session(graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got_val, ref_val = sess.run([got, ref],
+                                    {x: rng.normal(size=(4, 3, 2))})
+    _check_lists(got_val, ref_val, "rnn")
+
+
 # --------------------------------------------------------------------------
 # tf.compat.v1.layers
 
