@@ -557,10 +557,7 @@ def report_only(args):
     print("wrote %s/results.md%s" % (os.path.relpath(args.out, REPO),
                                      "" if args.no_plot else " and results.png"))
     if args.readme:
-        report.update_readme(args.readme, records, meta,
-                             results_md=os.path.relpath(os.path.join(args.out, "results.md"),
-                                                        os.path.dirname(os.path.abspath(args.readme))))
-        print("updated the benchmark tables in %s" % args.readme)
+        _update_readme(args, records, meta)
     return 0
 
 
@@ -593,10 +590,17 @@ def _write_outputs(args, records, machine, versions, references, started, final)
         except Exception as e:  # a plot must never lose the numbers
             print("  plot failed: %s" % e, flush=True)
     if args.readme:
-        report.update_readme(args.readme, records, meta,
-                             results_md=os.path.relpath(os.path.join(args.out, "results.md"),
-                                                        os.path.dirname(os.path.abspath(args.readme))))
-        print("updated the benchmark tables in %s" % args.readme, flush=True)
+        _update_readme(args, records, meta)
+
+
+def _update_readme(args, records, meta):
+    """--readme: the tables in args.readme, linking --out's results.md."""
+    from benchmarks import report
+    readme_dir = os.path.dirname(os.path.abspath(args.readme))
+    report.update_readme(args.readme, records, meta,
+                         results_md=os.path.relpath(os.path.join(args.out, "results.md"),
+                                                    readme_dir))
+    print("updated the benchmark tables in %s" % args.readme, flush=True)
 
 
 if __name__ == "__main__":
