@@ -66,8 +66,14 @@ def _folded_kernels_available():
     graphs that will run where oneDNN is off (exported graphs, remote
     workers), `=1` to force the folded form.
     """
-    forced = os.environ.get("CUSTAGG_FOLDED_CONV")
-    if forced in ("0", "1"):
+    forced = os.environ.get("CUSTAGG_FOLDED_CONV", "")
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(
+                "custagg: the environment variable CUSTAGG_FOLDED_CONV is %r; "
+                "expected '0' (per-offset or patch forms for convolution "
+                "rules), '1' (the folded form) or unset (ask TF whether its "
+                "oneDNN kernels are on)." % forced)
         return forced == "1"
     try:
         from tensorflow.python.util import _pywrap_util_port

@@ -139,6 +139,9 @@ def test_folded_form_switch(monkeypatch):
     assert not conv._folded_kernels_available()
     monkeypatch.setenv("CUSTAGG_FOLDED_CONV", "1")
     assert conv._folded_kernels_available()
+    monkeypatch.setenv("CUSTAGG_FOLDED_CONV", "yes")
+    with pytest.raises(ValueError, match="CUSTAGG_FOLDED_CONV is 'yes'.*'0'"):
+        conv._folded_kernels_available()
     monkeypatch.delenv("CUSTAGG_FOLDED_CONV")
     assert conv._folded_kernels_available() == _onednn()
 
