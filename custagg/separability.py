@@ -23,6 +23,8 @@ from tensorflow.python.framework import tensor_util
 
 import tensorflow as tf
 
+from custagg import symbolic_shapes
+
 _ELEMENTWISE_UNARY = frozenset("""
 Abs Acos Acosh Asin Asinh Atan Atanh Cast Ceil Cos Cosh Digamma Elu Erf Erfc
 Exp Expm1 Floor Identity IdentityN Inv Lgamma Log Log1p LeakyRelu Neg
@@ -52,9 +54,17 @@ def _rank(t):
 
 
 def _elementwise(op, index, axis):
+    """Broadcasting aligns axes from the right, so a batch axis counted from
+    the end survives operands of unknown rank (an unshaped `keep_prob`)."""
     in_rank, out_rank = _rank(op.inputs[index]), _rank(op.outputs[0])
-    if in_rank is None or out_rank is None:
+    if axis < 0:
+        if out_rank is None:
+            return axis
+        return out_rank + axis if out_rank + axis >= 0 else None
+    if in_rank is None:
         return None
+    if out_rank is None:
+        return axis - in_rank
     out_axis = axis + out_rank - in_rank
     # A size-1 axis broadcast against a longer one is not the batch: every
     # example would see the same entry (a [1, D] parameter times a [1, D]
@@ -107,39 +117,66 @@ def _einsum(op, index, axis):
     return out.index(letter) if letter in out else None
 
 
-def _is_own_batch_size(t, x):
-    """Whether `t` is `tf.shape(x)[0]` (a StridedSlice of x's Shape)."""
-    op = t.op
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
-        return False
-    if op.inputs[0].op.inputs[0] is not x:
-        return False
-    return (_const(op.inputs[1]) == [0] and _const(op.inputs[3]) == [1]
-            and op.get_attr("shrink_axis_mask") == 1
-            and not op.get_attr("begin_mask") & 1)
+def _reshape(op, index, batch, shapes):
+    """Reshapes keep row-major order: the batch survives when each example's
+    entries stay one contiguous block of the output.
+
+    With every axis before the batch of static size 1 and S the number of
+    entries of one example, output axis a is the batch when the axes before
+    a have size 1 and the axes after it hold exactly S entries; it holds
+    rows (example, t...) -- a fold -- when the axes after it hold the
+    entries of one `t`. Sizes are compared as symbolic expressions of the
+    graph's dimensions (`symbolic_shapes`), so `[-1, C]`,
+    `[tf.shape(x)[0], -1]` and Keras LayerNormalization's
+    `[1, B*T, D, 1]` are all proved from the graph.
+    """
+    if index != 0:
+        return None
+    in_shape = shapes.shape(op.inputs[0])
+    out_shape = shapes.shape(op.outputs[0])
+    pos = batch.axis if isinstance(batch, Folded) else batch
+    if in_shape is None or out_shape is None or pos < 0:
+        return None
+    middle = batch.middle if isinstance(batch, Folded) else ()
+    if any(d is None or d.static != 1 for d in in_shape[:pos]):
+        return None
+    row = symbolic_shapes.product(in_shape[pos + 1:])
+    if row is None:
+        return None
+    example = row * symbolic_shapes.Dim.of(_prod(middle))
+    for out_axis in range(len(out_shape)):
+        after = symbolic_shapes.product(out_shape[out_axis + 1:])
+        if after is not None:
+            if after == example:
+                return out_axis
+            if middle and after == row:
+                return Folded(middle, out_axis)
+            if not middle:
+                fold = _new_fold(in_shape[pos + 1:], after)
+                if fold is not None:
+                    return Folded(fold, out_axis)
+        dim = out_shape[out_axis]
+        if dim is None or dim.static != 1:
+            break
+    return None
 
 
-def _reshape(op, index, axis):
-    if index != 0 or axis != 0:
-        return None
-    x, z = op.inputs[0], op.outputs[0]
-    shape_op = op.inputs[1].op
-    if (shape_op.type == "Pack" and shape_op.get_attr("axis") == 0
-            and _is_own_batch_size(shape_op.inputs[0], x)):
-        # reshape(x, [tf.shape(x)[0], ...]): each example keeps its row.
-        return 0
-    if x.shape.rank is None or z.shape.rank is None or z.shape.rank == 0:
-        return None
-    in_rest, out_rest = x.shape[1:], z.shape[1:]
-    if not (in_rest.is_fully_defined() and out_rest.is_fully_defined()):
-        return None
-    if in_rest.num_elements() != out_rest.num_elements():
-        return None
-    b_in = tf.compat.dimension_value(x.shape[0])
-    b_out = tf.compat.dimension_value(z.shape[0])
-    if b_in is not None and b_out is not None and b_in != b_out:
-        return None
-    return 0
+def _new_fold(example_dims, after):
+    """The leading example dims T... when the rest hold `after` entries."""
+    for j in range(1, len(example_dims)):
+        lead = example_dims[:j]
+        if any(d is None or d.static is None for d in lead):
+            return None
+        if symbolic_shapes.product(example_dims[j:]) == after:
+            return tuple(d.static for d in lead)
+    return None
+
+
+def _prod(dims):
+    out = 1
+    for d in dims:
+        out *= d
+    return out
 
 
 def _squeeze(op, index, axis):
@@ -194,10 +231,28 @@ def _xent(op, index, axis):
     return 0 if axis == 0 else None
 
 
-def _batch_norm(op, index, axis):
-    if op.get_attr("is_training"):
+def _batch_norm(op, index, batch, shapes):
+    """FusedBatchNorm: inference mode is a per-channel affine map; training
+    mode takes statistics per channel, which keeps examples apart only when
+    the batch (or rows folded from it, as in Keras LayerNormalization's
+    `[1, B*T, D, 1]` NCHW call) is the channel axis."""
+    del shapes
+    if index != 0:
         return None
-    return 0 if index == 0 and axis == 0 else None
+    n_out = len(op.outputs)
+    if not op.get_attr("is_training"):
+        return [batch] + [NO_PATH] * (n_out - 1)
+    rank = _rank(op.inputs[0])
+    pos = batch.axis if isinstance(batch, Folded) else batch
+    if rank is None or pos < 0:
+        return None
+    channel = 1 if op.get_attr("data_format").decode().startswith("NC") \
+        else rank - 1
+    if pos != channel:
+        return None
+    stats = Folded(batch.middle, 0) if isinstance(batch, Folded) else 0
+    # y, batch mean, batch variance; the reserve outputs carry no gradient.
+    return [batch, stats, stats] + [NO_PATH] * (n_out - 3)
 
 
 def _pad(op, index, axis):
@@ -303,6 +358,23 @@ def _tile(op, index, axis):
     return axis
 
 
+class Folded(collections.namedtuple("Folded", ["middle", "axis"])):
+    """Rows folded from the batch: axis `axis` holds (example, t...) pairs.
+
+    `tf.tensordot` (Keras Dense on `[B, T..., D]`) reshapes to `[B*T, D]`,
+    multiplies, and reshapes back; Keras LayerNormalization reshapes to
+    `[1, B*T, D, 1]`. `middle` is the static `T...` shape. Ops that move or
+    keep an axis treat a folded axis like a plain one; reshapes and
+    batch normalization look at the fold itself.
+    """
+
+    def __new__(cls, middle, axis=0):
+        return super(Folded, cls).__new__(cls, tuple(middle), axis)
+
+
+# An output that does not depend on the tracked input (not followed).
+NO_PATH = "no path"
+
 _TABLE = {}
 for _t in _ELEMENTWISE_UNARY | _ELEMENTWISE_BINARY:
     _TABLE[_t] = _elementwise
@@ -314,12 +386,11 @@ _TABLE.update({
     "Softmax": _last_axis_op, "LogSoftmax": _last_axis_op,
     "MatMul": _matmul, "BatchMatMul": _batch_matmul,
     "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
-    "Einsum": _einsum, "Reshape": _reshape, "Squeeze": _squeeze,
+    "Einsum": _einsum, "Squeeze": _squeeze,
     "ExpandDims": _expand_dims, "Transpose": _transpose,
     "SparseSoftmaxCrossEntropyWithLogits": _xent,
     "SoftmaxCrossEntropyWithLogits": _xent,
-    "FusedBatchNorm": _batch_norm, "FusedBatchNormV2": _batch_norm,
-    "FusedBatchNormV3": _batch_norm, "Pad": _pad, "PadV2": _pad,
+    "Pad": _pad, "PadV2": _pad,
     "MirrorPad": _pad, "ConcatV2": _concat, "Pack": _pack,
     "StridedSlice": _strided_slice, "Slice": _slice, "GatherV2": _gather,
     "ResourceGather": _gather, "Tile": _tile, "Split": _split,
@@ -327,18 +398,21 @@ _TABLE.update({
 })
 
 
-class Folded(collections.namedtuple("Folded", ["middle"])):
-    """The batch folded into rows: axis 0 holds (example, t...) pairs.
-
-    `tf.tensordot` (Keras Dense on `[B, T..., D]`) reshapes to `[B*T, D]`,
-    multiplies, and reshapes back. `middle` is the static `T...` shape. Rows
-    stay apart through a MatMul on the left and row-wise elementwise ops,
-    and the unfold reshape brings the batch back to axis 0.
-    """
+# Ops whose rule needs the whole batch descriptor (fold included) and the
+# symbolic shapes; every other entry sees only the axis position.
+_FOLD_AWARE = {
+    "Reshape": _reshape,
+    "FusedBatchNorm": _batch_norm, "FusedBatchNormV2": _batch_norm,
+    "FusedBatchNormV3": _batch_norm,
+}
 
 
 def _fold(op, x, z):
-    """Folded(middle) when reshape `x` `[B, T..., D]` -> `z` `[B*T, D]`."""
+    """Folded(middle) when reshape `x` `[B, T..., D]` -> `z` `[B*T, D]`.
+
+    For targets the symbolic shapes cannot read: the row width is then
+    known only where it is used, as the inner dimension of a MatMul.
+    """
     if x.shape.rank is None or x.shape.rank < 3 or z.shape.rank != 2:
         return None
     middle = x.shape[1:-1]
@@ -347,8 +421,6 @@ def _fold(op, x, z):
         return None
     width = tf.compat.dimension_value(z.shape[-1])
     if width is None:
-        # The row width is known only where it is used: a MatMul taking the
-        # rows with a static inner dimension D runs only if the width is D.
         def fixes_width(c):
             if c.type != "MatMul" or c.get_attr("transpose_a") or \
                     c.inputs[0] is not z:
@@ -359,49 +431,53 @@ def _fold(op, x, z):
             return None
     elif width != depth:
         return None
-    return Folded(tuple(middle.as_list()))
+    return Folded(tuple(middle.as_list()), 0)
 
 
-def _propagate_folded(op, index, axis):
-    """Rows (example, t) on axis 0: which ops keep them apart."""
-    if op.type == "Transpose":
-        perm = _const(op.inputs[1])
-        return axis if perm is not None and perm[0] == 0 and index == 0 \
-            else None
-    if op.type == "MatMul":
-        return axis if index == 0 and not op.get_attr("transpose_a") else None
-    if op.type == "Reshape" and index == 0:
-        z = op.outputs[0]
-        if z.shape.rank == len(axis.middle) + 2 and \
-                tuple(z.shape[1:-1].as_list()) == axis.middle:
-            return 0
-        return None
-    if op.type in _ELEMENTWISE_UNARY or op.type in _ELEMENTWISE_BINARY:
-        # Row-wise only when no operand carries rows of its own shape other
-        # than folded ones (ranks equal) and the others broadcast along rows.
-        out_rank = _rank(op.outputs[0])
-        if out_rank != _rank(op.inputs[index]):
-            return None
+def _normalize(t, axis):
+    """A negative (from the end) position made positive where t's rank is known."""
+    rank = _rank(t)
+    if rank is None:
         return axis
-    return None
-
-
-def propagate(op, index, axis):
-    """Batch axis of `op`'s outputs given the batch at `axis` of input `index`."""
     if isinstance(axis, Folded):
-        try:
-            return _propagate_folded(op, index, axis)
-        except (ValueError, TypeError, IndexError):
-            return None
-    if op.type == "Reshape" and axis == 0 and index == 0 and \
-            _reshape(op, index, axis) is None:
-        folded = _fold(op, op.inputs[0], op.outputs[0])
-        if folded is not None:
-            return folded
-    fn = _TABLE.get(op.type)
-    if fn is None:
-        return None
+        return axis if axis.axis >= 0 else Folded(axis.middle,
+                                                  axis.axis + rank)
+    return axis + rank if axis < 0 else axis
+
+
+def propagate(op, index, axis, shapes=None):
+    """Batch descriptor(s) of `op`'s outputs given the batch at input `index`.
+
+    Args:
+      op: the consumer.
+      index: which input carries the batch.
+      axis: an int (negative: counted from the end, rank unknown) or a
+        `Folded`.
+      shapes: a `symbolic_shapes.ShapeCache` (a new one if None).
+
+    Returns:
+      None when the op may mix examples; else one descriptor for every
+      output, or a list with one per output (`NO_PATH` where that output
+      does not depend on the input).
+    """
+    shapes = shapes if shapes is not None else symbolic_shapes.ShapeCache()
+    axis = _normalize(op.inputs[index], axis)
     try:
+        if op.type in _FOLD_AWARE:
+            out = _FOLD_AWARE[op.type](op, index, axis, shapes)
+            if out is None and op.type == "Reshape" and axis == 0 and \
+                    index == 0:
+                out = _fold(op, op.inputs[0], op.outputs[0])
+            return out
+        fn = _TABLE.get(op.type)
+        if fn is None:
+            return None
+        position = axis.axis if isinstance(axis, Folded) else axis
+        if position < 0 and fn is not _elementwise:
+            return None     # only broadcasting knows axes from the end
+        if isinstance(axis, Folded):
+            out = fn(op, index, axis.axis)
+            return None if out is None else Folded(axis.middle, out)
         return fn(op, index, axis)
     except (ValueError, TypeError, IndexError):
         return None
@@ -472,6 +548,7 @@ def coupling(start, batch_axis, loss, loss_ancestors):
       loss_ancestors: `ancestors(loss)`.
     """
     live = gradient_paths(loss, loss_ancestors)
+    shapes = symbolic_shapes.ShapeCache()
     seen = set()
     queue = collections.deque([(start, batch_axis)])
     while queue:
@@ -480,7 +557,7 @@ def coupling(start, batch_axis, loss, loss_ancestors):
             continue
         seen.add((t.ref(), axis))
         if t is loss:
-            if axis != 0:
+            if _normalize(t, axis) != 0:
                 return ("the batch reaches axis %d of the loss, not axis 0"
                         % axis)
             continue
@@ -495,13 +572,20 @@ def coupling(start, batch_axis, loss, loss_ancestors):
             for index, inp in enumerate(consumer.inputs):
                 if inp is not t:
                     continue
-                out_axis = propagate(consumer, index, axis)
+                out_axis = propagate(consumer, index, axis, shapes)
                 if out_axis is None:
                     return ("op '%s' (type %s) mixes examples or is not known "
                             "to keep them apart" % (consumer.name,
                                                     consumer.type))
                 for out in outs:
-                    queue.append((out, out_axis))
+                    here = (out_axis[out.value_index]
+                            if isinstance(out_axis, list) else out_axis)
+                    if here is None:
+                        return ("output %d of op '%s' (type %s) mixes "
+                                "examples" % (out.value_index, consumer.name,
+                                              consumer.type))
+                    if here is not NO_PATH:
+                        queue.append((out, here))
     return None
 
 

@@ -24,6 +24,7 @@ import collections
 import tensorflow as tf
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.framework import indexed_slices as indexed_slices_lib
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 
 from custagg import separability
@@ -123,6 +124,71 @@ def _copy_on_rows(op, batch_inputs, i):
     return new, [inputs[k] for k in batch_inputs]
 
 
+def chunked_pfor(loop_fn, n, chunk, dtypes):
+    """`pfor(loop_fn, n)` over chunks of at most `chunk` iterations.
+
+    TF's own `parallel_iterations` always builds a leftover pass of
+    `n % chunk` iterations, and with 0 of them (n a multiple of the chunk)
+    several converters (ReluGrad, max-pool and while-loop gradients) build
+    wrongly shaped results that fail at run time; TF 2.12 also fails for
+    `n < chunk`. Here every pass vectorizes between 1 and `chunk`
+    iterations: one pass when `n <= chunk` is known statically, else a
+    `tf.while_loop` over ceil(n / chunk) chunks of `min(chunk, n - start)`.
+
+    Args:
+      loop_fn: `i -> list of tensors` (scalar int32 i), one per `dtypes`.
+      n: number of iterations (int or scalar int32 tensor; >= 0).
+      chunk: the most iterations vectorized at once (memory bound).
+      dtypes: the dtypes `loop_fn` returns, in order.
+
+    Returns:
+      List of `[n, ...]` tensors, row i from iteration i.
+    """
+    static_n = n if isinstance(n, int) else tf.get_static_value(n)
+    if static_n is not None and static_n <= chunk:
+        return pfor_ops.pfor(loop_fn, int(static_n))
+    n = tf.convert_to_tensor(n, tf.int32)
+    num_chunks = (n + chunk - 1) // chunk
+    shapes = []
+
+    def body(j, arrays):
+        start = j * chunk
+        size = tf.minimum(chunk, n - start)
+
+        @tf.autograph.experimental.do_not_convert
+        def offset_fn(i):
+            return loop_fn(i + start)
+
+        outs = pfor_ops.pfor(offset_fn, size)
+        del shapes[:]
+        shapes.extend(o.shape[1:] for o in outs)
+        return j + 1, [ta.write(j, tf.cast(o, ta.dtype))
+                       for ta, o in zip(arrays, outs)]
+
+    arrays = [tf.TensorArray(dtype, size=num_chunks, infer_shape=False)
+              for dtype in dtypes]
+    _, arrays = tf.while_loop(lambda j, _: j < num_chunks, body,
+                              [tf.constant(0), arrays],
+                              parallel_iterations=1)
+    results = []
+    for ta, shape in zip(arrays, shapes):
+        out = ta.concat()
+        out.set_shape(tf.TensorShape([static_n]).concatenate(shape))
+        results.append(out)
+    return results
+
+
+def _grad_dtype(t):
+    """The dtype of a gradient with respect to `t` (resource: its value's)."""
+    if t.dtype == tf.resource:
+        data = resource_variable_ops.get_eager_safe_handle_data(t)
+        if data is not None and data.is_set and data.shape_and_type:
+            return tf.as_dtype(data.shape_and_type[0].dtype)
+        raise ValueError("custagg: cannot tell the value dtype of resource "
+                         "%s." % t.name)
+    return t.dtype.base_dtype
+
+
 def boundary_per_example(loss, group, boundaries, batch, chunk):
     """Per-example gradients of each x in `group` through its boundary ops.
 
@@ -168,7 +234,8 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
             results.append(_dense(g))
         return results
 
-    return pfor_ops.pfor(loop_fn, batch, parallel_iterations=chunk)
+    return chunked_pfor(loop_fn, batch, chunk,
+                        [_grad_dtype(a.tensor) for a in group])
 
 
 def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
@@ -183,4 +250,5 @@ def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
         return [_dense(g) if g is not None else z()
                 for g, z in zip(grads, zeros)]
 
-    return pfor_ops.pfor(loop_fn, batch, parallel_iterations=chunk)
+    return chunked_pfor(loop_fn, batch, chunk,
+                        [_grad_dtype(t) for t in tensors])

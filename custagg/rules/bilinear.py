@@ -74,8 +74,14 @@ class BilinearRule(registry.Rule):
         if out_sub != g_order:
             g = tf.einsum("%s->%s" % (out_sub, g_order), g)
         batch = tf.shape(a)[0]
-        a = tf.reshape(a, [batch, -1, _outer.prod(d_dims)])
-        g = tf.reshape(g, [batch, -1, _outer.prod(k_dims)])
+        # The sequence length T (the product of the t letters) is kept
+        # static where it is known: T = 1 (a Dense layer on [None, D]) must
+        # stay visible so norms use ||a|| ||g|| instead of materializing.
+        t_dims = [tf.compat.dimension_value(d) for d in
+                  a.shape[1:1 + len(t_letters)]] if a.shape.rank else [None]
+        seq = -1 if None in t_dims else _outer.prod(t_dims)
+        a = tf.reshape(a, [batch, seq, _outer.prod(d_dims)])
+        g = tf.reshape(g, [batch, seq, _outer.prod(k_dims)])
         order = d_letters + k_letters
         perm = [order.index(c) for c in p_sub]
         return _outer.Outer(a, g, _outer.layout(d_dims, k_dims, perm))

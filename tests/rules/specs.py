@@ -15,7 +15,7 @@ rng)` that creates the variables in the default graph and returns a
 `expect` is the strategy "auto" must pick for every x: "rules", or "pfor"
 for the rows that document a combination a rule does not take (auto then
 falls back and still matches the loop). `skip` (a reason) marks rows TF
-cannot run on the CPU at all; `limits` the strategies it cannot run there
+cannot run on the CPU at all; (a dict: only for those float types) `limits` the strategies it cannot run there
 (the dilated Conv2D filter gradient, pfor of an explicitly padded Conv2D's
 filter gradient).
 """
@@ -436,6 +436,29 @@ def embedding(resource, id_tail, how="embedding_lookup"):
     return build
 
 
+def fused_batch_norm(training, data_format="NHWC"):
+    """`tf.compat.v1.nn.fused_batch_norm` on a conv output, scale and offset
+    as the parameters (inference mode: fixed mean and variance)."""
+    def build(dtype, rng):
+        f = var(rng, [2, 2, 2, 3], dtype)
+        scale, offset = var(rng, [3], dtype), var(rng, [3], dtype)
+        mean = tf.constant(rng.normal(size=[3]), dtype)
+        variance = tf.constant(rng.uniform(0.5, 2.0, size=[3]), dtype)
+
+        def loss(x):
+            h = tf.nn.conv2d(x, f, 1, "SAME")
+            if data_format == "NCHW":
+                h = tf.transpose(h, [0, 3, 1, 2])
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(
+                h, scale, offset, mean=None if training else mean,
+                variance=None if training else variance, epsilon=1e-3,
+                data_format=data_format, is_training=training)
+            return head(y)
+        return Problem([scale, offset], [floats(4, 3, 2)], loss)
+
+    return build
+
+
 # --------------------------------------------------------------------------
 # The table
 
@@ -443,6 +466,8 @@ NO_GRAD = {"pfor": NO_CPU_DILATED_GRAD, "loop": NO_CPU_DILATED_GRAD}
 NCHW_CONV_SKIP = ("TensorFlow's CPU kernels run Conv2D only in NHWC (the "
                   "op itself fails: 'The Conv2D op currently only supports "
                   "the NHWC tensor format on CPU')")
+BN_FLOAT64_SKIP = {tf.float64: "TensorFlow's FusedBatchNorm kernels take "
+                                "float16, bfloat16 and float32 only"}
 NCHW_DEPTHWISE_SKIP = ("TensorFlow's CPU kernel runs DepthwiseConv2dNative "
                        "only in NHWC ('Depthwise convolution on CPU is only "
                        "supported for NHWC format')")
@@ -548,4 +573,11 @@ SPECS = (
      Spec("embedding_cast_table_gatherv2", "GatherV2",
           embedding(True, (4,), how="cast")),
      Spec("embedding_ref_gatherv2_ids_B", "GatherV2",
-          embedding(False, (), how="gather"))])
+          embedding(False, (), how="gather")),
+     Spec("fused_batch_norm_inference", "FusedBatchNormV3",
+          fused_batch_norm(False), skip=BN_FLOAT64_SKIP),
+     Spec("fused_batch_norm_inference_nchw", "FusedBatchNormV3",
+          fused_batch_norm(False, "NCHW"), skip=BN_FLOAT64_SKIP),
+     Spec("fused_batch_norm_training", "FusedBatchNormV3",
+          fused_batch_norm(True), expect="pfor", skip=BN_FLOAT64_SKIP,
+          rules_error="training mode")])
