@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import collections
 import logging
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.framework import indexed_slices as indexed_slices_lib
 from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 
 from custagg import errors
 from custagg import registry as registry_lib
@@ -53,6 +53,17 @@ _PASS_THROUGH = frozenset(["ReadVariableOp", "Identity", "Snapshot", "Cast",
 _Consumer = collections.namedtuple("_Consumer", ["op", "index", "rule"])
 
 
+# How each strategy's per-example graph is built, and what it costs in
+# backward passes over the batch (B examples).
+FORMS = {
+    "rules": ("rules", "about 1 backward pass"),
+    "boundary": ("pfor at the ops where x meets batch data", "O(B)"),
+    "whole-pass": ("pfor over the whole backward pass", "O(B^2)"),
+    "loop": ("one backward pass per example", "O(B^2)"),
+}
+SLOW_FORMS = frozenset(["whole-pass", "loop"])
+
+
 class Assignment(object):
     """How one x gets its per-example gradients.
 
@@ -62,28 +73,47 @@ class Assignment(object):
         resource variables).
       strategy: "rules", "pfor", "loop", or None when the loss does not
         depend on x.
-      reason: why "rules" could not be used (None when it was, or not
-        considered).
+      form: how the graph is built (a key of `FORMS`): "rules",
+        "boundary" or "whole-pass" (strategy "pfor"), "loop"; None when
+        unconnected.
+      reason: why "rules" (and, for "whole-pass", the boundary form)
+        could not be used; None when they were, or were not considered.
       consumers: the rule ops, for "rules".
+      boundaries: the boundary ops, for the "boundary" form.
+      blocker: the op that kept x off "rules", when one op did.
     """
 
-    def __init__(self, x, tensor, strategy, reason=None, consumers=()):
+    def __init__(self, x, tensor, strategy, reason=None, consumers=(),
+                 form=None, boundaries=None, blocker=None):
         self.x, self.tensor = x, tensor
         self.strategy, self.reason = strategy, reason
         self.consumers = list(consumers)
+        self.form = form or (strategy if strategy in ("rules", "loop")
+                             else None)
+        self.boundaries = boundaries
+        self.blocker = blocker
 
     @property
     def name(self):
         return getattr(self.x, "name", str(self.x))
 
+    @property
+    def cost(self):
+        """The cost class of the form ("O(B)", "O(B^2)", ...), or None."""
+        return FORMS[self.form][1] if self.form else None
+
     def __repr__(self):
         return "Assignment(%s: %s%s)" % (
-            self.name, self.strategy,
+            self.name, self.form or self.strategy,
             "" if not self.reason else ", because " + self.reason)
 
 
 class Plan(object):
-    """Which strategy each x got; `str(plan)` prints a small table."""
+    """Which strategy and form each x got; `str(plan)` prints a small table.
+
+    The plan is what runs: the per-example functions build exactly the
+    forms it lists.
+    """
 
     def __init__(self, loss, assignments, batch_size, requested):
         self.loss = loss
@@ -91,25 +121,43 @@ class Plan(object):
         self.batch_size = batch_size
         self.requested = requested
 
-    def strategy_for(self, x):
+    def _find(self, x):
         for a in self.assignments:
             if a.x is x or a.tensor is x:
-                return a.strategy
+                return a
         raise KeyError("custagg: %r is not one of the planned xs." % (x,))
+
+    def strategy_for(self, x):
+        return self._find(x).strategy
+
+    def form_for(self, x):
+        """"rules", "boundary", "whole-pass", "loop", or None."""
+        return self._find(x).form
 
     def strategies(self):
         """List aligned with xs: "rules" / "pfor" / "loop" / None."""
         return [a.strategy for a in self.assignments]
 
+    def forms(self):
+        """List aligned with xs: the form of each (see `FORMS`)."""
+        return [a.form for a in self.assignments]
+
+    def slow(self):
+        """The assignments whose cost grows with B^2."""
+        return [a for a in self.assignments if a.form in SLOW_FORMS]
+
     def __str__(self):
         lines = ["per-example plan (strategy=%r):" % self.requested]
         for a in self.assignments:
-            what = a.strategy or "unconnected (None)"
-            if a.strategy == "rules":
-                what += " via " + ", ".join(sorted(set(
+            if a.strategy is None:
+                what = "unconnected (None)"
+            elif a.form == "rules":
+                what = "rules via " + ", ".join(sorted(set(
                     c.op.type for c in a.consumers)))
+            else:
+                what = "%s: %s, %s" % (a.strategy, FORMS[a.form][0], a.cost)
             if a.reason:
-                what += "  [no rules: %s]" % a.reason
+                what += "  [%s]" % a.reason
             lines.append("  %-40s %s" % (a.name, what))
         return "\n".join(lines)
 
@@ -186,20 +234,23 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size):
     for op, k in _find_consumers(x_tensor, loss_ancestors):
         rule = registry.lookup(op.type)
         if rule is None:
-            return None, ("no per-example rule for op type '%s' (op '%s')"
-                          % (op.type, op.name))
+            return None, separability.Reason(
+                "no per-example rule for op type '%s' (op '%s')"
+                % (op.type, op.name), op)
         ctx = registry_lib.RuleContext(op, k, None, batch_size)
         why = rule.unsupported(ctx)
         if why:
-            return None, "the %s rule does not handle op '%s': %s" % (
-                op.type, op.name, why)
+            return None, separability.Reason(
+                "the %s rule does not handle op '%s': %s" % (
+                    op.type, op.name, why), op)
         start, axis = rule.coupling_start(ctx)
         coupled = separability.coupling(start, axis, loss,
                                         loss_ancestors)
         if coupled:
-            return None, ("batch coupling between op '%s' and the loss: %s; "
-                          "per-example rules assume examples do not interact"
-                          % (op.name, coupled))
+            return None, separability.Reason(
+                "batch coupling between op '%s' and the loss: %s; "
+                "per-example rules assume examples do not interact"
+                % (op.name, coupled), getattr(coupled, "op", None))
         consumers.append(_Consumer(op, k, rule))
     if not consumers:
         return None, "x reaches the loss through no op with a batch input"
@@ -231,12 +282,8 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
     xs = list(xs) if isinstance(xs, (list, tuple)) else [xs]
     static_b = tf.compat.dimension_value(loss.shape[0])
     batch_size = tf.shape(loss)[0] if static_b is None else static_b
-    if strategy == "loop" and static_b is None:
-        raise ValueError(
-            "custagg: strategy='loop' needs a static batch size, but "
-            "per_example_loss has shape %s. Use strategy='pfor' or 'auto', "
-            "or give the input placeholder a fixed batch size." % loss.shape)
     ancestors = separability.ancestors(loss)
+    region = None
     assignments = []
     for i, x in enumerate(xs):
         t = _as_tensor(x, i, fn)
@@ -247,22 +294,38 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
         if t.op not in ancestors:
             assignments.append(Assignment(x, t, None))
             continue
-        if strategy in ("pfor", "loop"):
-            assignments.append(Assignment(x, t, strategy))
+        if strategy == "loop":
+            assignments.append(Assignment(x, t, "loop"))
             continue
-        consumers, reason = _rules_reason(t, loss, ancestors, registry,
-                                          batch_size)
-        if consumers is not None:
-            assignments.append(Assignment(x, t, "rules", None, consumers))
-        elif strategy == "rules":
-            raise ValueError(
-                "custagg: strategy='rules' cannot give per-example gradients "
-                "of %s: %s. Use strategy='auto' (falls back to 'pfor' for "
-                "this variable) or 'pfor', or register a rule with "
-                "@custagg.register_rule(...)." % (getattr(x, "name", x),
-                                                   reason))
-        else:
-            assignments.append(Assignment(x, t, "pfor", reason))
+        reason = None
+        if strategy != "pfor":
+            consumers, reason = _rules_reason(t, loss, ancestors, registry,
+                                              batch_size)
+            if consumers is not None:
+                assignments.append(Assignment(x, t, "rules", None,
+                                              consumers))
+                continue
+            if strategy == "rules":
+                raise ValueError(
+                    "custagg: strategy='rules' cannot give per-example "
+                    "gradients of %s: %s. Use strategy='auto' (falls back to "
+                    "'pfor' for this variable) or 'pfor', or register a rule "
+                    "with @custagg.register_rule(...)." % (
+                        getattr(x, "name", x), reason))
+        # pfor: the boundary form where the ops that meet batch data keep
+        # examples apart downstream, else the whole backward pass.
+        if region is None:
+            region = vectorized.batch_region(ancestors)
+        bounds, why = vectorized.find_boundary(t, loss, ancestors, region,
+                                               static_b)
+        blocker = getattr(reason, "op", None)
+        if bounds is None:
+            blocker = blocker or getattr(why, "op", None)
+            reason = "; ".join(r for r in (reason, "no boundary form: " + why)
+                               if r)
+        assignments.append(Assignment(
+            x, t, "pfor", reason, form="boundary" if bounds else "whole-pass",
+            boundaries=bounds, blocker=blocker))
     plan = Plan(loss, assignments, batch_size, strategy)
     _LOG.debug("%s", plan)
     return plan
@@ -279,6 +342,11 @@ def _x_shape(a):
         return shape.as_list()
     value = a.x.value() if isinstance(a.x, tf.Variable) else a.tensor
     return tf.unstack(tf.shape(value))
+
+
+def _static_x_shape(a):
+    return tf.TensorShape(a.x.shape if hasattr(a.x, "shape")
+                          else a.tensor.shape)
 
 
 def _x_dtype(a):
@@ -341,61 +409,41 @@ class _Engine(object):
         if strategy in self._materialized:
             return self._materialized[strategy]
         group = [a for a in self.plan.assignments if a.strategy == strategy]
-        tensors = [a.tensor for a in group]
         with tf.name_scope("per_example_" + strategy):
             if strategy == "pfor":
                 try:
-                    stacked = self._pfor(group, tensors)
+                    stacked = self._pfor(group)
                 except Exception as e:  # pylint: disable=broad-except
-                    if (self.plan.requested != "auto"
-                            or not isinstance(self.plan.batch_size, int)):
+                    if self.plan.requested != "auto":
                         raise
-                    # "auto" never fails where the loop works.
+                    # "auto" never fails where the loop works; the plan says
+                    # so (the plan object is updated, and warns once).
                     _LOG.debug("pfor failed (%s); using the loop", e)
                     for a in group:
-                        a.strategy, a.reason = "loop", (
-                            (a.reason or "") + "; pfor failed: %s" % e)
-                    stacked = self._loop(tensors)
+                        a.strategy, a.form = "loop", "loop"
+                        a.reason = ((a.reason + "; ") if a.reason else "") + (
+                            "pfor could not build: %s" % e)
+                    warn_slow(self.plan)
+                    stacked = self._loop(group)
             else:
-                stacked = self._loop(tensors)
+                stacked = self._loop(group)
         result = {}
         for a, s in zip(group, stacked):
             result[id(a)] = tf.cast(s, _x_dtype(a))
         self._materialized[strategy] = result
         return result
 
-    def _pfor(self, group, tensors):
-        """Boundary-op form where it applies, the whole-pass form elsewhere."""
+    def _pfor(self, group):
+        """Each x in the form its plan gives: boundary ops or whole pass."""
         loss, batch = self.loss, self.plan.batch_size
-        ancestors = separability.ancestors(loss)
-        region = vectorized.batch_region(ancestors)
-        static_b = batch if isinstance(batch, int) else None
-        fast, fast_bounds, slow = [], [], []
-        for a in group:
-            bounds, why = vectorized.find_boundary(a.tensor, loss, ancestors,
-                                                   region, static_b)
-            if bounds is None:
-                a.reason = ((a.reason + "; ") if a.reason else "") + (
-                    "pfor over the whole backward pass: " + why)
-                slow.append(a)
-            else:
-                fast.append(a)
-                fast_bounds.append(bounds)
+        fast = [a for a in group if a.form == "boundary"]
+        slow = [a for a in group if a.form == "whole-pass"]
         result = {}
         if fast:
             stacked = vectorized.boundary_per_example(
-                loss, fast, fast_bounds, batch, self.chunk)
+                loss, fast, [a.boundaries for a in fast], batch, self.chunk)
             result.update(zip([id(a) for a in fast], stacked))
         if slow:
-            # Silent B^2 costs surprise people (an RNN at B=512 takes seconds):
-            # say once per call which variables pay it, and why.
-            _LOG.warning(
-                "custagg: per-example gradients of %s go through pfor over the "
-                "whole backward pass, whose cost grows with B^2 (%s). "
-                "custagg.plan_per_example(...) shows the plan; a per-example "
-                "rule for the op (custagg.register_rule) avoids it.",
-                ", ".join(a.name for a in slow),
-                "; ".join(sorted({a.reason for a in slow if a.reason})))
             stacked = vectorized.whole_pass_per_example(
                 loss, [a.tensor for a in slow],
                 [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a)) for a in slow],
@@ -403,13 +451,32 @@ class _Engine(object):
             result.update(zip([id(a) for a in slow], stacked))
         return [result[id(a)] for a in group]
 
-    def _loop(self, tensors):
-        rows = []
-        for i in range(self.plan.batch_size):
+    def _loop(self, group):
+        """One `gradients(loss[i])` per example: a Python loop for a static
+        B, else a `tf.while_loop` over the examples."""
+        tensors = [a.tensor for a in group]
+
+        def one(i):
             grads = gradients(self.loss[i], tensors,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            rows.append([_dense(g) for g in grads])
-        return [tf.stack(list(col), axis=0) for col in zip(*rows)]
+            return [tf.cast(_dense(g), _x_dtype(a))
+                    for g, a in zip(grads, group)]
+
+        batch = self.plan.batch_size
+        if isinstance(batch, int):
+            rows = [one(i) for i in range(batch)]
+            return [tf.stack(list(col), axis=0) for col in zip(*rows)]
+        arrays = [tf.TensorArray(_x_dtype(a), size=batch,
+                                 element_shape=tf.TensorShape(
+                                     _static_x_shape(a)))
+                  for a in group]
+
+        def body(i, arrays):
+            return i + 1, [ta.write(i, g) for ta, g in zip(arrays, one(i))]
+
+        _, arrays = tf.while_loop(lambda i, _: i < batch, body,
+                                  [tf.constant(0), arrays])
+        return [ta.stack() for ta in arrays]
 
     def per_example(self, a):
         if a.strategy is None:
@@ -475,7 +542,58 @@ def _sum_parts(parts, a):
 def _engine(per_example_loss, xs, strategy, registry, pfor_chunk_size, fn):
     _check_strategy(strategy, fn)
     plan = plan_per_example(per_example_loss, xs, strategy, registry)
+    warn_slow(plan)
     return plan, _Engine(plan, pfor_chunk_size)
+
+
+# Keyed by graph: the (variable, form) pairs already warned about there.
+_WARNED = weakref.WeakKeyDictionary()
+
+
+def warn_slow(plan):
+    """One short warning per graph for the xs whose cost grows with B^2.
+
+    Asked-for slow strategies ("loop", "pfor" on a coupled graph) still
+    warn: the user may not know what they cost. The warning names the op
+    that kept them off the O(B) forms and the cheapest fix, when one is on
+    the user's side.
+    """
+    graph = plan.loss.graph
+    seen = _WARNED.setdefault(graph, set())
+    fresh = [a for a in plan.slow() if (a.name, a.form) not in seen]
+    if not fresh:
+        return
+    seen.update((a.name, a.form) for a in fresh)
+    blockers = {a.blocker.name: a.blocker for a in fresh if a.blocker}
+    what = "; ".join(sorted({_fix_hint(op) for op in blockers.values()}))
+    _LOG.warning(
+        "custagg: per-example gradients of %s cost O(B^2) (%s)%s. %s"
+        "print(custagg.plan_per_example(...)) shows why.",
+        ", ".join(sorted({a.name for a in fresh})),
+        ", ".join(sorted({FORMS[a.form][0] for a in fresh})),
+        (", held up by op " + ", ".join("'%s' (%s)" % (n, op.type)
+                                        for n, op in sorted(blockers.items())))
+        if blockers else "",
+        (what + ". ") if what else "")
+
+
+def _fix_hint(op):
+    """The cheapest fix for a blocking op, in the user's terms ("" if none)."""
+    if op.type.startswith("FusedBatchNorm") or op.type in ("Mean", "Sum"):
+        return ("batch statistics mix examples: per-example gradients are "
+                "exact but cost a pass per example; layer normalization, or "
+                "batch normalization in inference mode, keeps them apart")
+    shapes = [t.shape for t in list(op.inputs) + list(op.outputs)]
+    if any(sh.rank is None or (sh.rank and None in sh.as_list()[1:])
+           for sh in shapes):
+        return ("op '%s' has inputs or outputs of unknown shape: giving the "
+                "placeholders static shapes except the batch axis may let "
+                "custagg prove that examples stay apart" % op.name)
+    if op.type == "Reshape" or op.type == "Transpose":
+        return ("op '%s' moves the batch axis: keep the batch on axis 0 "
+                "(tf.reshape(x, [tf.shape(x)[0], ...]) or [-1, ...])"
+                % op.name)
+    return ""
 
 
 # --------------------------------------------------------------------------

@@ -44,6 +44,15 @@ AvgPool3D LRN""".split())
 _REDUCTIONS = frozenset("Sum Mean Max Min Prod All Any EuclideanNorm".split())
 
 
+class Reason(str):
+    """A reason string that also names the op it is about (or None)."""
+
+    def __new__(cls, text, op=None):
+        self = super(Reason, cls).__new__(cls, text)
+        self.op = op
+        return self
+
+
 def _const(t):
     value = tensor_util.constant_value(t)
     return None if value is None else [int(v) for v in value.reshape(-1)]
@@ -558,32 +567,36 @@ def coupling(start, batch_axis, loss, loss_ancestors):
         seen.add((t.ref(), axis))
         if t is loss:
             if _normalize(t, axis) != 0:
-                return ("the batch reaches axis %d of the loss, not axis 0"
-                        % axis)
+                return Reason("the batch reaches axis %s of the loss, not "
+                              "axis 0" % (axis,), t.op)
             continue
         for consumer in t.consumers():
             outs = [out for out in consumer.outputs if out.ref() in live]
             if not outs or _blocks_gradient(consumer):
                 continue
             if _has_replaced_gradient(consumer):
-                return ("op '%s' (type %s) has a replaced gradient function "
-                        "(tf.custom_gradient or gradient_override_map), which "
-                        "may mix examples" % (consumer.name, consumer.type))
+                return Reason(
+                    "op '%s' (type %s) has a replaced gradient function "
+                    "(tf.custom_gradient or gradient_override_map), which "
+                    "may mix examples" % (consumer.name, consumer.type),
+                    consumer)
             for index, inp in enumerate(consumer.inputs):
                 if inp is not t:
                     continue
                 out_axis = propagate(consumer, index, axis, shapes)
                 if out_axis is None:
-                    return ("op '%s' (type %s) mixes examples or is not known "
-                            "to keep them apart" % (consumer.name,
-                                                    consumer.type))
+                    return Reason(
+                        "op '%s' (type %s) mixes examples or is not known "
+                        "to keep them apart" % (consumer.name, consumer.type),
+                        consumer)
                 for out in outs:
                     here = (out_axis[out.value_index]
                             if isinstance(out_axis, list) else out_axis)
                     if here is None:
-                        return ("output %d of op '%s' (type %s) mixes "
-                                "examples" % (out.value_index, consumer.name,
-                                              consumer.type))
+                        return Reason(
+                            "output %d of op '%s' (type %s) mixes examples"
+                            % (out.value_index, consumer.name, consumer.type),
+                            consumer)
                     if here is not NO_PATH:
                         queue.append((out, here))
     return None

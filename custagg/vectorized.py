@@ -98,8 +98,9 @@ def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
                         "batch data through ops whose batch axis is not "
                         "leading" % (k, op.name, op.type))
                 if separability.propagate(op, k, 0) != 0:
-                    return None, ("op '%s' (type %s) does not keep examples "
-                                  "apart" % (op.name, op.type))
+                    return None, separability.Reason(
+                        "op '%s' (type %s) does not keep examples apart"
+                        % (op.name, op.type), op)
             for out in op.outputs:
                 if out.op in loss_ancestors and backprop_util.IsTrainable(out):
                     why = separability.coupling(out, 0, loss, loss_ancestors)
