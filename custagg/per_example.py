@@ -51,6 +51,11 @@ _PASS_THROUGH = frozenset(["ReadVariableOp", "Identity", "Snapshot", "Cast",
                            "ExpandDims", "Reshape", "Squeeze"])
 
 _Consumer = collections.namedtuple("_Consumer", ["op", "index", "rule"])
+# A consumer that sees no batch data (`l2_loss(w)`, `gamma * rsqrt(var)`):
+# x's per-example gradient through it is the op's own gradient (TF's, so
+# overrides hold) applied to the per-example gradients of its output,
+# which the rules give (`inner`: one Assignment per float output).
+_Chain = collections.namedtuple("_Chain", ["op", "indices", "inner"])
 
 
 # How each strategy's per-example graph is built, and what it costs in
@@ -153,7 +158,11 @@ class Plan(object):
                 what = "unconnected (None)"
             elif a.form == "rules":
                 what = "rules via " + ", ".join(sorted(set(
-                    c.op.type for c in a.consumers)))
+                    c.op.type for c in _rule_consumers(a.consumers))))
+                through = sorted(set(c.op.type for c in a.consumers
+                                     if isinstance(c, _Chain)))
+                if through:
+                    what += " (through %s)" % ", ".join(through)
             else:
                 what = "%s: %s, %s" % (a.strategy, FORMS[a.form][0], a.cost)
             if a.reason:
@@ -227,11 +236,25 @@ def _find_consumers(x_tensor, loss_ancestors):
     return found
 
 
-def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size):
+def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
+                  region=None, depth=0):
     """(consumers, None) if every consumer of x has a usable rule, else
-    (None, reason)."""
-    consumers = []
+    (None, reason). Consumers are `_Consumer`s and, for ops that see no
+    batch data, `_Chain`s through them."""
+    if region is None:
+        region = vectorized.batch_region(loss_ancestors)
+    consumers, chained = [], set()
     for op, k in _find_consumers(x_tensor, loss_ancestors):
+        if op not in region and depth < _MAX_CHAIN:
+            if op in chained:
+                continue
+            chained.add(op)
+            chain, why = _chain(op, x_tensor, loss, loss_ancestors, registry,
+                                batch_size, region, depth)
+            if chain is None:
+                return None, why
+            consumers.append(chain)
+            continue
         rule = registry.lookup(op.type)
         if rule is None:
             return None, separability.Reason(
@@ -255,6 +278,48 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size):
     if not consumers:
         return None, "x reaches the loss through no op with a batch input"
     return consumers, None
+
+
+# How many batch-free ops a chain may pass before the rules give up.
+_MAX_CHAIN = 16
+
+
+def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
+           depth):
+    """A `_Chain` through `op` (which sees no batch data), or (None, why)."""
+    indices = [k for k, inp in enumerate(op.inputs)
+               if inp.ref() in _reached_refs(x_tensor, loss_ancestors)]
+    inner = []
+    for out in op.outputs:
+        if out.op not in loss_ancestors or not out.dtype.is_floating:
+            continue
+        if not any(c in loss_ancestors for c in out.consumers()):
+            continue
+        consumers, why = _rules_reason(out, loss, loss_ancestors, registry,
+                                       batch_size, region, depth + 1)
+        if consumers is None:
+            return None, why
+        inner.append(Assignment(out, out, "rules", None, consumers))
+    if not inner:
+        return None, "op '%s' reaches the loss through no float output" % (
+            op.name)
+    return _Chain(op, indices, inner), None
+
+
+def _reached_refs(x_tensor, loss_ancestors):
+    """Refs of x and of the pass-through tensors `_find_consumers` follows."""
+    refs = set()
+    stack = [x_tensor]
+    while stack:
+        t = stack.pop()
+        if t.ref() in refs:
+            continue
+        refs.add(t.ref())
+        for op in t.consumers():
+            if op in loss_ancestors and op.type in _PASS_THROUGH and \
+                    op.inputs[0] is t:
+                stack.append(op.outputs[0])
+    return refs
 
 
 def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
@@ -299,8 +364,10 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
             continue
         reason = None
         if strategy != "pfor":
+            if region is None:
+                region = vectorized.batch_region(ancestors)
             consumers, reason = _rules_reason(t, loss, ancestors, registry,
-                                              batch_size)
+                                              batch_size, region)
             if consumers is not None:
                 assignments.append(Assignment(x, t, "rules", None,
                                               consumers))
@@ -375,8 +442,9 @@ class _Engine(object):
         """RuleContexts (grads included) for an x planned as "rules"."""
         if self._contexts is None:
             self._contexts = {}
-            consumers = [c for x in self.plan.assignments
-                         if x.strategy == "rules" for c in x.consumers]
+            consumers = list(_rule_consumers(
+                c for x in self.plan.assignments if x.strategy == "rules"
+                for c in x.consumers))
             outs = [c.op.outputs[0] for c in consumers]
             with tf.name_scope("per_example_rules"):
                 grads = gradients(self.loss, outs) if outs else []
@@ -385,8 +453,46 @@ class _Engine(object):
                     c.op, c.index, _dense(g), self.plan.batch_size, {})
                 self._contexts[(c.op, c.index)] = ctx
         return [(c.rule, self._contexts[(c.op, c.index)])
-                for c in a.consumers
-                if self._contexts[(c.op, c.index)] is not None]
+                for c in a.consumers if isinstance(c, _Consumer)
+                and self._contexts[(c.op, c.index)] is not None]
+
+    def chains(self, a):
+        return [c for c in a.consumers if isinstance(c, _Chain)]
+
+    def _vjp(self, chain, cotangents, a, batched):
+        """x's gradient through `chain.op` for output cotangents (one list
+        entry per `chain.inner`), in x's layout; `batched`: leading B."""
+        op = chain.op
+        ys = [inner.tensor for inner in chain.inner]
+        wrt = [op.inputs[k] for k in chain.indices]
+        others = [t for k, t in enumerate(op.inputs)
+                  if k not in chain.indices]
+
+        def vjp(seeds):
+            grads = gradients(ys, wrt, grad_ys=seeds, stop_gradients=others,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return [_dense(g) for g in grads]
+
+        if not batched:
+            parts = vjp(cotangents)
+        elif all(y.shape.rank == 0 for y in ys) and len(ys) == 1:
+            # A scalar output (l2_loss): each example's gradient is its own
+            # multiple of one vector-Jacobian product.
+            c = cotangents[0]
+            parts = [tf.reshape(c, [-1] + [1] * g.shape.rank) * g[None]
+                     for g in vjp([tf.ones([], c.dtype)])]
+        else:
+            @tf.autograph.experimental.do_not_convert
+            def one(i):
+                return vjp([tf.gather(c, i) for c in cotangents])
+            parts = vectorized.chunked_pfor(
+                one, self.plan.batch_size, self.chunk,
+                [t.dtype.base_dtype for t in wrt])
+        return [self._to_x(p, a, batched) for p in parts]
+
+    def _chain_per_example(self, chain, a):
+        cotangents = [self._rules_per_example(inner) for inner in chain.inner]
+        return self._vjp(chain, cotangents, a, True)
 
     def _to_x(self, t, a, batched):
         """A rule result in the op input's layout -> x's layout and dtype."""
@@ -400,6 +506,8 @@ class _Engine(object):
     def _rules_per_example(self, a):
         parts = [self._to_x(rule.per_example(ctx), a, True)
                  for rule, ctx in self.contexts(a)]
+        for chain in self.chains(a):
+            parts.extend(self._chain_per_example(chain, a))
         return tf.add_n(parts) if len(parts) > 1 else parts[0]
 
     # -- pfor and loop --
@@ -488,7 +596,7 @@ class _Engine(object):
     def squared_norms(self, a):
         """[B] squared norms of x's per-example gradients (loss dtype)."""
         dtype = self.loss.dtype
-        if a.strategy == "rules":
+        if a.strategy == "rules" and not self.chains(a):
             pairs = self.contexts(a)
             if len(pairs) == 1:      # one consumer: the rule's own identity
                 rule, ctx = pairs[0]
@@ -507,6 +615,13 @@ class _Engine(object):
             if a.strategy == "rules":
                 parts = [self._to_x(rule.weighted_sum(ctx, weights), a, False)
                          for rule, ctx in self.contexts(a)]
+                for chain in self.chains(a):
+                    # Linear in the cotangent: the chain's weighted sum is the
+                    # op's gradient of its outputs' weighted sums.
+                    inner = self.weighted_sums(chain.inner, weights)
+                    parts.extend(self._vjp(
+                        chain, [_dense(inner[id(i)]) for i in chain.inner], a,
+                        False))
                 out[id(a)] = _sum_parts(parts, a)
         if by_pass:
             # Exact whatever the graph: d/dx sum_b w_b l_b with w constant.
@@ -518,12 +633,23 @@ class _Engine(object):
         return out
 
     def squared_sum(self, a):
-        if a.strategy == "rules":
+        if a.strategy == "rules" and not self.chains(a):
             parts = self.contexts(a)
             if len(parts) == 1:
                 rule, ctx = parts[0]
                 return self._to_x(rule.squared_sum(ctx), a, False)
         return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _rule_consumers(consumers):
+    """The `_Consumer`s of `consumers`, chains' inner ones included."""
+    for c in consumers:
+        if isinstance(c, _Chain):
+            for inner in c.inner:
+                for r in _rule_consumers(inner.consumers):
+                    yield r
+        else:
+            yield c
 
 
 def _sum_parts(parts, a):

@@ -95,15 +95,18 @@ def numpy_second_moments(per_example):
     return [np.sum(np.square(g), axis=0) for g in per_example]
 
 
-def assert_close(actual, desired, rtol, label=""):
+def assert_close(actual, desired, rtol, label="", scale=None):
     """`actual` (fetched; `IndexedSlicesValue` densified) equals `desired`
-    to `rtol`, with an absolute floor of `rtol * max|desired|` so entries
-    that cancel to about zero are judged on the array's scale."""
+    to `rtol`, with an absolute floor of `rtol * scale` so entries that
+    cancel to about zero are judged on the problem's scale (default: the
+    array's own `max|desired|`; pass the model's gradient scale for arrays
+    that are zero up to rounding, like an attention key bias)."""
     actual = to_numpy(actual)
     desired = np.asarray(desired)
     assert actual is not None, "%s: got None" % label
     assert actual.shape == desired.shape, "%s: shape %s, expected %s" % (
         label, actual.shape, desired.shape)
-    scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+    if scale is None:
+        scale = float(np.max(np.abs(desired))) if desired.size else 0.0
     np.testing.assert_allclose(actual, desired, rtol=rtol, atol=rtol * scale,
                                err_msg=label)

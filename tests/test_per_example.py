@@ -179,7 +179,7 @@ def _reference_checks(sess, loss, xs, feed, strategies, clip_ph, clips_ph,
 @pytest.mark.parametrize("strategies", [("auto",), ("pfor", "loop")],
                          ids=["auto", "pfor+loop"])
 def test_reductions_match_numpy(graph, strategies):
-    """A mixed model: rule xs, a pfor x (sin), an unconnected x."""
+    """A mixed model: rule xs, a pfor x (atan2), an unconnected x."""
     rng = np.random.default_rng(1)
     batch = 4
     x = tf.compat.v1.placeholder(tf.float64, [batch, 5])
@@ -187,7 +187,9 @@ def test_reductions_match_numpy(graph, strategies):
     w1, b1 = _var(rng, [5, 4], "w1"), _var(rng, [4], "b1")
     w2, s = _var(rng, [4, 3], "w2"), _var(rng, [3], "s")
     unused = _var(rng, [2], "unused")
-    logits = tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2) * tf.sin(s)
+    # Atan2 meets batch data and has no rule: s takes pfor.
+    logits = tf.math.atan2(tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2),
+                           tf.sin(s) + 2.0)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
                                                           logits=logits)
     xs = [w1, b1, w2, s, unused]
@@ -315,14 +317,46 @@ def test_embedding_clipped_sum_stays_sparse(graph):
 
 
 @pytest.mark.parametrize("op_type", ["MatrixInverse", "Sin"])
-def test_auto_falls_back_where_no_rule(graph, op_type):
+def test_batch_free_ops_on_a_parameter_chain_into_rules(graph, op_type):
+    """`inv(w)` / `sin(w)` see no batch data: TF's gradient of that op
+    carries each example's rule gradient back to w."""
     rng = np.random.default_rng(6)
-    x = tf.compat.v1.placeholder(tf.float64, [3, 3])
+    x = tf.compat.v1.placeholder(tf.float64, [None, 3])
     init = 3.0 * np.eye(3) + 0.3 * rng.normal(size=(3, 3))
     w = tf.compat.v1.Variable(init, use_resource=True, name="odd_weight")
     b = _var(rng, [3], "b")
     used = tf.linalg.inv(w) if op_type == "MatrixInverse" else tf.sin(w)
     loss = tf.reduce_sum(tf.tanh(tf.matmul(x, used) + b), axis=1)
+    plan = custagg.plan_per_example(loss, [w, b], strategy="rules")
+    assert plan.strategies() == ["rules", "rules"]
+    assert "through " + op_type in str(plan)
+    fixed = tf.compat.v1.placeholder_with_default(x, [3, 3])
+    static = tf.reduce_sum(tf.tanh(tf.matmul(fixed, used) + b), axis=1)
+    ref = testing.loop_per_example(static, [w, b])
+    clip = custagg.clipped_gradients(loss, [w, b], 0.5, strategy="rules",
+                                     return_norms=True)
+    got = custagg.per_example_gradients(loss, [w, b], strategy="rules")
+    with _session(graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got_val, (clip_val, norms), ref_val = sess.run(
+            [got, clip, ref], {x: rng.normal(size=(3, 3))})
+    _check_lists(got_val, ref_val, op_type)
+    want, want_norms = testing.numpy_clipped(ref_val, 0.5)
+    testing.assert_close(norms, want_norms, RTOL, "norms")
+    _check_lists(clip_val, want, op_type + " clipped")
+
+
+@pytest.mark.parametrize("op_type", ["Atan2", "Pow"])
+def test_auto_falls_back_where_no_rule(graph, op_type):
+    rng = np.random.default_rng(6)
+    x = tf.compat.v1.placeholder(tf.float64, [3, 3])
+    w = tf.compat.v1.Variable(1.0 + 0.3 * rng.uniform(size=[3]),
+                              use_resource=True, name="odd_weight")
+    b = _var(rng, [3], "b")
+    h = tf.matmul(x, tf.eye(3, dtype=tf.float64)) + b
+    used = (tf.math.atan2(h, w) if op_type == "Atan2"
+            else tf.pow(tf.abs(h) + 1.0, w))
+    loss = tf.reduce_sum(tf.tanh(used), axis=1)
     plan = custagg.plan_per_example(loss, [w, b])
     assert plan.strategies() == ["pfor", "rules"]
     assert op_type in plan.assignments[0].reason

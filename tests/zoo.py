@@ -1,0 +1,349 @@
+"""Graphs written the way users write them, each with a dynamic batch.
+
+Every builder takes `(dtype, rng)`, creates its variables and placeholders
+(`[None, ...]`, as TF1 tutorials and Keras-on-placeholders code write them)
+in the default graph and returns a `Model`:
+
+* `loss`: the `[B]` per-example loss (what the tutorial averages);
+* `xs`: the trainable variables;
+* `feed(rng, batch)`: a feed dict for a batch of `batch` examples;
+* `coupled`: names of the variables whose examples truly interact
+  (batch statistics): "auto" must not use rules for them and "rules" must
+  refuse them. Every other variable must get "rules".
+
+The TF1 tutorials (`mnist_softmax.py`, `mnist_deep.py`) keep their code as
+written -- dense one-hot labels into `softmax_cross_entropy_with_logits`,
+an unshaped `keep_prob`, `tf.reshape(x, [-1, 28, 28, 1])` -- on 8x8 images
+(the bundled digits' size) so the suite stays quick.
+"""
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+
+
+class Model(collections.namedtuple("Model",
+                                   ["loss", "xs", "feed", "coupled"])):
+
+    def __new__(cls, loss, xs, feed, coupled=()):
+        return super(Model, cls).__new__(cls, loss, list(xs), feed,
+                                         frozenset(coupled))
+
+
+def _np(dtype):
+    return tf.as_dtype(dtype).as_numpy_dtype
+
+
+def _one_hot(rng, batch, classes):
+    return np.eye(classes)[rng.integers(0, classes, batch)]
+
+
+def _keras():
+    # tf.keras is Keras 2 (tf-keras) under TF_USE_LEGACY_KERAS=1; graph-mode
+    # layers on placeholders need it.
+    return tf.keras
+
+
+# --------------------------------------------------------------------------
+# TensorFlow's TF1 tutorials, as written
+
+
+def mnist_softmax(dtype, rng):
+    """tensorflow/examples/tutorials/mnist/mnist_softmax.py."""
+    x = tf1.placeholder(dtype, [None, 64])
+    W = tf.Variable(0.1 * rng.normal(size=[64, 10]), dtype=dtype, name="W")
+    b = tf.Variable(tf.zeros([10], dtype), name="b")
+    y = tf.matmul(x, W) + b
+    y_ = tf1.placeholder(dtype, [None, 10])
+    # The tutorial: tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(
+    #     labels=y_, logits=y)); the per-example loss is what it averages.
+    loss = tf.nn.softmax_cross_entropy_with_logits(labels=y_, logits=y)
+
+    def feed(rng, batch):
+        return {x: rng.normal(size=[batch, 64]),
+                y_: _one_hot(rng, batch, 10)}
+    return Model(loss, [W, b], feed)
+
+
+def mnist_deep(dtype, rng):
+    """tensorflow/examples/tutorials/mnist/mnist_deep.py (8x8 images)."""
+    def weight_variable(shape):
+        initial = tf1.truncated_normal(shape, stddev=0.1, dtype=dtype,
+                                       seed=int(rng.integers(1 << 30)))
+        return tf.Variable(initial)
+
+    def bias_variable(shape):
+        return tf.Variable(tf.constant(0.1, dtype, shape=shape))
+
+    def conv2d(x, W):
+        return tf.nn.conv2d(x, W, strides=[1, 1, 1, 1], padding="SAME")
+
+    def max_pool_2x2(x):
+        return tf.nn.max_pool(x, ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1],
+                              padding="SAME")
+
+    x = tf1.placeholder(dtype, [None, 64])
+    y_ = tf1.placeholder(dtype, [None, 10])
+    x_image = tf.reshape(x, [-1, 8, 8, 1])
+    W_conv1 = weight_variable([3, 3, 1, 4])
+    b_conv1 = bias_variable([4])
+    h_conv1 = tf.nn.relu(conv2d(x_image, W_conv1) + b_conv1)
+    h_pool1 = max_pool_2x2(h_conv1)
+    W_conv2 = weight_variable([3, 3, 4, 8])
+    b_conv2 = bias_variable([8])
+    h_conv2 = tf.nn.relu(conv2d(h_pool1, W_conv2) + b_conv2)
+    h_pool2 = max_pool_2x2(h_conv2)
+    W_fc1 = weight_variable([2 * 2 * 8, 16])
+    b_fc1 = bias_variable([16])
+    h_pool2_flat = tf.reshape(h_pool2, [-1, 2 * 2 * 8])
+    h_fc1 = tf.nn.relu(tf.matmul(h_pool2_flat, W_fc1) + b_fc1)
+    keep_prob = tf1.placeholder(dtype)
+    h_fc1_drop = tf1.nn.dropout(h_fc1, keep_prob=keep_prob)
+    W_fc2 = weight_variable([16, 10])
+    b_fc2 = bias_variable([10])
+    y_conv = tf.matmul(h_fc1_drop, W_fc2) + b_fc2
+    loss = tf.nn.softmax_cross_entropy_with_logits(labels=y_, logits=y_conv)
+
+    def feed(rng, batch):
+        return {x: rng.normal(size=[batch, 64]),
+                y_: _one_hot(rng, batch, 10), keep_prob: 0.5}
+    return Model(loss, [W_conv1, b_conv1, W_conv2, b_conv2, W_fc1, b_fc1,
+                        W_fc2, b_fc2], feed)
+
+
+# --------------------------------------------------------------------------
+# tf.compat.v1.layers
+
+
+def _scoped(fn):
+    """Runs `fn` in a fresh variable scope; returns (result, new variables)."""
+    before = set(v.ref() for v in tf1.trainable_variables())
+    out = fn()
+    new = [v for v in tf1.trainable_variables() if v.ref() not in before]
+    return out, new
+
+
+def layers_mlp(dtype, rng):
+    x = tf1.placeholder(dtype, [None, 12])
+    labels = tf1.placeholder(tf.int32, [None])
+    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+
+    def build():
+        h = tf1.layers.dense(x, 16, activation=tf.nn.relu,
+                             kernel_initializer=init, name="dense1")
+        return tf1.layers.dense(h, 5, kernel_initializer=init, name="dense2")
+    logits, xs = _scoped(build)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=logits)
+
+    def feed(rng, batch):
+        return {x: rng.normal(size=[batch, 12]),
+                labels: rng.integers(0, 5, batch)}
+    return Model(loss, xs, feed)
+
+
+def layers_text_cnn(dtype, rng):
+    """Embedding lookup, tf.compat.v1.layers.conv1d, max over time, dense."""
+    ids = tf1.placeholder(tf.int32, [None, 7])
+    labels = tf1.placeholder(tf.int32, [None])
+    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+
+    def build():
+        table = tf1.get_variable("table", [20, 6], dtype,
+                                 initializer=init)
+        emb = tf.nn.embedding_lookup(table, ids)
+        h = tf1.layers.conv1d(emb, 5, 3, activation=tf.nn.relu,
+                              kernel_initializer=init, name="conv")
+        pooled = tf.reduce_max(h, axis=1)
+        return tf1.layers.dense(pooled, 3, kernel_initializer=init,
+                                name="out")
+    logits, xs = _scoped(build)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=logits)
+
+    def feed(rng, batch):
+        return {ids: rng.integers(0, 20, [batch, 7]),
+                labels: rng.integers(0, 3, batch)}
+    return Model(loss, xs, feed)
+
+
+# --------------------------------------------------------------------------
+# tf.keras layers called on placeholders (graph mode)
+
+
+def _keras_model(dtype, rng, input_shape, layers, labels_count, ids=False):
+    """Applies `layers` (a list of Keras layers) to a `[None, *input_shape]`
+    placeholder; sparse softmax cross-entropy on `labels_count` classes."""
+    x = tf1.placeholder(tf.int32 if ids else dtype, [None] + list(input_shape))
+    labels = tf1.placeholder(tf.int32, [None])
+    h = x
+    for layer in layers:
+        h = layer(h)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=h)
+    xs = [v for layer in layers for v in layer.trainable_weights]
+
+    def feed(rng, batch):
+        data = (rng.integers(0, 20, [batch] + list(input_shape)) if ids
+                else rng.normal(size=[batch] + list(input_shape)))
+        return {x: data, labels: rng.integers(0, labels_count, batch)}
+    return loss, xs, feed
+
+
+def _init(rng):
+    return tf.keras.initializers.GlorotUniform(seed=int(rng.integers(1 << 30)))
+
+
+def keras_cnn(dtype, rng):
+    k = _keras().layers
+    layers = [k.Conv2D(4, 3, activation="relu", dtype=dtype,
+                       kernel_initializer=_init(rng)),
+              k.MaxPooling2D(2, dtype=dtype), k.Flatten(dtype=dtype),
+              k.Dense(6, dtype=dtype, kernel_initializer=_init(rng))]
+    return Model(*_keras_model(dtype, rng, [8, 8, 1], layers, 6))
+
+
+def keras_embedding_mean(dtype, rng):
+    k = _keras().layers
+    layers = [k.Embedding(20, 6, dtype=dtype,
+                          embeddings_initializer=_init(rng)),
+              k.GlobalAveragePooling1D(dtype=dtype),
+              k.Dense(4, dtype=dtype, kernel_initializer=_init(rng))]
+    return Model(*_keras_model(dtype, rng, [5], layers, 4, ids=True))
+
+
+def keras_separable(dtype, rng):
+    k = _keras().layers
+    layers = [k.SeparableConv2D(4, 3, padding="same", activation="relu",
+                                dtype=dtype,
+                                depthwise_initializer=_init(rng),
+                                pointwise_initializer=_init(rng)),
+              k.DepthwiseConv2D(3, depth_multiplier=2, dtype=dtype,
+                                depthwise_initializer=_init(rng)),
+              k.Flatten(dtype=dtype),
+              k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
+    return Model(*_keras_model(dtype, rng, [6, 6, 2], layers, 3))
+
+
+def _batch_norm_model(dtype, rng, training):
+    k = _keras().layers
+    conv = k.Conv2D(4, 3, dtype=dtype, kernel_initializer=_init(rng))
+    bn = k.BatchNormalization(dtype=dtype, beta_initializer=_init(rng),
+                              gamma_initializer=_init(rng))
+    rest = [k.Flatten(dtype=dtype),
+            k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
+    x = tf1.placeholder(dtype, [None, 6, 6, 2])
+    labels = tf1.placeholder(tf.int32, [None])
+    h = bn(tf.nn.relu(conv(x)), training=training)
+    for layer in rest:
+        h = layer(h)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=h)
+    xs = conv.trainable_weights + bn.trainable_weights + [
+        v for layer in rest for v in layer.trainable_weights]
+
+    def feed(rng, batch):
+        return {x: rng.normal(size=[batch, 6, 6, 2]),
+                labels: rng.integers(0, 3, batch)}
+    coupled = ([v.name for v in conv.trainable_weights + bn.trainable_weights]
+               if training else [])
+    return Model(loss, xs, feed, coupled)
+
+
+def keras_batch_norm_inference(dtype, rng):
+    return _batch_norm_model(dtype, rng, training=False)
+
+
+def keras_batch_norm_training(dtype, rng):
+    """Batch statistics: the conv and the normalization couple examples."""
+    return _batch_norm_model(dtype, rng, training=True)
+
+
+def keras_transformer(dtype, rng):
+    """LayerNormalization + MultiHeadAttention block on `[None, 4, 8]`."""
+    k = _keras().layers
+    x = tf1.placeholder(dtype, [None, 4, 8])
+    labels = tf1.placeholder(tf.int32, [None])
+    attention = k.MultiHeadAttention(num_heads=2, key_dim=4, dtype=dtype,
+                                     kernel_initializer=_init(rng))
+    norm1 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
+                                 beta_initializer=_init(rng))
+    ff1 = k.Dense(16, activation="relu", dtype=dtype,
+                  kernel_initializer=_init(rng))
+    ff2 = k.Dense(8, dtype=dtype, kernel_initializer=_init(rng))
+    norm2 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
+                                 beta_initializer=_init(rng))
+    head = k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))
+    h = norm1(x + attention(x, x))
+    h = norm2(h + ff2(ff1(h)))
+    logits = head(tf.reduce_mean(h, axis=1))
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=logits)
+    layers = [attention, norm1, ff1, ff2, norm2, head]
+    xs = [v for layer in layers for v in layer.trainable_weights]
+
+    def feed(rng, batch):
+        return {x: rng.normal(size=[batch, 4, 8]),
+                labels: rng.integers(0, 3, batch)}
+    return Model(loss, xs, feed)
+
+
+# --------------------------------------------------------------------------
+# Hand-written graphs users write
+
+
+def residual_mlp_shared_weight(dtype, rng):
+    """A residual MLP whose hidden weight is used twice."""
+    x = tf1.placeholder(dtype, [None, 6])
+    labels = tf1.placeholder(tf.int32, [None])
+    w_in = tf.Variable(0.4 * rng.normal(size=[6, 5]), dtype=dtype)
+    w = tf.Variable(0.4 * rng.normal(size=[5, 5]), dtype=dtype)
+    c = tf.Variable(0.1 * rng.normal(size=[5]), dtype=dtype)
+    w_out = tf.Variable(0.4 * rng.normal(size=[5, 3]), dtype=dtype)
+    h = tf.tanh(tf.matmul(x, w_in))
+    h = h + tf.nn.relu(tf.matmul(h, w) + c)
+    h = h + tf.nn.relu(tf.matmul(h, w) + c)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=tf.matmul(h, w_out))
+
+    def feed(rng, batch):
+        return {x: rng.normal(size=[batch, 6]),
+                labels: rng.integers(0, 3, batch)}
+    return Model(loss, [w_in, w, c, w_out], feed)
+
+
+def weight_decay_loss(dtype, rng):
+    """Cross-entropy plus an `l2_loss` weight-decay term on each example."""
+    x = tf1.placeholder(dtype, [None, 6])
+    labels = tf1.placeholder(tf.int32, [None])
+    w1 = tf.Variable(0.4 * rng.normal(size=[6, 5]), dtype=dtype)
+    b1 = tf.Variable(tf.zeros([5], dtype))
+    w2 = tf.Variable(0.4 * rng.normal(size=[5, 3]), dtype=dtype)
+    logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2)
+    loss = (tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                           logits=logits)
+            + 1e-2 * (tf.nn.l2_loss(w1) + tf.nn.l2_loss(w2)))
+
+    def feed(rng, batch):
+        return {x: rng.normal(size=[batch, 6]),
+                labels: rng.integers(0, 3, batch)}
+    return Model(loss, [w1, b1, w2], feed)
+
+
+ZOO = collections.OrderedDict(
+    (fn.__name__, fn) for fn in [
+        mnist_softmax, mnist_deep, layers_mlp, layers_text_cnn, keras_cnn,
+        keras_embedding_mean, keras_separable, keras_batch_norm_inference,
+        keras_batch_norm_training, keras_transformer,
+        residual_mlp_shared_weight, weight_decay_loss])
+
+# Models TF cannot build in float64 on the CPU.
+FLOAT32_ONLY = {
+    "keras_batch_norm_inference": "TF's FusedBatchNorm kernels take float32 "
+                                  "(not float64)",
+    "keras_batch_norm_training": "TF's FusedBatchNorm kernels take float32 "
+                                 "(not float64)",
+}
