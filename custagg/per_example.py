@@ -547,15 +547,19 @@ class _Engine(object):
         fast = [a for a in group if a.form == "boundary"]
         slow = [a for a in group if a.form == "whole-pass"]
         result = {}
+        # The scopes name the form, so the graph shows what ran.
         if fast:
-            stacked = vectorized.boundary_per_example(
-                loss, fast, [a.boundaries for a in fast], batch, self.chunk)
+            with tf.name_scope("boundary_form"):
+                stacked = vectorized.boundary_per_example(
+                    loss, fast, [a.boundaries for a in fast], batch,
+                    self.chunk)
             result.update(zip([id(a) for a in fast], stacked))
         if slow:
-            stacked = vectorized.whole_pass_per_example(
-                loss, [a.tensor for a in slow],
-                [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a)) for a in slow],
-                batch, self.chunk)
+            with tf.name_scope("whole_pass_form"):
+                stacked = vectorized.whole_pass_per_example(
+                    loss, [a.tensor for a in slow],
+                    [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a))
+                     for a in slow], batch, self.chunk)
             result.update(zip([id(a) for a in slow], stacked))
         return [result[id(a)] for a in group]
 

@@ -28,6 +28,9 @@ tf.compat.v1.disable_eager_execution()
 
 SEED = 1234
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Tests import `benchmarks.zoo_models` (the model zoo) from the checkout.
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
 
 
 @pytest.fixture(autouse=True)

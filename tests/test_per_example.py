@@ -569,3 +569,83 @@ def test_eager_inputs_are_rejected():
                             text=True, env=env, timeout=300)
     assert result.stdout.count("EAGER-MODE-OK") == 1, result.stderr[-3000:]
     assert result.stdout.count("EAGER-TENSOR-OK") == 2, result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------
+# The plan is what runs
+
+
+_FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",
+                "whole-pass": "whole_pass_form", "loop": "per_example_loop"}
+
+
+def _scopes_behind(t):
+    """Which forms' name scopes the ops behind `t` were built in."""
+    found, seen, stack = set(), set(), [t.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        for form, scope in _FORM_SCOPES.items():
+            if "/%s/" % scope in "/" + op.name:
+                found.add(form)
+        stack.extend(i.op for i in op.inputs)
+        stack.extend(op.control_inputs)
+    return found
+
+
+@pytest.mark.parametrize("strategy", ["auto", "pfor", "loop", "rules"])
+def test_plan_equals_what_runs(graph, strategy):
+    """Each x's per-example gradient is built by the form its plan names:
+    rules, pfor at the boundary ops (O(B)), pfor over the whole pass
+    (O(B^2), here under a batch mean), or the loop."""
+    rng = np.random.default_rng(11)
+    x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+    w1, b1 = _var(rng, [3, 4], "w1"), _var(rng, [4], "b1")
+    w2, s = _var(rng, [4, 2], "w2"), _var(rng, [2], "s")
+    h = tf.tanh(tf.matmul(x, w1) + b1)
+    z = tf.math.atan2(tf.matmul(h, w2), tf.exp(s))     # s: no rule, O(B)
+    if strategy != "rules":
+        z = z - tf.reduce_mean(z, axis=0)              # couples w1, b1, w2, s
+    loss = tf.reduce_sum(tf.sin(z), axis=1)
+    xs = [w1, b1, w2] + ([s] if strategy != "rules" else [])
+    plan = custagg.plan_per_example(loss, xs, strategy=strategy)
+    got = custagg.per_example_gradients(loss, xs, strategy=strategy)
+    for a, g in zip(plan.assignments, got):
+        assert _scopes_behind(g) == {a.form}, (a.name, a.form,
+                                               _scopes_behind(g), str(plan))
+    expected = {"auto": ["whole-pass"] * 4, "pfor": ["whole-pass"] * 4,
+                "loop": ["loop"] * 4, "rules": ["rules"] * 3}[strategy]
+    assert plan.forms() == expected, str(plan)
+    if strategy == "auto":
+        # Uncoupled, s is the boundary form and the rest rules.
+        plain = tf.reduce_sum(tf.sin(tf.math.atan2(tf.matmul(h, w2),
+                                                   tf.exp(s))), axis=1)
+        free = custagg.plan_per_example(plain, xs)
+        assert free.forms() == ["rules", "rules", "rules", "boundary"]
+        for a, g in zip(free.assignments,
+                        custagg.per_example_gradients(plain, xs)):
+            assert _scopes_behind(g) == {a.form}, (a.name, a.form)
+        assert "O(B)" in str(free) and "O(B^2)" in str(plan)
+
+
+def test_dense_on_a_dynamic_batch_keeps_the_outer_product_identities(graph):
+    """`[None, D]` inputs: norms and clipped sums of a dense layer use
+    ||a|| ||g|| and A^T diag(c) G, never a [B, D, K] tensor (T = 1 stays
+    static when B does not)."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 784])
+    w = tf.compat.v1.Variable(tf.zeros([784, 10]), use_resource=True)
+    b = tf.compat.v1.Variable(tf.zeros([10]), use_resource=True)
+    labels = tf.compat.v1.placeholder(tf.float32, [None, 10])
+    loss = tf.nn.softmax_cross_entropy_with_logits(
+        labels=labels, logits=tf.matmul(x, w) + b)
+    before = set(graph.get_operations())
+    custagg.per_example_norms(loss, [w, b])
+    custagg.clipped_gradients(loss, [w, b], 1.0)
+    for op in set(graph.get_operations()) - before:
+        for out in op.outputs:
+            dims = out.shape.as_list() if out.shape.rank else []
+            assert not (len(dims) >= 3 and dims[-2:] == [784, 10]), (
+                "materialized per-example gradients: %s %s" % (op.name,
+                                                              out.shape))

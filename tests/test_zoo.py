@@ -22,7 +22,7 @@ import tensorflow as tf
 import custagg
 from custagg import testing
 
-import zoo
+from benchmarks import zoo_models as zoo
 
 BATCHES = (1, 5, 31, 32, 33, 64)
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}

@@ -1,6 +1,10 @@
 """Graphs written the way users write them, each with a dynamic batch.
 
-Every builder takes `(dtype, rng)`, creates its variables and placeholders
+Used by the test suite (`tests/test_zoo.py`, small sizes) and by the zoo
+benchmark (`python -m benchmarks --zoo`, `full=True`: the tutorials' own
+sizes, MNIST's 28x28 images).
+
+Every builder takes `(dtype, rng, full=False)`, creates its variables and placeholders
 (`[None, ...]`, as TF1 tutorials and Keras-on-placeholders code write them)
 in the default graph and returns a `Model`:
 
@@ -14,7 +18,7 @@ in the default graph and returns a `Model`:
 The TF1 tutorials (`mnist_softmax.py`, `mnist_deep.py`) keep their code as
 written -- dense one-hot labels into `softmax_cross_entropy_with_logits`,
 an unshaped `keep_prob`, `tf.reshape(x, [-1, 28, 28, 1])` -- on 8x8 images
-(the bundled digits' size) so the suite stays quick.
+(the bundled digits' size) in the tests, 28x28 in the benchmark.
 """
 
 import collections
@@ -51,10 +55,12 @@ def _keras():
 # TensorFlow's TF1 tutorials, as written
 
 
-def mnist_softmax(dtype, rng):
+def mnist_softmax(dtype, rng, full=False):
     """tensorflow/examples/tutorials/mnist/mnist_softmax.py."""
-    x = tf1.placeholder(dtype, [None, 64])
-    W = tf.Variable(0.1 * rng.normal(size=[64, 10]), dtype=dtype, name="W")
+    pixels = 784 if full else 64
+    x = tf1.placeholder(dtype, [None, pixels])
+    W = tf.Variable(0.1 * rng.normal(size=[pixels, 10]), dtype=dtype,
+                    name="W")
     b = tf.Variable(tf.zeros([10], dtype), name="b")
     y = tf.matmul(x, W) + b
     y_ = tf1.placeholder(dtype, [None, 10])
@@ -63,12 +69,12 @@ def mnist_softmax(dtype, rng):
     loss = tf.nn.softmax_cross_entropy_with_logits(labels=y_, logits=y)
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, 64]),
+        return {x: rng.normal(size=[batch, pixels]),
                 y_: _one_hot(rng, batch, 10)}
     return Model(loss, [W, b], feed)
 
 
-def mnist_deep(dtype, rng):
+def mnist_deep(dtype, rng, full=False):
     """tensorflow/examples/tutorials/mnist/mnist_deep.py (8x8 images)."""
     def weight_variable(shape):
         initial = tf1.truncated_normal(shape, stddev=0.1, dtype=dtype,
@@ -85,30 +91,32 @@ def mnist_deep(dtype, rng):
         return tf.nn.max_pool(x, ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1],
                               padding="SAME")
 
-    x = tf1.placeholder(dtype, [None, 64])
+    side, k, c1, c2, fc = (28, 5, 32, 64, 1024) if full else (8, 3, 4, 8, 16)
+    x = tf1.placeholder(dtype, [None, side * side])
     y_ = tf1.placeholder(dtype, [None, 10])
-    x_image = tf.reshape(x, [-1, 8, 8, 1])
-    W_conv1 = weight_variable([3, 3, 1, 4])
-    b_conv1 = bias_variable([4])
+    x_image = tf.reshape(x, [-1, side, side, 1])
+    W_conv1 = weight_variable([k, k, 1, c1])
+    b_conv1 = bias_variable([c1])
     h_conv1 = tf.nn.relu(conv2d(x_image, W_conv1) + b_conv1)
     h_pool1 = max_pool_2x2(h_conv1)
-    W_conv2 = weight_variable([3, 3, 4, 8])
-    b_conv2 = bias_variable([8])
+    W_conv2 = weight_variable([k, k, c1, c2])
+    b_conv2 = bias_variable([c2])
     h_conv2 = tf.nn.relu(conv2d(h_pool1, W_conv2) + b_conv2)
     h_pool2 = max_pool_2x2(h_conv2)
-    W_fc1 = weight_variable([2 * 2 * 8, 16])
-    b_fc1 = bias_variable([16])
-    h_pool2_flat = tf.reshape(h_pool2, [-1, 2 * 2 * 8])
+    quarter = side // 4
+    W_fc1 = weight_variable([quarter * quarter * c2, fc])
+    b_fc1 = bias_variable([fc])
+    h_pool2_flat = tf.reshape(h_pool2, [-1, quarter * quarter * c2])
     h_fc1 = tf.nn.relu(tf.matmul(h_pool2_flat, W_fc1) + b_fc1)
     keep_prob = tf1.placeholder(dtype)
     h_fc1_drop = tf1.nn.dropout(h_fc1, keep_prob=keep_prob)
-    W_fc2 = weight_variable([16, 10])
+    W_fc2 = weight_variable([fc, 10])
     b_fc2 = bias_variable([10])
     y_conv = tf.matmul(h_fc1_drop, W_fc2) + b_fc2
     loss = tf.nn.softmax_cross_entropy_with_logits(labels=y_, logits=y_conv)
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, 64]),
+        return {x: rng.normal(size=[batch, side * side]),
                 y_: _one_hot(rng, batch, 10), keep_prob: 0.5}
     return Model(loss, [W_conv1, b_conv1, W_conv2, b_conv2, W_fc1, b_fc1,
                         W_fc2, b_fc2], feed)
@@ -126,13 +134,14 @@ def _scoped(fn):
     return out, new
 
 
-def layers_mlp(dtype, rng):
-    x = tf1.placeholder(dtype, [None, 12])
+def layers_mlp(dtype, rng, full=False):
+    width, hidden = (784, 256) if full else (12, 16)
+    x = tf1.placeholder(dtype, [None, width])
     labels = tf1.placeholder(tf.int32, [None])
     init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
 
     def build():
-        h = tf1.layers.dense(x, 16, activation=tf.nn.relu,
+        h = tf1.layers.dense(x, hidden, activation=tf.nn.relu,
                              kernel_initializer=init, name="dense1")
         return tf1.layers.dense(h, 5, kernel_initializer=init, name="dense2")
     logits, xs = _scoped(build)
@@ -140,22 +149,23 @@ def layers_mlp(dtype, rng):
                                                           logits=logits)
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, 12]),
+        return {x: rng.normal(size=[batch, width]),
                 labels: rng.integers(0, 5, batch)}
     return Model(loss, xs, feed)
 
 
-def layers_text_cnn(dtype, rng):
+def layers_text_cnn(dtype, rng, full=False):
     """Embedding lookup, tf.compat.v1.layers.conv1d, max over time, dense."""
-    ids = tf1.placeholder(tf.int32, [None, 7])
+    vocab, dim, steps, filters = (5000, 64, 32, 64) if full else (20, 6, 7, 5)
+    ids = tf1.placeholder(tf.int32, [None, steps])
     labels = tf1.placeholder(tf.int32, [None])
     init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
 
     def build():
-        table = tf1.get_variable("table", [20, 6], dtype,
+        table = tf1.get_variable("table", [vocab, dim], dtype,
                                  initializer=init)
         emb = tf.nn.embedding_lookup(table, ids)
-        h = tf1.layers.conv1d(emb, 5, 3, activation=tf.nn.relu,
+        h = tf1.layers.conv1d(emb, filters, 3, activation=tf.nn.relu,
                               kernel_initializer=init, name="conv")
         pooled = tf.reduce_max(h, axis=1)
         return tf1.layers.dense(pooled, 3, kernel_initializer=init,
@@ -165,7 +175,7 @@ def layers_text_cnn(dtype, rng):
                                                           logits=logits)
 
     def feed(rng, batch):
-        return {ids: rng.integers(0, 20, [batch, 7]),
+        return {ids: rng.integers(0, vocab, [batch, steps]),
                 labels: rng.integers(0, 3, batch)}
     return Model(loss, xs, feed)
 
@@ -197,27 +207,30 @@ def _init(rng):
     return tf.keras.initializers.GlorotUniform(seed=int(rng.integers(1 << 30)))
 
 
-def keras_cnn(dtype, rng):
+def keras_cnn(dtype, rng, full=False):
+    side, filters = (28, 32) if full else (8, 4)
     k = _keras().layers
-    layers = [k.Conv2D(4, 3, activation="relu", dtype=dtype,
+    layers = [k.Conv2D(filters, 3, activation="relu", dtype=dtype,
                        kernel_initializer=_init(rng)),
               k.MaxPooling2D(2, dtype=dtype), k.Flatten(dtype=dtype),
               k.Dense(6, dtype=dtype, kernel_initializer=_init(rng))]
-    return Model(*_keras_model(dtype, rng, [8, 8, 1], layers, 6))
+    return Model(*_keras_model(dtype, rng, [side, side, 1], layers, 6))
 
 
-def keras_embedding_mean(dtype, rng):
+def keras_embedding_mean(dtype, rng, full=False):
+    vocab, dim, steps = (5000, 64, 32) if full else (20, 6, 5)
     k = _keras().layers
-    layers = [k.Embedding(20, 6, dtype=dtype,
+    layers = [k.Embedding(vocab, dim, dtype=dtype,
                           embeddings_initializer=_init(rng)),
               k.GlobalAveragePooling1D(dtype=dtype),
               k.Dense(4, dtype=dtype, kernel_initializer=_init(rng))]
-    return Model(*_keras_model(dtype, rng, [5], layers, 4, ids=True))
+    return Model(*_keras_model(dtype, rng, [steps], layers, 4, ids=True))
 
 
-def keras_separable(dtype, rng):
+def keras_separable(dtype, rng, full=False):
+    side, filters = (28, 32) if full else (6, 4)
     k = _keras().layers
-    layers = [k.SeparableConv2D(4, 3, padding="same", activation="relu",
+    layers = [k.SeparableConv2D(filters, 3, padding="same", activation="relu",
                                 dtype=dtype,
                                 depthwise_initializer=_init(rng),
                                 pointwise_initializer=_init(rng)),
@@ -225,17 +238,18 @@ def keras_separable(dtype, rng):
                                 depthwise_initializer=_init(rng)),
               k.Flatten(dtype=dtype),
               k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
-    return Model(*_keras_model(dtype, rng, [6, 6, 2], layers, 3))
+    return Model(*_keras_model(dtype, rng, [side, side, 2], layers, 3))
 
 
-def _batch_norm_model(dtype, rng, training):
+def _batch_norm_model(dtype, rng, training, full):
+    side, filters = (28, 32) if full else (6, 4)
     k = _keras().layers
-    conv = k.Conv2D(4, 3, dtype=dtype, kernel_initializer=_init(rng))
+    conv = k.Conv2D(filters, 3, dtype=dtype, kernel_initializer=_init(rng))
     bn = k.BatchNormalization(dtype=dtype, beta_initializer=_init(rng),
                               gamma_initializer=_init(rng))
     rest = [k.Flatten(dtype=dtype),
             k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
-    x = tf1.placeholder(dtype, [None, 6, 6, 2])
+    x = tf1.placeholder(dtype, [None, side, side, 2])
     labels = tf1.placeholder(tf.int32, [None])
     h = bn(tf.nn.relu(conv(x)), training=training)
     for layer in rest:
@@ -246,34 +260,35 @@ def _batch_norm_model(dtype, rng, training):
         v for layer in rest for v in layer.trainable_weights]
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, 6, 6, 2]),
+        return {x: rng.normal(size=[batch, side, side, 2]),
                 labels: rng.integers(0, 3, batch)}
     coupled = ([v.name for v in conv.trainable_weights + bn.trainable_weights]
                if training else [])
     return Model(loss, xs, feed, coupled)
 
 
-def keras_batch_norm_inference(dtype, rng):
-    return _batch_norm_model(dtype, rng, training=False)
+def keras_batch_norm_inference(dtype, rng, full=False):
+    return _batch_norm_model(dtype, rng, False, full)
 
 
-def keras_batch_norm_training(dtype, rng):
+def keras_batch_norm_training(dtype, rng, full=False):
     """Batch statistics: the conv and the normalization couple examples."""
-    return _batch_norm_model(dtype, rng, training=True)
+    return _batch_norm_model(dtype, rng, True, full)
 
 
-def keras_transformer(dtype, rng):
-    """LayerNormalization + MultiHeadAttention block on `[None, 4, 8]`."""
+def keras_transformer(dtype, rng, full=False):
+    """LayerNormalization + MultiHeadAttention block on `[None, steps, dim]`."""
+    steps, dim, heads, ff = (16, 64, 4, 128) if full else (4, 8, 2, 16)
     k = _keras().layers
-    x = tf1.placeholder(dtype, [None, 4, 8])
+    x = tf1.placeholder(dtype, [None, steps, dim])
     labels = tf1.placeholder(tf.int32, [None])
-    attention = k.MultiHeadAttention(num_heads=2, key_dim=4, dtype=dtype,
+    attention = k.MultiHeadAttention(num_heads=heads, key_dim=dim // heads, dtype=dtype,
                                      kernel_initializer=_init(rng))
     norm1 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
                                  beta_initializer=_init(rng))
-    ff1 = k.Dense(16, activation="relu", dtype=dtype,
+    ff1 = k.Dense(ff, activation="relu", dtype=dtype,
                   kernel_initializer=_init(rng))
-    ff2 = k.Dense(8, dtype=dtype, kernel_initializer=_init(rng))
+    ff2 = k.Dense(dim, dtype=dtype, kernel_initializer=_init(rng))
     norm2 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
                                  beta_initializer=_init(rng))
     head = k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))
@@ -286,7 +301,7 @@ def keras_transformer(dtype, rng):
     xs = [v for layer in layers for v in layer.trainable_weights]
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, 4, 8]),
+        return {x: rng.normal(size=[batch, steps, dim]),
                 labels: rng.integers(0, 3, batch)}
     return Model(loss, xs, feed)
 
@@ -295,14 +310,15 @@ def keras_transformer(dtype, rng):
 # Hand-written graphs users write
 
 
-def residual_mlp_shared_weight(dtype, rng):
+def residual_mlp_shared_weight(dtype, rng, full=False):
     """A residual MLP whose hidden weight is used twice."""
-    x = tf1.placeholder(dtype, [None, 6])
+    width, hidden = (784, 256) if full else (6, 5)
+    x = tf1.placeholder(dtype, [None, width])
     labels = tf1.placeholder(tf.int32, [None])
-    w_in = tf.Variable(0.4 * rng.normal(size=[6, 5]), dtype=dtype)
-    w = tf.Variable(0.4 * rng.normal(size=[5, 5]), dtype=dtype)
-    c = tf.Variable(0.1 * rng.normal(size=[5]), dtype=dtype)
-    w_out = tf.Variable(0.4 * rng.normal(size=[5, 3]), dtype=dtype)
+    w_in = tf.Variable(0.4 * rng.normal(size=[width, hidden]), dtype=dtype)
+    w = tf.Variable(0.4 * rng.normal(size=[hidden, hidden]), dtype=dtype)
+    c = tf.Variable(0.1 * rng.normal(size=[hidden]), dtype=dtype)
+    w_out = tf.Variable(0.4 * rng.normal(size=[hidden, 3]), dtype=dtype)
     h = tf.tanh(tf.matmul(x, w_in))
     h = h + tf.nn.relu(tf.matmul(h, w) + c)
     h = h + tf.nn.relu(tf.matmul(h, w) + c)
@@ -310,25 +326,26 @@ def residual_mlp_shared_weight(dtype, rng):
         labels=labels, logits=tf.matmul(h, w_out))
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, 6]),
+        return {x: rng.normal(size=[batch, width]),
                 labels: rng.integers(0, 3, batch)}
     return Model(loss, [w_in, w, c, w_out], feed)
 
 
-def weight_decay_loss(dtype, rng):
+def weight_decay_loss(dtype, rng, full=False):
     """Cross-entropy plus an `l2_loss` weight-decay term on each example."""
-    x = tf1.placeholder(dtype, [None, 6])
+    width, hidden = (784, 256) if full else (6, 5)
+    x = tf1.placeholder(dtype, [None, width])
     labels = tf1.placeholder(tf.int32, [None])
-    w1 = tf.Variable(0.4 * rng.normal(size=[6, 5]), dtype=dtype)
-    b1 = tf.Variable(tf.zeros([5], dtype))
-    w2 = tf.Variable(0.4 * rng.normal(size=[5, 3]), dtype=dtype)
+    w1 = tf.Variable(0.4 * rng.normal(size=[width, hidden]), dtype=dtype)
+    b1 = tf.Variable(tf.zeros([hidden], dtype))
+    w2 = tf.Variable(0.4 * rng.normal(size=[hidden, 3]), dtype=dtype)
     logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2)
     loss = (tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
                                                            logits=logits)
             + 1e-2 * (tf.nn.l2_loss(w1) + tf.nn.l2_loss(w2)))
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, 6]),
+        return {x: rng.normal(size=[batch, width]),
                 labels: rng.integers(0, 3, batch)}
     return Model(loss, [w1, b1, w2], feed)
 
