@@ -110,13 +110,21 @@ def test_conv2d_form_matches_loop(graph, form, case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_depthwise_forms_match_loop(graph, case, monkeypatch):
+    """Each depthwise form alone: folded (no dilations), offsets (static H
+    and W), patches (neither available)."""
     rng = np.random.RandomState(11)
     w, loss, ctx, feed = _problem(case, rng, depthwise=True)
     rule = conv.DepthwiseConv2dRule()
-    forms = {"patches": None}
+    forms = {}
     if max(case[7]) == 1:
         forms["folded"] = rule._folded_per_example(ctx)
+    offsets = rule._offsets_per_example(ctx)
+    if offsets is None:
+        assert not case[-1], "offsets form refused static spatial dims"
+    else:
+        forms["offsets"] = offsets
     monkeypatch.setattr(conv, "_folded_kernels_available", lambda: False)
+    monkeypatch.setattr(rule, "_offsets_per_example", lambda ctx: None)
     forms["patches"] = rule.per_example(ctx)
     for per in forms.values():
         _check(per, loss, w, feed)
