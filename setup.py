@@ -23,6 +23,9 @@ INSTALL_REQUIRES = [
     "six>=1.12",
     # Carries the 1,797 UCI handwritten digits, the main job's offline data.
     "scikit-learn>=1.3",
+    # Google's privacy accountant (RDP, PLD): custagg.privacy's epsilon.
+    # 0.4.3 is TF Privacy 0.9.0's pin; newer ones install on TF 2.12-2.21 too.
+    "dp-accounting>=0.4.3",
 ]
 
 TEST_REQUIRES = [

@@ -64,6 +64,8 @@ __all__ = [
     "DPGradientDescentOptimizer",
     "DPAdagradOptimizer",
     "DPAdamOptimizer",
+    "DPMomentumOptimizer",
+    "ComputeGradientsNotCalledError",
 ]
 
 _Optimizer = tf.compat.v1.train.Optimizer
@@ -104,6 +106,109 @@ def _to_dtype(value, dtype):
 
 def _var_name(v):
     return v.name[:-2] if v.name.endswith(":0") else v.name
+
+
+class ComputeGradientsNotCalledError(AssertionError):
+    """`apply_gradients` on a DP optimizer whose `compute_gradients` was
+    never called (TF Privacy raises an `AssertionError` there too)."""
+
+
+def check_compute_gradients_called(opt):
+    if not getattr(opt, "_was_compute_gradients_called", False):
+        raise ComputeGradientsNotCalledError(
+            "%s.apply_gradients: compute_gradients() on the differentially "
+            "private optimizer was not called, so the gradients to apply were "
+            "not clipped and noised by it and the training would not be "
+            "differentially private. Call minimize(loss) or "
+            "compute_gradients(loss) on this optimizer first (Keras' "
+            "model.fit does not)." % type(opt).__name__)
+
+
+def check_tf1_optimizer_class(cls, fn):
+    """TypeError unless `cls` is a `tf.compat.v1.train.Optimizer` subclass."""
+    if isinstance(cls, type) and issubclass(cls, _Optimizer):
+        return
+    hint = ""
+    if isinstance(cls, type) and any(
+            "keras" in (k.__module__ or "") for k in cls.__mro__):
+        hint = (" Keras optimizer classes (OptimizerV2, "
+                "tf.keras.optimizers.legacy.*, Keras 3) are not supported: "
+                "custagg builds TF1 graphs; use the tf.compat.v1.train class "
+                "of the same algorithm (e.g. tf.compat.v1.train.AdamOptimizer)"
+                ", or TF Privacy's dp_optimizer_keras for Keras models.")
+    elif isinstance(cls, _Optimizer):
+        hint = " Pass the class, not an instance."
+    raise TypeError("%s: cls must be a tf.compat.v1.train.Optimizer subclass; "
+                    "got %r.%s" % (fn, cls, hint))
+
+
+def _differentiable(v):
+    """Float variables get gradients; others (string, int) get None, as in
+    TF1's `compute_gradients`."""
+    return v.dtype.base_dtype.is_floating
+
+
+def _pick_loss(loss, per_example_loss, fn):
+    """`loss` (TF1's and TF Privacy's name) or `per_example_loss` (custagg's
+    old name), exactly one of them."""
+    if per_example_loss is not None:
+        if loss is not None:
+            raise TypeError("%s: pass the loss once, as loss= (per_example_loss "
+                            "is its old name)." % fn)
+        return per_example_loss
+    if loss is None:
+        raise TypeError("%s: missing the per-example loss (argument loss)."
+                        % fn)
+    return loss
+
+
+def per_example_loss_vector(loss, grad_loss, fn):
+    """Checks a per-example loss and brings it to `[B]`.
+
+    A `[B, ...]` loss is averaged over its trailing axes per example, as TF
+    Privacy does (`tf.reshape(loss, [M, -1])` then a mean per microbatch
+    gives the same microbatch losses). `grad_loss`, of the loss's shape,
+    multiplies in first.
+
+    Returns:
+      `(loss [B], grad_loss [B] or None)`.
+
+    Raises:
+      TypeError: not a float graph tensor (or a callable: eager-mode only).
+      ValueError: a scalar loss, or `grad_loss` of another shape.
+    """
+    if callable(loss) and not isinstance(loss, (tf.Tensor, tf.Variable)):
+        raise TypeError(
+            "%s: loss must be a graph tensor of shape [B]; a callable loss is "
+            "an eager-mode feature and custagg builds graphs." % fn)
+    if not isinstance(loss, tf.Tensor):
+        raise TypeError("%s: loss must be a tf.Tensor of shape [B] (one loss "
+                        "per example); got %r." % (fn, loss))
+    errors.check_graph_tensor(loss, "loss", fn)
+    if not loss.dtype.is_floating:
+        raise TypeError("%s: loss must be a float tensor; got dtype %s."
+                        % (fn, loss.dtype.name))
+    if loss.shape.rank == 0 or loss.shape.rank is None:
+        raise ValueError(
+            "%s: loss must be the vector of per-example losses, shape [B] (or "
+            "[B, ...], averaged per example); got shape %s. Pass e.g. "
+            "tf.nn.sparse_softmax_cross_entropy_with_logits(...) without "
+            "tf.reduce_mean." % (fn, loss.shape))
+    if grad_loss is not None:
+        grad_loss = tf.convert_to_tensor(grad_loss, dtype=loss.dtype)
+        if not grad_loss.shape.is_compatible_with(loss.shape):
+            raise ValueError("%s: grad_loss must have the shape of the loss "
+                             "%s; got %s." % (fn, loss.shape, grad_loss.shape))
+    if loss.shape.rank > 1:
+        if grad_loss is not None:
+            loss, grad_loss = loss * tf.stop_gradient(grad_loss), None
+        static = loss.shape[1:]
+        if static.is_fully_defined():
+            loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
+        else:
+            loss = tf.reduce_mean(
+                tf.reshape(loss, tf.stack([tf.shape(loss)[0], -1])), axis=1)
+    return loss, grad_loss
 
 
 class PerExampleOptimizer(_Optimizer):
@@ -152,6 +257,7 @@ class PerExampleOptimizer(_Optimizer):
         self._last_loss = None
         self._last_var_list = None
         self._norms = None
+        self._was_compute_gradients_called = False
         # Object-based checkpoints (tf.train.Checkpoint) reach the slots
         # through the wrapped optimizer.
         self._track_trackable(optimizer, name="optimizer")
@@ -184,38 +290,53 @@ class PerExampleOptimizer(_Optimizer):
 
     # ------------------------------------------------------ TF1 optimizer API
 
-    def compute_gradients(self, per_example_loss, var_list=None,
+    def compute_gradients(self, loss=None, var_list=None,
                           gate_gradients=_Optimizer.GATE_OP,
                           aggregation_method=None,
-                          colocate_gradients_with_ops=False, grad_loss=None):
+                          colocate_gradients_with_ops=False, grad_loss=None,
+                          per_example_loss=None):
         """Aggregated gradients of a per-example loss, as `[(grad, var)]`.
 
         Args:
-          per_example_loss: float `[B]` tensor, one loss per example (do not
-            reduce it to a mean).
+          loss: float `[B]` tensor, one loss per example (do not reduce it
+            to a mean), or `[B, ...]`, whose trailing axes are averaged per
+            example (as TF Privacy does).
           var_list: variables to differentiate; defaults to the graph's
-            trainable variables (as in TF1).
+            trainable variables (as in TF1). Variables that cannot be
+            differentiated (e.g. string variables) get a `None` gradient,
+            as in TF1.
           gate_gradients: `GATE_NONE`, `GATE_OP` or `GATE_GRAPH` (TF1's
             meaning).
           aggregation_method: a summing `tf.AggregationMethod` / custagg
             method for contributions inside the graph, or None.
           colocate_gradients_with_ops: as in TF1.
-          grad_loss: optional `[B]` tensor multiplying each example's loss
-            (TF1's seed of the backward pass).
+          grad_loss: optional tensor of the loss's shape multiplying each
+            example's loss (TF1's seed of the backward pass).
+          per_example_loss: the old name of `loss` (still accepted).
 
         Returns:
           A list of `(gradient, variable)` pairs; the gradient is None for
-          variables the loss does not depend on.
+          variables the loss does not depend on or that are not
+          differentiable.
         """
-        loss, var_list = self._prepare(per_example_loss, var_list,
-                                       gate_gradients, aggregation_method,
-                                       grad_loss)
-        with tf.name_scope(self._name + "_gradients"):
-            grads = self._aggregate(
-                loss, var_list, grad_loss=grad_loss,
-                gate_gradients=gate_gradients == _Optimizer.GATE_OP,
-                aggregation_method=aggregation_method,
-                colocate_gradients_with_ops=colocate_gradients_with_ops)
+        loss = _pick_loss(loss, per_example_loss,
+                          type(self).__name__ + ".compute_gradients")
+        loss, var_list, grad_loss = self._prepare(
+            loss, var_list, gate_gradients, aggregation_method, grad_loss)
+        live = [v for v in var_list if _differentiable(v)]
+        self._last_var_list = live
+        grads = [None] * len(var_list)
+        if live:
+            with tf.name_scope(self._name + "_gradients"):
+                live_grads = self._aggregate(
+                    loss, live, grad_loss=grad_loss,
+                    gate_gradients=gate_gradients == _Optimizer.GATE_OP,
+                    aggregation_method=aggregation_method,
+                    colocate_gradients_with_ops=colocate_gradients_with_ops)
+            it = iter(live_grads)
+            grads = [next(it) if _differentiable(v) else None
+                     for v in var_list]
+        self._was_compute_gradients_called = True
         if gate_gradients == _Optimizer.GATE_GRAPH:
             present = [i for i, g in enumerate(grads) if g is not None]
             gated = tf.tuple([grads[i] for i in present])
@@ -228,11 +349,14 @@ class PerExampleOptimizer(_Optimizer):
         return self._optimizer.apply_gradients(
             grads_and_vars, global_step=global_step, name=name or self._name)
 
-    def minimize(self, per_example_loss, global_step=None, var_list=None,
+    def minimize(self, loss=None, global_step=None, var_list=None,
                  gate_gradients=_Optimizer.GATE_OP, aggregation_method=None,
                  colocate_gradients_with_ops=False, name=None,
-                 grad_loss=None):
+                 grad_loss=None, per_example_loss=None):
         """`compute_gradients` then `apply_gradients`, as TF1's `minimize`.
+
+        `loss` is the per-example loss (`[B]` or `[B, ...]`, see
+        `compute_gradients`); `per_example_loss` is its old name.
 
         Returns:
           The update op; it increments `global_step` when one is given.
@@ -240,8 +364,10 @@ class PerExampleOptimizer(_Optimizer):
         Raises:
           ValueError: no variable receives a gradient.
         """
+        loss = _pick_loss(loss, per_example_loss,
+                          type(self).__name__ + ".minimize")
         grads_and_vars = self.compute_gradients(
-            per_example_loss, var_list=var_list,
+            loss, var_list=var_list,
             gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops,
@@ -252,7 +378,7 @@ class PerExampleOptimizer(_Optimizer):
                 "per-example loss %s does not depend on them." % (
                     type(self).__name__,
                     [_var_name(v) for _, v in grads_and_vars],
-                    per_example_loss.name))
+                    loss.name))
         return self.apply_gradients(grads_and_vars, global_step=global_step,
                                     name=name)
 
@@ -272,35 +398,13 @@ class PerExampleOptimizer(_Optimizer):
 
     # -------------------------------------------------------------- helpers
 
-    def _prepare(self, per_example_loss, var_list, gate_gradients,
-                 aggregation_method, grad_loss):
-        """Checks arguments; returns `(loss [B], var_list)`."""
+    def _prepare(self, loss, var_list, gate_gradients, aggregation_method,
+                 grad_loss):
+        """Checks arguments; returns `(loss [B], var_list, grad_loss)`."""
         cls_name = type(self).__name__
         errors.check_not_eager(cls_name + ".compute_gradients")
-        if callable(per_example_loss) and not isinstance(
-                per_example_loss, (tf.Tensor, tf.Variable)):
-            raise TypeError(
-                "%s.compute_gradients: per_example_loss must be a graph "
-                "tensor of shape [B]; a callable loss is an eager-mode "
-                "feature and custagg builds graphs." % cls_name)
-        if not isinstance(per_example_loss, tf.Tensor):
-            raise TypeError(
-                "%s.compute_gradients: per_example_loss must be a tf.Tensor "
-                "of shape [B]; got %r." % (cls_name, per_example_loss))
-        errors.check_graph_tensor(per_example_loss, "per_example_loss",
-                                  cls_name + ".compute_gradients")
-        loss = per_example_loss
-        if not loss.dtype.is_floating:
-            raise TypeError(
-                "%s.compute_gradients: per_example_loss must be a float "
-                "tensor; got dtype %s." % (cls_name, loss.dtype.name))
-        if loss.shape.rank != 1:
-            raise ValueError(
-                "%s.compute_gradients: per_example_loss must be the vector of "
-                "per-example losses, shape [B]; got shape %s. Pass e.g. "
-                "tf.nn.sparse_softmax_cross_entropy_with_logits(...) without "
-                "tf.reduce_mean; reshape other shapes to [B]."
-                % (cls_name, loss.shape))
+        loss, grad_loss = per_example_loss_vector(
+            loss, grad_loss, cls_name + ".compute_gradients")
         if gate_gradients not in (_Optimizer.GATE_NONE, _Optimizer.GATE_OP,
                                   _Optimizer.GATE_GRAPH):
             raise ValueError(
@@ -314,13 +418,6 @@ class PerExampleOptimizer(_Optimizer):
                     "WeightedOptimizer does; here pass None or a summing "
                     "method." % cls_name)
             aggregation.check_method(aggregation_method)
-        if grad_loss is not None:
-            grad_loss = tf.convert_to_tensor(grad_loss, dtype=loss.dtype)
-            if not grad_loss.shape.is_compatible_with(loss.shape):
-                raise ValueError(
-                    "%s.compute_gradients: grad_loss must have the shape of "
-                    "per_example_loss %s; got %s." % (cls_name, loss.shape,
-                                                      grad_loss.shape))
         if var_list is None:
             var_list = (tf.compat.v1.trainable_variables() +
                         tf.compat.v1.get_collection(
@@ -343,15 +440,9 @@ class PerExampleOptimizer(_Optimizer):
                 raise TypeError(
                     "%s.compute_gradients: var_list must hold tf.Variables; "
                     "got %r." % (cls_name, v))
-            if not v.dtype.base_dtype.is_floating:
-                raise TypeError(
-                    "%s.compute_gradients: variable %s has dtype %s; only "
-                    "float variables can be optimized." % (
-                        cls_name, _var_name(v), v.dtype.base_dtype.name))
         self._last_loss = loss
-        self._last_var_list = list(var_list)
         self._norms = None
-        return loss, list(var_list)
+        return loss, list(var_list), grad_loss
 
     def _aggregate(self, loss, var_list, grad_loss, gate_gradients,
                    aggregation_method, colocate_gradients_with_ops):
@@ -529,6 +620,19 @@ class DPOptimizer(PerExampleOptimizer):
                              "compute_gradients()." % type(self).__name__)
         return self._noise_stddev
 
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """Applies gradients from this optimizer's `compute_gradients`.
+
+        Raises:
+          ComputeGradientsNotCalledError (an `AssertionError`, as in TF
+          Privacy): `compute_gradients` (or `minimize`) was never called, so
+          the gradients applied were not clipped and noised here and the
+          training would not be differentially private.
+        """
+        check_compute_gradients_called(self)
+        return super().apply_gradients(grads_and_vars, global_step=global_step,
+                                       name=name)
+
     # ------------------------------------------------------------ internals
 
     def _clips_for(self, var_list, dtype):
@@ -622,81 +726,109 @@ class DPOptimizer(PerExampleOptimizer):
 
         Also sets the norms before and after clipping.
         """
-        batch_static = tf.compat.dimension_value(loss.shape[0])
-        mb = self._num_microbatches
-        if mb is not None and not (batch_static is not None
-                                   and mb == batch_static):
-            if batch_static is not None and batch_static % mb:
-                raise ValueError(
-                    "%s: num_microbatches=%d does not divide the batch size "
-                    "%d." % (type(self).__name__, mb, batch_static))
-            grads, self._norms, self._clipped_norms = \
-                self._microbatch_clipped(loss, var_list, clips, mb)
-            return grads, tf.constant(mb, loss.dtype)
-        # One example per microbatch: custagg's clipped sum, which avoids
-        # materializing per-example gradients where it can.
-        grads, norms = _api("clipped_gradients")(
-            loss, var_list, clips, strategy=self._strategy, return_norms=True)
-        if isinstance(clips, list):
-            # Per-layer: the norms come per variable and each variable's
-            # contribution is clipped on its own.
-            self._norms = tf.sqrt(tf.add_n([tf.square(n) for n in norms]))
-            self._clipped_norms = tf.sqrt(tf.add_n([
-                tf.square(tf.minimum(n, c)) for n, c in zip(norms, clips)]))
-        else:
-            self._norms = norms
-            self._clipped_norms = tf.minimum(norms, clips)
-        num_units = (tf.constant(batch_static, loss.dtype)
-                     if batch_static is not None else
-                     tf.cast(tf.shape(loss)[0], loss.dtype))
+        grads, num_units, self._norms, self._clipped_norms = \
+            clipped_microbatch_sum(loss, var_list, clips,
+                                   self._num_microbatches, self._strategy,
+                                   type(self).__name__)
         return grads, num_units
 
-    def _microbatch_clipped(self, loss, var_list, clips, num_microbatches):
-        """Clipped sum over microbatches from materialized per-example grads.
 
-        Returns:
-          `(grads, norms [M], clipped_norms [M])`.
-        """
-        per_example = _api("per_example_gradients")(
-            loss, var_list, strategy=self._strategy)
-        batch = tf.shape(loss)[0]
-        check = tf.debugging.assert_equal(
-            batch % num_microbatches, 0,
-            message="%s: num_microbatches=%d must divide the batch size" % (
-                type(self).__name__, num_microbatches))
-        per_unit = []
-        with tf.control_dependencies([check]):
-            for g in per_example:
-                if g is None:
-                    per_unit.append(None)
-                    continue
-                g = tf.convert_to_tensor(g)
-                shape = tf.shape(g)[1:]
-                # Mean over each microbatch: the gradient of its mean loss.
-                per_unit.append(tf.reduce_mean(tf.reshape(
-                    g, tf.concat([[num_microbatches, -1], shape], 0)), axis=1))
-        squared = [None if g is None else
-                   tf.reduce_sum(tf.reshape(tf.square(g),
-                                            [num_microbatches, -1]), axis=1)
-                   for g in per_unit]
-        present = [s for s in squared if s is not None]
-        zeros = tf.zeros([num_microbatches], loss.dtype)
-        norms = tf.sqrt(tf.add_n(present) if present else zeros)
-        if isinstance(clips, list):
-            factors = [None if s is None else
-                       c / tf.maximum(tf.sqrt(s), c)
-                       for s, c in zip(squared, clips)]
-            clipped_sq = [s * tf.square(f) for s, f in zip(squared, factors)
-                          if s is not None]
-            clipped_norms = tf.sqrt(tf.add_n(clipped_sq) if clipped_sq
-                                    else zeros)
-        else:
-            factor = clips / tf.maximum(norms, clips)
-            factors = [factor] * len(per_unit)
-            clipped_norms = norms * factor
-        grads = [None if g is None else tf.tensordot(f, g, axes=1)
-                 for g, f in zip(per_unit, factors)]
-        return grads, norms, clipped_norms
+def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
+                           strategy, owner):
+    """`sum_m clip(g_m)` per variable over M microbatches, TF Privacy's way.
+
+    `g_m` is the gradient of microbatch m's mean loss; clipping is by the
+    global norm over `var_list` (one clip norm `clips`) or per variable (a
+    list of clip norms aligned with `var_list`).
+
+    Args:
+      loss: `[B]` per-example losses.
+      var_list: float variables.
+      clips: a scalar tensor, or a list of them aligned with `var_list`.
+      num_microbatches: M (must divide B), or None for M = B.
+      strategy: custagg strategy for the per-example quantities.
+      owner: name used in error messages.
+
+    Returns:
+      `(grads, M as a loss.dtype scalar, norms [M], clipped_norms [M])`;
+      `grads` is aligned with `var_list` (None where unconnected).
+    """
+    batch_static = tf.compat.dimension_value(loss.shape[0])
+    mb = num_microbatches
+    if mb is not None and not (batch_static is not None
+                               and mb == batch_static):
+        if batch_static is not None and batch_static % mb:
+            raise ValueError(
+                "%s: num_microbatches=%d does not divide the batch size "
+                "%d." % (owner, mb, batch_static))
+        grads, norms, clipped_norms = _microbatch_clipped(
+            loss, var_list, clips, mb, strategy, owner)
+        return grads, tf.constant(mb, loss.dtype), norms, clipped_norms
+    # One example per microbatch: custagg's clipped sum, which avoids
+    # materializing per-example gradients where it can.
+    grads, norms = _api("clipped_gradients")(
+        loss, var_list, clips, strategy=strategy, return_norms=True)
+    if isinstance(clips, list):
+        # Per-layer: the norms come per variable and each variable's
+        # contribution is clipped on its own.
+        clipped_norms = tf.sqrt(tf.add_n([
+            tf.square(tf.minimum(n, c)) for n, c in zip(norms, clips)]))
+        norms = tf.sqrt(tf.add_n([tf.square(n) for n in norms]))
+    else:
+        clipped_norms = tf.minimum(norms, clips)
+    num_units = (tf.constant(batch_static, loss.dtype)
+                 if batch_static is not None else
+                 tf.cast(tf.shape(loss)[0], loss.dtype))
+    return grads, num_units, norms, clipped_norms
+
+
+def _microbatch_clipped(loss, var_list, clips, num_microbatches, strategy,
+                        owner):
+    """Clipped sum over microbatches from materialized per-example grads.
+
+    Returns:
+      `(grads, norms [M], clipped_norms [M])`.
+    """
+    per_example = _api("per_example_gradients")(
+        loss, var_list, strategy=strategy)
+    batch = tf.shape(loss)[0]
+    check = tf.debugging.assert_equal(
+        batch % num_microbatches, 0,
+        message="%s: num_microbatches=%d must divide the batch size" % (
+            owner, num_microbatches))
+    per_unit = []
+    with tf.control_dependencies([check]):
+        for g in per_example:
+            if g is None:
+                per_unit.append(None)
+                continue
+            g = tf.convert_to_tensor(g)
+            shape = tf.shape(g)[1:]
+            # Mean over each microbatch: the gradient of its mean loss.
+            per_unit.append(tf.reduce_mean(tf.reshape(
+                g, tf.concat([[num_microbatches, -1], shape], 0)), axis=1))
+    squared = [None if g is None else
+               tf.reduce_sum(tf.reshape(tf.square(g),
+                                        [num_microbatches, -1]), axis=1)
+               for g in per_unit]
+    present = [s for s in squared if s is not None]
+    zeros = tf.zeros([num_microbatches], loss.dtype)
+    norms = tf.sqrt(tf.add_n(present) if present else zeros)
+    if isinstance(clips, list):
+        factors = [None if s is None else
+                   c / tf.maximum(tf.sqrt(s), c)
+                   for s, c in zip(squared, clips)]
+        clipped_sq = [s * tf.square(f) for s, f in zip(squared, factors)
+                      if s is not None]
+        clipped_norms = tf.sqrt(tf.add_n(clipped_sq) if clipped_sq
+                                else zeros)
+    else:
+        factor = clips / tf.maximum(norms, clips)
+        factors = [factor] * len(per_unit)
+        clipped_norms = norms * factor
+    grads = [None if g is None else tf.tensordot(f, g, axes=1)
+             for g, f in zip(per_unit, factors)]
+    return grads, norms, clipped_norms
 
 
 def _key_name(k):
@@ -736,9 +868,7 @@ def make_gaussian_optimizer_class(cls):
     num_microbatches=None, *args, seed=None, strategy="auto", **kwargs)`;
     `*args, **kwargs` construct `cls` (e.g. `learning_rate=0.1`).
     """
-    if not (isinstance(cls, type) and issubclass(cls, _Optimizer)):
-        raise TypeError("make_gaussian_optimizer_class: cls must be a "
-                        "tf.compat.v1.train.Optimizer subclass; got %r." % cls)
+    check_tf1_optimizer_class(cls, "make_gaussian_optimizer_class")
 
     class DPGaussianOptimizerClass(DPOptimizer):  # pylint: disable=missing-docstring
 
@@ -767,7 +897,15 @@ DPAdagradGaussianOptimizer = make_gaussian_optimizer_class(
     tf.compat.v1.train.AdagradOptimizer)
 DPAdamGaussianOptimizer = make_gaussian_optimizer_class(
     tf.compat.v1.train.AdamOptimizer)
-# TF Privacy's short aliases.
-DPGradientDescentOptimizer = DPGradientDescentGaussianOptimizer
-DPAdagradOptimizer = DPAdagradGaussianOptimizer
-DPAdamOptimizer = DPAdamGaussianOptimizer
+# TF Privacy's short names take a DPQuery (`dp_sum_query`) first, not
+# `l2_norm_clip`: they are `custagg.privacy.dp_optimizer`'s classes, looked up
+# on first use (that module imports this one).
+_QUERY_CLASSES = ("DPGradientDescentOptimizer", "DPAdagradOptimizer",
+                  "DPAdamOptimizer", "DPMomentumOptimizer")
+
+
+def __getattr__(name):
+    if name in _QUERY_CLASSES:
+        from custagg.privacy import dp_optimizer  # pylint: disable=g-import-not-at-top
+        return getattr(dp_optimizer, name)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))

@@ -496,8 +496,10 @@ def test_saver_round_trip_with_adam_and_noise(tmp_path):
 
 
 def test_gaussian_classes():
+    # TF Privacy's short names take a DPQuery: custagg.privacy's classes.
+    from custagg.privacy import dp_optimizer
     assert opt_lib.DPGradientDescentOptimizer is \
-        opt_lib.DPGradientDescentGaussianOptimizer
+        dp_optimizer.DPGradientDescentOptimizer
     assert opt_lib.DPAdamGaussianOptimizer.__name__ == \
         "DPAdamGaussianOptimizer"
     steps = batches(2, seed=13)
@@ -546,9 +548,9 @@ def test_keras_optimizer_rejected():
 
 
 @pytest.mark.parametrize("case, exc, match", [
-    ("scalar_loss", ValueError, r"per_example_loss must be the vector.*\[B\]"),
-    ("int_loss", TypeError, "per_example_loss must be a float"),
-    ("not_tensor", TypeError, "per_example_loss must be a tf.Tensor"),
+    ("scalar_loss", ValueError, r"loss must be the vector.*\[B\]"),
+    ("int_loss", TypeError, "loss must be a float"),
+    ("not_tensor", TypeError, "loss must be a tf.Tensor"),
     ("gate", ValueError, "gate_gradients must be one of"),
     ("aggregation", ValueError, "aggregation_method"),
     ("custom", ValueError, "WeightedOptimizer"),

@@ -1,0 +1,33 @@
+"""Differential privacy with custagg: TF Privacy's TF1 optimizers and ε.
+
+Migrating from TensorFlow Privacy is a change of import:
+
+    # was: from tensorflow_privacy.privacy.optimizers import dp_optimizer
+    from custagg.privacy import dp_optimizer
+    # was: from tensorflow_privacy.privacy.dp_query import gaussian_query
+    from custagg.privacy import gaussian_query
+    # was: from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib
+    from custagg.privacy import compute_dp_sgd_privacy_lib
+
+* `dp_optimizer`: `make_optimizer_class`, `make_gaussian_optimizer_class`,
+  `DPGradientDescentOptimizer` (and Adagrad, Adam, Momentum, RMSProp, Ftrl)
+  taking a `dp_sum_query`, and the `...GaussianOptimizer` classes taking
+  `l2_norm_clip, noise_multiplier, num_microbatches, unroll_microbatches`.
+* `gaussian_query.GaussianSumQuery(l2_norm_clip, stddev)` (TF Privacy's own
+  query objects are accepted as well).
+* `compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta)`:
+  `(epsilon, order)` with TF Privacy's meaning, from dp-accounting.
+"""
+
+from custagg.privacy import accounting
+from custagg.privacy import dp_optimizer
+from custagg.privacy import gaussian_query
+from custagg.privacy.accounting import compute_dp_sgd_privacy
+from custagg.privacy.gaussian_query import GaussianSumQuery
+
+# TF Privacy's module name for the accountant function.
+compute_dp_sgd_privacy_lib = accounting
+
+__all__ = ["accounting", "compute_dp_sgd_privacy",
+           "compute_dp_sgd_privacy_lib", "dp_optimizer", "gaussian_query",
+           "GaussianSumQuery"]
