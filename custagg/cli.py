@@ -353,12 +353,35 @@ def run(args, out=None):
                         epoch, float(np.mean(losses)), correct / seen,
                         test_acc, time.time() - t0,
                         _describe_norms(np.concatenate(all_norms))))
+                if args.aggregation == "dpsgd":
+                    say("          " + _describe_epsilon(
+                        args, len(data.x_train), bsz, epoch))
+            if args.aggregation == "dpsgd":
+                say("privacy after %d epochs: %s" % (
+                    args.epochs, _describe_epsilon(
+                        args, len(data.x_train), bsz, args.epochs, pld=True)))
             status = 0
             if not args.no_check:
                 status = _check(args, say, sess, tf, custagg, testing, data,
                                 variables)
     say("total %.1f s" % (time.time() - t_start))
     return status
+
+
+def _describe_epsilon(args, n, batch_size, epochs, pld=False):
+    """ε at δ = 1/n, TF Privacy's accounting (RDP, Poisson sampling with
+    q = B/n, ceil(epochs * n / B) steps, epochs counted as its tutorial
+    does); with `pld`, dp-accounting's PLD figure too."""
+    from custagg.privacy import accounting  # pylint: disable=g-import-not-at-top
+    delta = 1.0 / n
+    eps, order = accounting.compute_dp_sgd_privacy(
+        n, batch_size, args.noise_multiplier, epochs, delta)
+    text = "epsilon %.3f at delta 1/%d (RDP order %s" % (eps, n, order)
+    if pld:
+        text += "; PLD accountant: %.3f" % accounting.compute_dp_sgd_privacy(
+            n, batch_size, args.noise_multiplier, epochs, delta,
+            accountant="pld")[0]
+    return text + "; custagg.privacy.compute_dp_sgd_privacy)"
 
 
 def _describe_aggregation(args):

@@ -58,6 +58,9 @@ def test_dpsgd_prints_noise(capsys):
     assert "l2_norm_clip=0.5, noise_multiplier=2" in out
     assert "noise std on the clipped sum: 1" in out
     assert "check:" not in out
+    # epsilon at delta = 1/n after each epoch and at the end (n = 128 here).
+    assert out.count("at delta 1/128 (RDP order") == 2
+    assert "privacy after 1 epochs: epsilon " in out and "PLD accountant" in out
 
 
 def test_failed_check_exits_1(capsys, monkeypatch):

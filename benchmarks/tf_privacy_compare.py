@@ -1,0 +1,464 @@
+"""custagg.privacy next to TensorFlow Privacy's own TF1 optimizers, one process.
+
+TF Privacy 0.9.0 needs TF <= 2.15, so run this in a TF 2.15 environment with
+TF Privacy fully installed (its dependencies too), custagg on the path:
+
+    python3.11 -m venv /work/venvs/tfp215 && . /work/venvs/tfp215/bin/activate
+    pip install tensorflow-cpu==2.15.1 dp-accounting==0.4.3 \\
+        tensorflow-probability==0.22.1 dm-tree==0.1.8 "absl-py<2" scikit-learn
+    pip install --no-deps tensorflow-privacy==0.9.0 tensorflow-estimator==2.15.0
+    PYTHONPATH=. python -m benchmarks.tf_privacy_compare            # everything
+    PYTHONPATH=. python -m benchmarks.tf_privacy_compare --parity --json
+
+Both systems build the same graph code; only the `dp_optimizer` module
+differs (TF Privacy's `tensorflow_privacy.privacy.optimizers.dp_optimizer`
+or `custagg.privacy.dp_optimizer`): that is the migration. Parts:
+
+* `--parity`: TF Privacy's MNIST tutorial CNN (its `mnist_dpsgd_tutorial.py`
+  model and optimizer call) and the MLP 784-256-256-10 on the bundled digits
+  scaled to 28x28, same initial weights and batches, noise off, 5 steps:
+  the largest weight difference; with noise on, the noise std of each.
+* `--epsilon`: `compute_dp_sgd_privacy` of both for the tutorial's settings
+  and three others.
+* `--timing`: median seconds per DP-SGD step, tutorial CNN and MLP, B = 64
+  and 256, M = B and M = B/4 (TF Privacy is skipped where one step is
+  estimated above `--slow-limit`); custagg's MLP at B = 512, M = B vs B/4.
+* `--tutorial`: the tutorial's Estimator loop (train an epoch, evaluate,
+  print ε at δ = 1e-5) with custagg's module, a few epochs on the digits.
+
+Without TF Privacy only the custagg rows are produced. Results:
+`benchmarks/results/tf_privacy_compare.json` and `.md` (with --write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Keras 2 layers in graph mode: on TF >= 2.16 that is the tf-keras package
+# (TF_USE_LEGACY_KERAS=1); on TF 2.15 it is tf.keras itself, and the switch
+# would make TF look for tf-keras.
+if importlib.util.find_spec("tf_keras") is not None:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import custagg  # noqa: E402
+from custagg import datasets  # noqa: E402
+from custagg.privacy import dp_optimizer as custagg_dp  # noqa: E402
+from custagg.privacy import accounting as custagg_accounting  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+EPSILON_SETTINGS = [(60000, 256, 1.1, 60, 1e-5), (60000, 150, 1.3, 15, 1e-5),
+                    (100000, 100, 1.0, 30, 1e-7),
+                    (100000000, 1024, 0.1, 10, 1e-7)]
+
+
+def tf_privacy():
+    """TF Privacy's dp_optimizer and accountant modules, or None."""
+    try:
+        from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib  # pylint: disable=g-import-not-at-top
+        from tensorflow_privacy.privacy.optimizers import dp_optimizer  # pylint: disable=g-import-not-at-top
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return dp_optimizer, compute_dp_sgd_privacy_lib
+
+
+def systems():
+    out = {"custagg": custagg_dp}
+    tfp = tf_privacy()
+    if tfp is not None:
+        out = {"tf_privacy": tfp[0], "custagg": custagg_dp}
+    return out
+
+
+# --------------------------------------------------------------------------
+# Data and models.
+
+
+def digits28(seed=0):
+    """The bundled 8x8 digits as 28x28x1 (each pixel a 3x3 block, 2-pixel
+    border), in place of MNIST's download; labels int32."""
+    ds = datasets.load_digits(seed=seed)
+
+    def up(x):
+        x = x.reshape(-1, 8, 8)
+        x = np.kron(x, np.ones((1, 3, 3), np.float32))
+        return np.pad(x, ((0, 0), (2, 2), (2, 2)))[..., None].astype(
+            np.float32)
+
+    return (up(ds.x_train), ds.y_train.astype(np.int32), up(ds.x_test),
+            ds.y_test.astype(np.int32))
+
+
+def tutorial_cnn(features):
+    """TF Privacy's tutorial model (mnist_dpsgd_tutorial_common.get_cnn_model)."""
+    layers = tf.keras.layers
+    y = tf.reshape(features, [-1, 28, 28, 1])
+    y = layers.Conv2D(16, 8, strides=2, padding="same", activation="relu")(y)
+    y = layers.MaxPool2D(2, 1)(y)
+    y = layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu")(y)
+    y = layers.MaxPool2D(2, 1)(y)
+    y = layers.Flatten()(y)
+    y = layers.Dense(32, activation="relu")(y)
+    return layers.Dense(10)(y)
+
+
+def mlp(features):
+    """MLP 784-256-256-10 (custagg's benchmark model)."""
+    layers = tf.keras.layers
+    y = tf.reshape(features, [-1, 784])
+    y = layers.Dense(256, activation="relu")(y)
+    y = layers.Dense(256, activation="relu")(y)
+    return layers.Dense(10)(y)
+
+
+MODELS = {"tutorial_cnn": tutorial_cnn, "mlp": mlp}
+
+
+class Step(object):
+    """One model + DP optimizer in its own graph and session."""
+
+    def __init__(self, dp_module, model, batch, microbatches, noise, lr=0.15,
+                 seed=0):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.compat.v1.set_random_seed(seed)
+            self.x = tf.compat.v1.placeholder(tf.float32, [batch, 28, 28, 1])
+            self.y = tf.compat.v1.placeholder(tf.int32, [batch])
+            logits = MODELS[model](self.x)
+            vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=self.y, logits=logits)
+            self.vars = tf.compat.v1.trainable_variables()
+            # The tutorial's optimizer call, word for word.
+            optimizer = dp_module.DPGradientDescentGaussianOptimizer(
+                l2_norm_clip=1.0, noise_multiplier=noise,
+                num_microbatches=microbatches, learning_rate=lr)
+            global_step = tf.compat.v1.train.get_or_create_global_step()
+            self.grads = [g for g, _ in optimizer.compute_gradients(
+                vector_loss, self.vars)]
+            self.train_op = optimizer.apply_gradients(
+                zip(self.grads, self.vars), global_step=global_step)
+            self.sess = tf.compat.v1.Session(
+                config=tf.compat.v1.ConfigProto(
+                    intra_op_parallelism_threads=1,
+                    inter_op_parallelism_threads=1))
+            self.sess.run(tf.compat.v1.global_variables_initializer())
+
+    def weights(self):
+        return self.sess.run(self.vars)
+
+    def set_weights(self, values):
+        with self.graph.as_default():
+            for v, value in zip(self.vars, values):
+                v.load(value, self.sess)
+
+    def run(self, xb, yb, fetch=None):
+        return self.sess.run(self.train_op if fetch is None else fetch,
+                             {self.x: xb, self.y: yb})
+
+    def close(self):
+        self.sess.close()
+
+
+def batches(x, y, batch, count, seed=0):
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(count):
+        idx = rng.choice(len(x), batch, replace=False)
+        out.append((x[idx], y[idx]))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Parts.
+
+
+def parity(steps=5, log=print):
+    """Weights after `steps` noise-free steps, TF Privacy vs custagg."""
+    mods = systems()
+    if "tf_privacy" not in mods:
+        return {"skipped": "TF Privacy is not importable here"}
+    x, y, _, _ = digits28()
+    rows = []
+    for model, batch, mb in [("tutorial_cnn", 64, 64), ("tutorial_cnn", 64, 16),
+                             ("mlp", 64, 64), ("mlp", 64, 16)]:
+        runs = {name: Step(mod, model, batch, mb, noise=0.0)
+                for name, mod in mods.items()}
+        init = runs["tf_privacy"].weights()
+        runs["custagg"].set_weights(init)
+        for xb, yb in batches(x, y, batch, steps, seed=1):
+            for r in runs.values():
+                r.run(xb, yb)
+        wa, wb = runs["tf_privacy"].weights(), runs["custagg"].weights()
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(wa, wb))
+        moved = max(float(np.max(np.abs(a - i))) for a, i in zip(wa, init))
+        # Noise std: the spread of one coordinate's gradient over draws.
+        stds = {}
+        for k, (name, mod) in enumerate(mods.items()):
+            # Distinct graph seeds: independent noise for each system.
+            noisy = Step(mod, model, batch, mb, noise=1.1, seed=10 + k)
+            noisy.set_weights(init)
+            xb, yb = batches(x, y, batch, 1, seed=2)[0]
+            draws = np.array([noisy.run(xb, yb, noisy.grads[-1])
+                              for _ in range(200)])
+            stds[name] = float(draws.std(axis=0).mean())
+            noisy.close()
+        row = dict(model=model, batch=batch, microbatches=mb, steps=steps,
+                   max_abs_weight_diff=diff, max_weight_change=moved,
+                   noise_std=stds, noise_std_expected=1.1 * 1.0 / mb)
+        log("parity %-12s B=%d M=%d: max |w_tfp - w_custagg| = %.2e after %d "
+            "steps (weights moved up to %.3f); noise std tfp %.5f custagg "
+            "%.5f (expected %.5f)" % (model, batch, mb, diff, steps, moved,
+                                       stds["tf_privacy"], stds["custagg"],
+                                       row["noise_std_expected"]))
+        rows.append(row)
+        for r in runs.values():
+            r.close()
+    return rows
+
+
+def epsilon(log=print):
+    tfp = tf_privacy()
+    rows = []
+    for s in EPSILON_SETTINGS:
+        ours, order = custagg_accounting.compute_dp_sgd_privacy(*s)
+        pld, _ = custagg_accounting.compute_dp_sgd_privacy(*s,
+                                                           accountant="pld")
+        row = dict(setting=list(s), custagg_rdp=ours, custagg_order=order,
+                   custagg_pld=pld)
+        if tfp is not None:
+            theirs, t_order = tfp[1].compute_dp_sgd_privacy(*s)
+            row.update(tf_privacy=float(theirs), tf_privacy_order=float(t_order),
+                       rel_diff=abs(ours - theirs) / theirs)
+        log("epsilon n=%d B=%d sigma=%g epochs=%g delta=%g: custagg %.6g "
+            "(order %s, PLD %.6g)%s" % (
+                tuple(s) + (ours, order, pld) +
+                ((" tf_privacy %.6g (order %s), rel diff %.1e"
+                  % (row["tf_privacy"], row["tf_privacy_order"],
+                     row["rel_diff"])) if tfp is not None else "",)))
+        rows.append(row)
+    return rows
+
+
+def _time_step(step, data, repeats):
+    step.run(*data[0])                       # build caches, first run
+    times = []
+    for xb, yb in data[1:repeats + 1]:
+        t = time.perf_counter()
+        step.run(xb, yb)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def timing(slow_limit=30.0, repeats=5, log=print):
+    mods = systems()
+    x, y, _, _ = digits28()
+    x = np.concatenate([x] * 2)
+    y = np.concatenate([y] * 2)
+    rows = []
+    configs = [(m, b, mb) for m in ("tutorial_cnn", "mlp") for b in (64, 256)
+               for mb in (b, b // 4)]
+    configs += [("mlp", 512, 512), ("mlp", 512, 128)]
+    last = {}
+    for model, batch, mb in configs:
+        for name, mod in mods.items():
+            key = (name, model, mb == batch)
+            if name == "tf_privacy" and batch == 512:
+                continue
+            est = last.get(key)
+            if est is not None and est[1] * (batch / est[0]) ** 2 > slow_limit:
+                rows.append(dict(system=name, model=model, batch=batch,
+                                 microbatches=mb, skipped="estimated > %gs"
+                                 % slow_limit))
+                log("time %-10s %-12s B=%-3d M=%-3d skipped (est. > %gs)"
+                    % (name, model, batch, mb, slow_limit))
+                continue
+            t0 = time.perf_counter()
+            step = Step(mod, model, batch, mb, noise=1.1)
+            build = time.perf_counter() - t0
+            data = batches(x, y, batch, repeats + 1, seed=3)
+            sec = _time_step(step, data, repeats)
+            step.close()
+            last[key] = (batch, sec)
+            rows.append(dict(system=name, model=model, batch=batch,
+                             microbatches=mb, seconds_per_step=sec,
+                             build_seconds=build))
+            log("time %-10s %-12s B=%-3d M=%-3d %.4f s/step (graph %.1fs)"
+                % (name, model, batch, mb, sec, build))
+    return rows
+
+
+def tutorial(epochs=3, dp_module=custagg_dp, accounting=custagg_accounting,
+             batch_size=256, microbatches=256, log=print):
+    """TF Privacy's mnist_dpsgd_tutorial.py main loop with `dp_module`."""
+    from tensorflow import estimator as tf_estimator  # pylint: disable=g-import-not-at-top
+    x, y, xt, yt = digits28()
+    n = len(x)
+
+    def model_fn(features, labels, mode, params):  # pylint: disable=unused-argument
+        logits = tutorial_cnn(features)
+        vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits)
+        scalar_loss = tf.reduce_mean(input_tensor=vector_loss)
+        if mode == tf_estimator.ModeKeys.TRAIN:
+            optimizer = dp_module.DPGradientDescentGaussianOptimizer(
+                l2_norm_clip=1.0, noise_multiplier=1.1,
+                num_microbatches=microbatches, learning_rate=0.15)
+            global_step = tf.compat.v1.train.get_global_step()
+            train_op = optimizer.minimize(loss=vector_loss,
+                                          global_step=global_step)
+            return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss,
+                                              train_op=train_op)
+        acc = tf.compat.v1.metrics.accuracy(
+            labels=labels, predictions=tf.argmax(input=logits, axis=1))
+        return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss,
+                                          eval_metric_ops={"accuracy": acc})
+
+    def input_fn(images, labels, repetitions):
+        def fn(params=None):  # pylint: disable=unused-argument
+            ds = tf.data.Dataset.from_tensor_slices((images, labels))
+            ds = ds.shuffle(len(images), seed=0).repeat(repetitions)
+            return ds.batch(batch_size, drop_remainder=True)
+        return fn
+
+    clf = tf_estimator.Estimator(model_fn=model_fn)
+    steps_per_epoch = n // batch_size
+    rows = []
+    for epoch in range(1, epochs + 1):
+        clf.train(input_fn=input_fn(x, y, -1), steps=steps_per_epoch)
+        acc = float(clf.evaluate(input_fn=input_fn(xt, yt, 1))["accuracy"])
+        eps, _ = accounting.compute_dp_sgd_privacy(n, batch_size, 1.1, epoch,
+                                                   1e-5)
+        log("Test accuracy after %d epochs is: %.3f" % (epoch, acc))
+        log("For delta=1e-5, the current epsilon is: %.2f" % eps)
+        rows.append(dict(epoch=epoch, accuracy=acc, epsilon=eps))
+    return rows
+
+
+def _markdown(result):
+    lines = ["# custagg.privacy vs TF Privacy 0.9.0 (one process)", "",
+             "`%s`; %s." % (result["command"], result["machine"]), ""]
+    if isinstance(result.get("parity"), list):
+        lines += ["## Parity (noise off, same weights and batches)", "",
+                  "| model | B | M | steps | max abs weight diff | noise std "
+                  "tfp / custagg / expected |", "|---|---:|---:|---:|---:|---|"]
+        for r in result["parity"]:
+            lines.append("| %s | %d | %d | %d | %.1e | %.5f / %.5f / %.5f |" % (
+                r["model"], r["batch"], r["microbatches"], r["steps"],
+                r["max_abs_weight_diff"], r["noise_std"]["tf_privacy"],
+                r["noise_std"]["custagg"], r["noise_std_expected"]))
+        lines.append("")
+    if result.get("epsilon"):
+        lines += ["## epsilon (compute_dp_sgd_privacy)", "",
+                  "| n | B | sigma | epochs | delta | TF Privacy | custagg RDP "
+                  "| rel diff | custagg PLD |", "|---|---|---|---|---|---:|---:|"
+                  "---:|---:|"]
+        for r in result["epsilon"]:
+            lines.append("| %s | %s | %s | %s | %s | %s | %.6g | %s | %.6g |" % (
+                tuple(r["setting"]) + (
+                    "%.6g" % r["tf_privacy"] if "tf_privacy" in r else "-",
+                    r["custagg_rdp"],
+                    "%.1e" % r["rel_diff"] if "rel_diff" in r else "-",
+                    r["custagg_pld"])))
+        lines.append("")
+    if result.get("timing"):
+        lines += ["## Seconds per DP-SGD step (median, 1 thread)", "",
+                  "| model | B | M | TF Privacy | custagg | ratio |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        cells = {}
+        for r in result["timing"]:
+            cells[(r["model"], r["batch"], r["microbatches"], r["system"])] = r
+        keys = sorted({k[:3] for k in cells}, key=lambda k: (k[0], k[1], -k[2]))
+        for model, b, mb in keys:
+            t = cells.get((model, b, mb, "tf_privacy"), {})
+            c = cells.get((model, b, mb, "custagg"), {})
+            ts = t.get("seconds_per_step")
+            cs = c.get("seconds_per_step")
+            lines.append("| %s | %d | %d | %s | %s | %s |" % (
+                model, b, mb,
+                "%.4f" % ts if ts else t.get("skipped", "-"),
+                "%.4f" % cs if cs else c.get("skipped", "-"),
+                "%.0fx" % (ts / cs) if ts and cs else "-"))
+        mlp = {r["microbatches"]: r.get("seconds_per_step")
+               for r in result["timing"] if r["system"] == "custagg"
+               and r["model"] == "mlp" and r["batch"] == 512}
+        if mlp.get(512) and mlp.get(128):
+            lines += ["", "custagg MLP B=512: M=B/4 step / M=B step = %.2fx."
+                      % (mlp[128] / mlp[512])]
+        lines.append("")
+    if result.get("tutorial"):
+        lines += ["## The tutorial's Estimator loop with custagg (digits)", ""]
+        for r in result["tutorial"]:
+            lines.append("- epoch %d: test accuracy %.3f, epsilon %.2f"
+                         % (r["epoch"], r["accuracy"], r["epsilon"]))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parity", action="store_true")
+    p.add_argument("--epsilon", action="store_true")
+    p.add_argument("--timing", action="store_true")
+    p.add_argument("--tutorial", action="store_true")
+    p.add_argument("--tutorial-epochs", type=int, default=3)
+    p.add_argument("--slow-limit", type=float, default=30.0)
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON on the last line")
+    p.add_argument("--write", action="store_true",
+                   help="write benchmarks/results/tf_privacy_compare.json/.md")
+    args = p.parse_args(argv)
+    tf.compat.v1.disable_eager_execution()
+    parts = [k for k in ("parity", "epsilon", "timing", "tutorial")
+             if getattr(args, k)] or ["parity", "epsilon", "timing",
+                                      "tutorial"]
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    tfp = tf_privacy()
+    result = dict(
+        command="python -m benchmarks.tf_privacy_compare " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        machine="%s, %d cores; python %s; tensorflow %s; tensorflow-privacy "
+        "%s; custagg %s" % (platform.processor() or platform.machine(),
+                            os.cpu_count(), platform.python_version(),
+                            tf.__version__,
+                            _version("tensorflow_privacy") if tfp else "absent",
+                            custagg.__version__))
+    if "parity" in parts:
+        result["parity"] = parity(log=log)
+    if "epsilon" in parts:
+        result["epsilon"] = epsilon(log=log)
+    if "timing" in parts:
+        result["timing"] = timing(slow_limit=args.slow_limit, log=log)
+    if "tutorial" in parts:
+        result["tutorial"] = tutorial(epochs=args.tutorial_epochs, log=log)
+    if args.write:
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, "tf_privacy_compare.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(RESULTS, "tf_privacy_compare.md"), "w") as f:
+            f.write(_markdown(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _version(dist):
+    try:
+        from importlib import metadata  # pylint: disable=g-import-not-at-top
+        return metadata.version(dist.replace("_", "-"))
+    except Exception:  # pylint: disable=broad-except
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
