@@ -31,15 +31,16 @@ import logging
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.framework import indexed_slices as indexed_slices_lib
-from tensorflow.python.ops import resource_variable_ops
 
 from custagg import errors
 from custagg import registry as registry_lib
 from custagg import separability
 from custagg import vectorized
+from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg._tf_compat import resource_variable_ops
 from custagg.aggregation import AggregationMethod
 from custagg.gradients import gradients
+from custagg.rules import _outer as _outer_lib
 
 _LOG = logging.getLogger("custagg")
 
@@ -475,7 +476,7 @@ class _Engine(object):
 
         if not batched:
             parts = vjp(cotangents)
-        elif all(y.shape.rank == 0 for y in ys) and len(ys) == 1:
+        elif _scalar_chain(chain):
             # A scalar output (l2_loss): each example's gradient is its own
             # multiple of one vector-Jacobian product.
             c = cotangents[0]
@@ -489,6 +490,47 @@ class _Engine(object):
                 one, self.plan.batch_size, self.chunk,
                 [t.dtype.base_dtype for t in wrt])
         return [self._to_x(p, a, batched) for p in parts]
+
+    def _scaled_chain(self, chain, a):
+        """(c `[B]`, v in x's layout): the scalar chain's g_b = c_b v."""
+        c = self._rules_per_example(chain.inner[0])
+        v = self._vjp(chain, [tf.ones([], c.dtype)], a, False)
+        return c, tf.add_n(v) if len(v) > 1 else v[0]
+
+    def _terms(self, a):
+        """x's per-example gradients as a sum of terms, for norms without
+        materializing: ("outer", Outer, param shape), ("scaled", c, v) or
+        ("dense", [B, *x])."""
+        terms = []
+        for rule, ctx in self.contexts(a):
+            outer = rule.outer(ctx)
+            if outer is not None:
+                terms.append(("outer", outer, _outer_lib.static_dims(
+                    ctx.param)))
+            else:
+                terms.append(("dense", self._to_x(rule.per_example(ctx), a,
+                                                  True), None))
+        for chain in self.chains(a):
+            if _scalar_chain(chain):
+                terms.append(("scaled",) + self._scaled_chain(chain, a))
+            else:
+                for part in self._chain_per_example(chain, a):
+                    terms.append(("dense", part, None))
+        return terms
+
+    def _cross_norms(self, a):
+        """`[B]` squared norms from pairwise inner products of the terms,
+        or None when two terms cannot be paired without materializing."""
+        terms = self._terms(a)
+        dtype = self.loss.dtype
+        total = []
+        for i, t in enumerate(terms):
+            for j in range(i, len(terms)):
+                ip = _inner(t, terms[j], a)
+                if ip is None:
+                    return None
+                total.append(tf.cast(ip, dtype) * (1.0 if i == j else 2.0))
+        return tf.add_n(total) if total else None
 
     def _chain_per_example(self, chain, a):
         cotangents = [self._rules_per_example(inner) for inner in chain.inner]
@@ -607,6 +649,11 @@ class _Engine(object):
                 return tf.cast(rule.squared_norms(ctx), dtype)
             if not pairs:
                 return tf.zeros(tf.shape(self.loss), dtype)
+        if a.strategy == "rules":
+            # A shared weight, or weight decay next to a layer: cross terms.
+            cross = self._cross_norms(a)
+            if cross is not None:
+                return cross
         g = tf.cast(self.per_example(a), dtype)
         return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
                              axis=1)
@@ -643,6 +690,41 @@ class _Engine(object):
                 rule, ctx = parts[0]
                 return self._to_x(rule.squared_sum(ctx), a, False)
         return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _scalar_chain(chain):
+    return len(chain.inner) == 1 and chain.inner[0].tensor.shape.rank == 0
+
+
+def _per_example_dot(u, v):
+    batch = tf.shape(u)[0]
+    return tf.reduce_sum(tf.reshape(u * tf.cast(v, u.dtype), [batch, -1]),
+                         axis=1)
+
+
+def _inner(s, t, a):
+    """`[B]` <s_b, t_b> for two terms of `_Engine._terms`, or None."""
+    if s[0] > t[0]:
+        s, t = t, s          # order: dense < outer < scaled
+    kinds = (s[0], t[0])
+    if kinds == ("outer", "outer"):
+        if s[1].key != t[1].key or s[2] != t[2]:
+            return None
+        return s[1].inner(t[1])
+    if kinds == ("outer", "scaled"):
+        v = tf.reshape(t[2], s[2])
+        return tf.cast(t[1], s[1].a.dtype) * s[1].inner_dense(v, False)
+    if kinds == ("dense", "outer"):
+        m = tf.reshape(s[1], [-1] + list(t[2]))
+        return t[1].inner_dense(m, True)
+    if kinds == ("dense", "dense"):
+        return _per_example_dot(s[1], t[1])
+    if kinds == ("dense", "scaled"):
+        return tf.cast(t[1], s[1].dtype) * _per_example_dot(
+            s[1], tf.expand_dims(t[2], 0))
+    # scaled, scaled
+    return s[1] * tf.cast(t[1], s[1].dtype) * tf.reduce_sum(
+        tf.cast(s[2], s[1].dtype) * tf.cast(t[2], s[1].dtype))
 
 
 def _rule_consumers(consumers):

@@ -18,6 +18,7 @@ A `Rule` computes, from the op's inputs and `dz` alone (one backward pass),
     squared_norms(ctx)      -> [B]                ||g_i||^2
     weighted_sum(ctx, c)    -> p.shape            sum_i c_i g_i   (c: [B])
     squared_sum(ctx)        -> p.shape            sum_i g_i ** 2  (elementwise)
+    outer(ctx)              -> _outer.Outer/None  g_i as sum_t a_it (x) g_it (cross terms)
     output_batch_axis(ctx)  -> int                axis of op.outputs[0] that is the batch
     coupling_start(ctx)     -> (tensor, axis)     where the batch-coupling check starts
     unsupported(ctx)        -> None or a reason   (attributes the rule does not handle)
@@ -118,6 +119,13 @@ class Rule(object):
 
     def squared_sum(self, ctx):
         return tf.reduce_sum(tf.square(self.cached_per_example(ctx)), axis=0)
+
+    def outer(self, ctx):
+        """The per-example gradients as an `_outer.Outer` (sums of outer
+        products, never materialized), or None. Lets a variable used by
+        several ops get its norms from cross terms."""
+        del ctx
+        return None
 
 
 def _caller_location(depth):

@@ -71,6 +71,29 @@ class Outer(object):
                           tf.reshape(self.g, [-1, k]), transpose_a=True)
         return self.to_param(total)
 
+    @property
+    def key(self):
+        """Outers with equal keys lay `[D, K]` out the same way in p."""
+        return self.to_param.key
+
+    def inner(self, other):
+        """`[B]` inner products `<G_b, G'_b>` with an Outer of the same key:
+        `sum_{t,s} (a_bt . a'_bs)(g_bt . g'_bs)` (a shared weight's cross
+        term, without materializing either)."""
+        if self.seq_len == 1 and other.seq_len == 1:
+            return (tf.reduce_sum(self.a[:, 0] * other.a[:, 0], axis=1) *
+                    tf.reduce_sum(self.g[:, 0] * other.g[:, 0], axis=1))
+        gram_a = tf.matmul(self.a, other.a, transpose_b=True)
+        gram_g = tf.matmul(self.g, other.g, transpose_b=True)
+        return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+
+    def inner_dense(self, m, batched):
+        """`[B]` inner products `<G_b, M_b>` (`batched`: m is `[B, *p]`) or
+        `<G_b, M>` (m is `[*p]`): `sum_t a_bt^T M g_bt`."""
+        m = self.to_param.from_param(tf.cast(m, self.a.dtype), batched)
+        eq = "btd,bdk,btk->b" if batched else "btd,dk,btk->b"
+        return tf.einsum(eq, self.a, m, self.g)
+
     def squared_sum(self):
         if self.seq_len == 1:
             return self.to_param(tf.matmul(tf.square(self.a[:, 0]),
@@ -89,17 +112,35 @@ def layout(d_dims, k_dims, perm):
         axis order (None for identity).
     """
     n = len(d_dims) + len(k_dims)
+    identity = perm is None or list(perm) == list(range(n))
 
     def to_param(t):
         batched = t.shape.rank == 3
         lead = [tf.shape(t)[0]] if batched else []
         out = tf.reshape(t, lead + list(d_dims) + list(k_dims))
-        if perm is not None and list(perm) != list(range(n)):
+        if not identity:
             shift = 1 if batched else 0
             full_perm = list(range(shift)) + [p + shift for p in perm]
             out = tf.transpose(out, full_perm)
         return out
 
+    def from_param(t, batched):
+        """The inverse: `[B?, *p.shape]` -> `[B?, D, K]`."""
+        shift = 1 if batched else 0
+        lead = [tf.shape(t)[0]] if batched else []
+        if not identity:
+            inverse = [0] * n
+            for i, p in enumerate(perm):
+                inverse[p] = i
+            dims = list(d_dims) + list(k_dims)
+            t = tf.reshape(t, lead + [dims[p] for p in perm])
+            t = tf.transpose(t, list(range(shift)) +
+                             [i + shift for i in inverse])
+        return tf.reshape(t, lead + [prod(d_dims), prod(k_dims)])
+
+    to_param.from_param = from_param
+    to_param.key = (tuple(d_dims), tuple(k_dims),
+                    None if identity else tuple(perm))
     return to_param
 
 

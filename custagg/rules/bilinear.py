@@ -15,9 +15,9 @@ sums without materializing); otherwise a generic einsum materializes.
 """
 
 import tensorflow as tf
-from tensorflow.python.framework import tensor_util
 
 from custagg import registry
+from custagg._tf_compat import tensor_util
 from custagg.rules import _outer
 
 
@@ -85,6 +85,9 @@ class BilinearRule(registry.Rule):
         order = d_letters + k_letters
         perm = [order.index(c) for c in p_sub]
         return _outer.Outer(a, g, _outer.layout(d_dims, k_dims, perm))
+
+    def outer(self, ctx):
+        return self._outer(ctx)
 
     def per_example(self, ctx):
         outer = self._outer(ctx)
