@@ -87,6 +87,7 @@ def _check(per, loss, w, feed):
 
 
 CONV2D_FORMS = {
+    "windows": lambda rule, ctx: rule._windows_per_example(ctx),
     "grouped": lambda rule, ctx: rule._grouped_per_example(ctx),
     "offsets": lambda rule, ctx: rule._offsets_per_example(ctx),
     "patches": lambda rule, ctx: rule._outer(ctx).per_example(),
@@ -100,9 +101,9 @@ def test_conv2d_form_matches_loop(graph, form, case):
     w, loss, ctx, feed = _problem(case, rng)
     per = CONV2D_FORMS[form](conv.Conv2DRule(), ctx)
     if per is None:
-        if form == "offsets":
-            assert not case[-1], "offsets form refused static spatial dims"
-            pytest.skip("the offsets form needs static spatial dims")
+        if form in ("offsets", "windows"):
+            assert not case[-1], form + " form refused static spatial dims"
+            pytest.skip("the %s form needs static spatial dims" % form)
         assert form == "grouped" and not conv._folded_kernels_available()
         pytest.skip("no grouped convolution kernels here (oneDNN off)")
     _check(per, loss, w, feed)
@@ -136,6 +137,7 @@ def test_without_folded_kernels_conv2d_uses_offsets(graph, monkeypatch):
     w, loss, ctx, feed = _problem(CASES[2], rng)
     rule = conv.Conv2DRule()
     assert rule._grouped_per_example(ctx) is None
+    monkeypatch.setattr(rule, "_windows_per_example", lambda ctx: None)
     per = rule.per_example(ctx)
     types = {op.type for op in graph.get_operations()}
     assert "ExtractImagePatches" not in types and "BatchMatMulV2" in types
