@@ -443,6 +443,16 @@ def main(argv=None):
         result["tutorial"] = tutorial(epochs=args.tutorial_epochs, log=log)
     if args.write:
         os.makedirs(RESULTS, exist_ok=True)
+        # Parts not run this time keep their figures from the last run.
+        path = os.path.join(RESULTS, "tf_privacy_compare.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            for k in ("parity", "epsilon", "timing", "tutorial"):
+                if k not in result and k in old:
+                    result[k] = old[k]
+                    result.setdefault("commands", {})[k] = old.get(
+                        "commands", {}).get(k, old["command"])
         with open(os.path.join(RESULTS, "tf_privacy_compare.json"), "w") as f:
             json.dump(result, f, indent=1)
         with open(os.path.join(RESULTS, "tf_privacy_compare.md"), "w") as f:
