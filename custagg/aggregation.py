@@ -18,12 +18,12 @@ import collections
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import node_def_pb2
-from tensorflow.core.framework import types_pb2
-from tensorflow.python.framework import indexed_slices as indexed_slices_lib
-from tensorflow.python.framework import ops
 
+from custagg import _tf_compat
 from custagg import errors
+from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg._tf_compat import ops
+from custagg._tf_compat import types_pb2
 
 
 class AggregationMethod(object):
@@ -78,9 +78,8 @@ def _add_n_by_device(tensors, gradient_uid):
     partial_sums = []
     for device in sorted(by_device):
         group = by_device[device]
-        # pylint: disable=protected-access
-        with ops._colocate_with_for_gradient(group[0].op, gradient_uid,
-                                             ignore_existing=True):
+        with _tf_compat.colocate_with_for_gradient(
+                group[0].op, gradient_uid, ignore_existing=True):
             partial_sums.append(tf.math.add_n(group))
     return tf.math.add_n(partial_sums)
 
@@ -162,10 +161,10 @@ _Slice = collections.namedtuple("_Slice", ["source", "index"])
 _INT_DTYPES = {types_pb2.DT_INT32: np.int32, types_pb2.DT_INT64: np.int64}
 
 
-# `Operation.node_def` is this parse of the bytes TF serializes for the op
-# (`op._node_def`, TF 2.21); the finder calls it directly, saving the
-# property's Python frame twice per example of the list form.
-_parse_node_def = node_def_pb2.NodeDef.FromString
+# `Operation.node_def`, parsed from the bytes TF serializes for the op where
+# the release has them (`_tf_compat.node_def`): the finder calls it directly,
+# saving the property's Python frame twice per example of the list form.
+_parse_node_def = _tf_compat.node_def
 
 
 def _split_input_name(name):
@@ -255,8 +254,7 @@ class _SliceFinder(object):
     def __init__(self, graph):
         self._graph = graph
         # The C++ lookup behind get_operation_by_name, without its checks.
-        self._op_by_name = getattr(graph, "_get_operation_by_name",
-                                   graph.get_operation_by_name)
+        self._op_by_name = _tf_compat.operation_by_name_fn(graph)
         self._sources = {}      # input name -> (tensor, B, rank)
         # Unpack op -> the tensor it unstacks along axis 0 (None: another
         # axis, or not a [B, ...] tensor): its B outputs are B ys.
@@ -273,7 +271,7 @@ class _SliceFinder(object):
             return self._unpacked_row(y, op)
         # The op type from the NodeDef, which a slice needs anyway (one call
         # into TF fewer than `op.type`).
-        node_def = _parse_node_def(op._node_def)  # pylint: disable=protected-access
+        node_def = _parse_node_def(op)
         kind = node_def.op
         if kind == "StridedSlice":
             attrs = node_def.attr
@@ -300,7 +298,7 @@ class _SliceFinder(object):
             if rank == 1:
                 # Nothing else to check: a rank-1 source has no later axes
                 # (TF rejects a spec longer than the rank, an ellipsis aside).
-                index = _first_int(_parse_node_def(begin_op._node_def))  # pylint: disable=protected-access
+                index = _first_int(_parse_node_def(begin_op))
             else:
                 index = self._longer_spec_index(attrs, begin_op, inputs[3])
         else:
@@ -424,7 +422,7 @@ def _as_factor_vector(gradient_factors, n_terms):
     graph = ops.get_default_graph()
     f_graph = getattr(f, "graph", None)
     if (f_graph is not None and f_graph is not graph
-            and not graph._building_function):  # pylint: disable=protected-access
+            and not _tf_compat.building_function(graph)):
         raise ValueError(
             "custagg.gradients: gradient_factors (%s) is from another graph "
             "than ys; build it in the same tf.Graph." % f.name)

@@ -1,7 +1,7 @@
 """Error helpers shared by the public functions."""
 
 import tensorflow as tf
-from tensorflow.python.framework import ops
+from custagg._tf_compat import ops
 
 
 def check_not_eager(fn_name):

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import collections
 
-from tensorflow.python.eager import backprop_util
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import tensor_util
-
 import tensorflow as tf
 
 from custagg import symbolic_shapes
+from custagg._tf_compat import backprop_util
+from custagg._tf_compat import gradient_registry
+from custagg._tf_compat import tensor_util
 
 _ELEMENTWISE_UNARY = frozenset("""
 Abs Acos Acosh Asin Asinh Atan Atanh Cast Ceil Cos Cosh Digamma Elu Erf Erfc
@@ -510,7 +509,7 @@ def _blocks_gradient(op):
     if op.type == "StopGradient":
         return True
     try:
-        return ops._gradient_registry.lookup(op.type) is None  # pylint: disable=protected-access
+        return gradient_registry.lookup(op.type) is None
     except LookupError:
         return False
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 
 import tensorflow as tf
-from tensorflow.python.framework import tensor_util
+from custagg._tf_compat import tensor_util
 
 
 class Dim(collections.namedtuple("Dim", ["coef", "factors"])):

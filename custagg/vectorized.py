@@ -22,12 +22,13 @@ from __future__ import annotations
 import collections
 
 import tensorflow as tf
-from tensorflow.python.eager import backprop_util
-from tensorflow.python.framework import indexed_slices as indexed_slices_lib
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 
+from custagg import _tf_compat
 from custagg import separability
+from custagg._tf_compat import backprop_util
+from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg._tf_compat import pfor_ops
+from custagg._tf_compat import resource_variable_ops
 from custagg.gradients import gradients
 
 # Ops that bring batch data into a graph.
@@ -118,8 +119,8 @@ def _copy_on_rows(op, batch_inputs, i):
               else inp for k, inp in enumerate(op.inputs)]
     graph = tf.compat.v1.get_default_graph()
     attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
-    new = graph._create_op_internal(  # pylint: disable=protected-access
-        op.type, inputs, dtypes=[o.dtype for o in op.outputs],
+    new = _tf_compat.create_op(
+        graph, op.type, inputs, dtypes=[o.dtype for o in op.outputs],
         name=op.name.split("/")[-1] + "_example", attrs=attrs,
         op_def=op.op_def)
     return new, [inputs[k] for k in batch_inputs]

@@ -10,10 +10,9 @@ builds the dense `[B, V, *D]`.
 """
 
 import tensorflow as tf
-from tensorflow.python.framework import tensor_util
-from tensorflow.python.ops import resource_variable_ops
-
 from custagg import registry
+from custagg._tf_compat import resource_variable_ops
+from custagg._tf_compat import tensor_util
 
 
 def _table_shape(ctx):
