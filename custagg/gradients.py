@@ -33,21 +33,22 @@ import contextlib
 import operator
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.eager import backprop_util
-from tensorflow.python.framework import composite_tensor
-from tensorflow.python.framework import composite_tensor_gradient
-from tensorflow.python.framework import indexed_slices as indexed_slices_lib
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import control_flow_state
-from tensorflow.python.ops import control_flow_util
-from tensorflow.python.ops import default_gradient
-from tensorflow.python.ops import gen_functional_ops
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.util import object_identity
 
+from custagg import _tf_compat
 from custagg import aggregation
 from custagg import errors
+from custagg._tf_compat import attr_value_pb2
+from custagg._tf_compat import backprop_util
+from custagg._tf_compat import composite_tensor
+from custagg._tf_compat import composite_tensor_gradient
+from custagg._tf_compat import control_flow_state
+from custagg._tf_compat import control_flow_util
+from custagg._tf_compat import default_gradient
+from custagg._tf_compat import gen_functional_ops
+from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg._tf_compat import object_identity
+from custagg._tf_compat import ops
+from custagg._tf_compat import resource_variable_ops
 from custagg.aggregation import AggregationMethod
 
 def _as_list(x):
@@ -72,7 +73,7 @@ _class_of = operator.attrgetter("__class__")
 
 
 def _is_func_graph(graph):
-    return isinstance(graph, ops.Graph) and graph._building_function  # pylint: disable=protected-access
+    return isinstance(graph, ops.Graph) and _tf_compat.building_function(graph)
 
 
 def _outer_value(t):
@@ -267,7 +268,7 @@ class _Backprop(object):
     @contextlib.contextmanager
     def _maybe_colocate(self, op):
         if self.colocate:
-            with ops._colocate_with_for_gradient(op, self.gradient_uid):  # pylint: disable=protected-access
+            with _tf_compat.colocate_with_for_gradient(op, self.gradient_uid):
                 yield
         else:
             yield
@@ -281,7 +282,8 @@ class _Backprop(object):
         the op type; then a function call's Python gradient or, failing
         that, a SymbolicGradient node.
         """
-        is_call = self.graph._is_function(op.type) or _is_partitioned_call(op)  # pylint: disable=protected-access
+        is_call = (_tf_compat.is_function(self.graph, op.type)
+                   or _is_partitioned_call(op))
         try:
             return ops.get_gradient_function(op), is_call, None
         except LookupError:
@@ -293,13 +295,14 @@ class _Backprop(object):
                     "treated as a constant." % (op.name, op.type))
         func = self._called_function(op)
         func = getattr(op, "__defun", func)
-        return func.python_grad_func if func is not None else None, True, func
+        return (_tf_compat.python_grad_func(func) if func is not None
+                else None), True, func
 
     def _called_function(self, op):
         name = op.get_attr("f").name if _is_partitioned_call(op) else op.type
         g = self.graph
         while g is not None:
-            func = g._get_function(name)  # pylint: disable=protected-access
+            func = _tf_compat.get_function(g, name)
             if func is not None:
                 return func
             g = getattr(g, "outer_graph", None)
@@ -325,10 +328,10 @@ class _Backprop(object):
     def _check_not_through_loop_entry(self, op):
         """A loop's Switch reached from outside the loop: TF can only
         differentiate through loop invariants and the body's inputs."""
-        ctxt = op._control_flow_context  # pylint: disable=protected-access
+        ctxt = _tf_compat.control_flow_context(op)
         if (control_flow_util.IsSwitch(op) and ctxt is not None
                 and ctxt.IsWhileContext() and ctxt ==
-                self.graph._get_control_flow_context()):  # pylint: disable=protected-access
+                _tf_compat.graph_control_flow_context(self.graph)):
             raise ValueError(
                 "custagg.gradients: cannot differentiate with respect to, or "
                 "through, the initial value of a v1 while loop variable (op "
@@ -382,7 +385,7 @@ class _Backprop(object):
                 elif default_gradient.supports_default_grad(op.outputs[i]):
                     out_grads[i] = control_flow_state.ZerosLike(op, i)
         with tf.name_scope(op.name + "_grad"):
-            with self.graph._original_op(op):  # pylint: disable=protected-access
+            with _tf_compat.original_op(self.graph, op):
                 with self._xla_scope(op, func):
                     if grad_fn is not None:
                         in_grads = grad_fn(op, *out_grads)
@@ -398,7 +401,7 @@ class _Backprop(object):
                         % (op.name, op.type, len(in_grads), len(op.inputs)))
                 if self.gate and sum(g is not None for g in in_grads) > 1:
                     with tf.device(None):
-                        with ops._colocate_with_for_gradient(  # pylint: disable=protected-access
+                        with _tf_compat.colocate_with_for_gradient(
                                 None, self.gradient_uid, ignore_existing=True):
                             in_grads = tf.tuple(in_grads)
         return in_grads
@@ -417,7 +420,8 @@ class _Backprop(object):
     def _xla_scope(self, op, func):
         """Gradients of XLA-compiled ops are compiled too (as TF does)."""
         try:
-            attrs = (func.cached_definition.attr if func is not None else None)
+            attrs = (_tf_compat.function_def(func).attr if func is not None
+                     else None)
             if attrs is not None:
                 compile_ = attrs["_XlaCompile"].b
                 separate = attrs["_XlaSeparateCompiledGradients"].b
@@ -436,7 +440,7 @@ class _Backprop(object):
                 scope, self.scope_name.rstrip("/").replace("/", "_"))
         new_attrs = {"_XlaCompile": attr_value_pb2.AttrValue(b=True),
                      "_XlaScope": attr_value_pb2.AttrValue(s=scope.encode())}
-        with self.graph._attr_scope(new_attrs):  # pylint: disable=protected-access
+        with _tf_compat.attr_scope(self.graph, new_attrs):
             yield
 
     def run(self, ys, grad_ys):
@@ -539,7 +543,7 @@ def _default_grad_ys(ys, grad_ys, colocate, gradient_uid):
         grad_ys, name="grad_y")
     seeds = []
     for i, (y, gy) in enumerate(zip(ys, grad_ys)):
-        with (ops._colocate_with_for_gradient(y.op, gradient_uid)  # pylint: disable=protected-access
+        with (_tf_compat.colocate_with_for_gradient(y.op, gradient_uid)
               if colocate else contextlib.nullcontext()):
             if gy is None:
                 if y.dtype.is_complex:

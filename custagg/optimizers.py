@@ -48,6 +48,7 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
+from custagg import _tf_compat
 from custagg import aggregation
 from custagg import errors
 
@@ -260,7 +261,7 @@ class PerExampleOptimizer(_Optimizer):
         self._was_compute_gradients_called = False
         # Object-based checkpoints (tf.train.Checkpoint) reach the slots
         # through the wrapped optimizer.
-        self._track_trackable(optimizer, name="optimizer")
+        _tf_compat.track_trackable(self, optimizer, name="optimizer")
 
     # ---------------------------------------------------------------- access
 
@@ -392,7 +393,8 @@ class PerExampleOptimizer(_Optimizer):
         """The wrapped optimizer's variables plus this wrapper's own (the DP
         noise counter), in the current graph, sorted by name."""
         graph = tf.compat.v1.get_default_graph()
-        own = [v for v in self._non_slot_variables() if v.graph is graph]
+        own = [v for v in _tf_compat.non_slot_variables(self)
+               if v.graph is graph]
         return sorted(list(self._optimizer.variables()) + own,
                       key=lambda v: v.name)
 
@@ -678,9 +680,9 @@ class DPOptimizer(PerExampleOptimizer):
 
     def _noise_counter(self, colocate_with):
         with tf.compat.v1.get_default_graph().name_scope(None):
-            return self._create_non_slot_variable(
-                initial_value=np.int64(0), name=self._name + "_noise_step",
-                colocate_with=colocate_with)
+            return _tf_compat.create_non_slot_variable(
+                self, initial_value=np.int64(0),
+                name=self._name + "_noise_step", colocate_with=colocate_with)
 
     def _noise(self, grads, stddev, var_list):
         """Gaussian noise for each present gradient, one draw per step."""
