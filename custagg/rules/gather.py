@@ -31,9 +31,10 @@ def _table_shape(ctx):
 
 
 class _Rows(object):
-    """Example-keyed rows of the per-example table gradients."""
+    """Example-keyed rows of the per-example table gradients (keyed by
+    microbatch instead with `num_groups`: M groups of B/M examples)."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, num_groups=None):
         dims = _table_shape(ctx)
         self.vocab, self.row_dims = dims[0], dims[1:]
         ids = ctx.op.inputs[1]
@@ -47,6 +48,10 @@ class _Rows(object):
             self.batch, 1)
         example = tf.range(tf.size(self.ids, out_type=tf.int64)) // \
             tf.maximum(per_ex, 1)
+        if num_groups is not None:
+            example = example // tf.maximum(
+                self.batch // num_groups, 1)
+            self.batch = tf.constant(num_groups, tf.int64)
         self.keys = example * self.vocab + self.ids                   # [B*T]
 
     def merged(self):
@@ -84,7 +89,11 @@ class GatherRule(registry.Rule):
         return tf.reshape(dense, [-1, rows.vocab] + rows.row_dims)
 
     def squared_norms(self, ctx):
-        rows = _Rows(ctx)
+        return self.group_squared_norms(ctx, None)
+
+    def group_squared_norms(self, ctx, num_groups):
+        # Keyed by microbatch, an id repeated across its examples merges.
+        rows = _Rows(ctx, num_groups)
         unique, merged = rows.merged()
         return tf.math.unsorted_segment_sum(
             tf.reduce_sum(tf.square(merged), axis=1), unique // rows.vocab,
