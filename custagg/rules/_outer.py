@@ -122,8 +122,15 @@ class Outer(object):
         """`[B]` inner products `<G_b, M_b>` (`batched`: m is `[B, *p]`) or
         `<G_b, M>` (m is `[*p]`): `sum_t a_bt^T M g_bt`."""
         m = self.to_param.from_param(tf.cast(m, self.a.dtype), batched)
-        eq = "btd,bdk,btk->b" if batched else "btd,dk,btk->b"
-        return tf.einsum(eq, self.a, m, self.g)
+        # Two plain matmuls, (a M) then the row dots with g: TF's einsum of
+        # the three operands was 4x slower on a CPU (B=256, D=784, K=256).
+        if batched:
+            am = tf.matmul(self.a, m)                             # [B, T, K]
+        else:
+            d, k = tf.shape(self.a)[2], tf.shape(m)[1]
+            am = tf.reshape(tf.matmul(tf.reshape(self.a, [-1, d]), m),
+                            tf.concat([tf.shape(self.a)[:2], [k]], 0))
+        return tf.reduce_sum(am * self.g, axis=[1, 2])
 
     def squared_sum(self):
         if self.seq_len == 1:

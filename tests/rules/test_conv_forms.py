@@ -124,6 +124,9 @@ def test_depthwise_forms_match_loop(graph, case, monkeypatch):
         assert not case[-1], "offsets form refused static spatial dims"
     else:
         forms["offsets"] = offsets
+        # The same form one offset at a time (large images).
+        monkeypatch.setattr(rule, "_STACKED_MAX_ELEMENTS", 0)
+        forms["offsets_one_by_one"] = rule._offsets_per_example(ctx)
     monkeypatch.setattr(conv, "_folded_kernels_available", lambda: False)
     monkeypatch.setattr(rule, "_offsets_per_example", lambda ctx: None)
     forms["patches"] = rule.per_example(ctx)
