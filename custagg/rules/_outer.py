@@ -98,8 +98,16 @@ class Outer(object):
         c = tf.cast(weights, self.a.dtype)[:, None, None]
         d = tf.shape(self.a)[2]
         k = tf.shape(self.g)[2]
-        total = tf.matmul(tf.reshape(self.a * c, [-1, d]),
-                          tf.reshape(self.g, [-1, k]), transpose_a=True)
+        a, g = self.a, self.g
+        # Scale whichever side is narrower: a Dense layer's 21632 inputs
+        # against its 3 outputs is a [B, 3] multiply instead of [B, 21632].
+        d_static, k_static = _static(a.shape[2]), _static(g.shape[2])
+        if None not in (d_static, k_static) and k_static < d_static:
+            g = g * c
+        else:
+            a = a * c
+        total = tf.matmul(tf.reshape(a, [-1, d]), tf.reshape(g, [-1, k]),
+                          transpose_a=True)
         return self.to_param(total)
 
     @property
