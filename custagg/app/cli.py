@@ -166,6 +166,20 @@ def build_parser():
     check.add_argument(
         "--no-check", action="store_true",
         help="skip the final check against the loop reference")
+    cluster = p.add_argument_group("distributed (TF1 parameter server)")
+    cluster.add_argument(
+        "--distributed", choices=("local",), default=None,
+        help="local: train on a cluster of 1 ps and --workers workers, each "
+             "a process on 127.0.0.1 (SyncReplicasOptimizer; DP noise added "
+             "once per step); see docs/distributed.md (default: one process)")
+    cluster.add_argument(
+        "--workers", type=_positive_int, default=2, metavar="W",
+        help="workers of --distributed local; each trains on --batch-size / "
+             "W examples of every step (default: %(default)s)")
+    cluster.add_argument(
+        "--cluster-timeout", type=_float(0.0, True), default=3600,
+        metavar="S", help="--distributed: stop the cluster after S seconds "
+                          "(default: %(default)s)")
     output = p.add_argument_group("output")
     output.add_argument(
         "--verbose", action="store_true",
@@ -193,6 +207,18 @@ def check_args(parser, args):
     if args.dataset == "digits" and args.data_dir is not None:
         parser.error("--data-dir is for MNIST; it cannot be used with "
                      "--dataset digits")
+    if args.distributed is not None:
+        if args.batch_size % args.workers:
+            parser.error("--batch-size %d must be a multiple of --workers %d"
+                         % (args.batch_size, args.workers))
+        if args.num_microbatches is not None and (
+                args.num_microbatches % args.workers):
+            parser.error("--distributed: --num-microbatches %d must be a "
+                         "multiple of --workers %d (each worker clips its "
+                         "share)" % (args.num_microbatches, args.workers))
+        if args.download:
+            parser.error("--download cannot be used with --distributed; "
+                         "download once without it")
     if args.data_dir is not None and not args.download:
         path = os.path.expanduser(args.data_dir)
         if not os.path.exists(path):
@@ -218,6 +244,9 @@ def _data_error(args, e):
 
 def select_job(args):
     """The function that runs the job the flags ask for."""
+    if args.distributed == "local":
+        from custagg.app import cluster  # pylint: disable=g-import-not-at-top
+        return cluster.run_local
     from custagg.app import train  # pylint: disable=g-import-not-at-top
     return train.run
 
