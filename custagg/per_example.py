@@ -35,6 +35,7 @@ import tensorflow as tf
 from custagg import errors
 from custagg import registry as registry_lib
 from custagg import separability
+from custagg import shortcuts
 from custagg import vectorized
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import resource_variable_ops
@@ -45,11 +46,6 @@ from custagg.rules import _outer as _outer_lib
 _LOG = logging.getLogger("custagg")
 
 STRATEGIES = ("auto", "rules", "pfor", "loop")
-
-# Ops between a parameter and the op that uses it that the rules see through:
-# they change neither values nor (up to a reshape) layout.
-_PASS_THROUGH = frozenset(["ReadVariableOp", "Identity", "Snapshot", "Cast",
-                           "ExpandDims", "Reshape", "Squeeze"])
 
 _Consumer = collections.namedtuple("_Consumer", ["op", "index", "rule"])
 # A consumer that sees no batch data (`l2_loss(w)`, `gamma * rsqrt(var)`):
@@ -214,8 +210,12 @@ def _as_tensor(x, i, fn_name):
         x, as_ref=True)
 
 
-def _find_consumers(x_tensor, loss_ancestors):
-    """(op, input index) pairs where x's value enters a non-pass-through op."""
+def _find_consumers(x_tensor, loss_ancestors, live):
+    """(op, input index) pairs where x's value enters a non-pass-through op.
+
+    Only ops a gradient of the loss goes through (`live`) count: a use of x
+    under `tf.stop_gradient` or an integer cast is no consumer.
+    """
     found = []
     stack = [x_tensor]
     seen = set()
@@ -225,12 +225,12 @@ def _find_consumers(x_tensor, loss_ancestors):
             continue
         seen.add(t.ref())
         for op in t.consumers():
-            if op not in loss_ancestors:
+            if op not in loss_ancestors or op not in live:
                 continue
             for k, inp in enumerate(op.inputs):
-                if inp is not t:
+                if inp is not t or not live.reaches(inp):
                     continue
-                if op.type in _PASS_THROUGH and k == 0:
+                if shortcuts.passes_through(op, k, live):
                     stack.append(op.outputs[0])
                 else:
                     found.append((op, k))
@@ -245,7 +245,8 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
     if region is None:
         region = vectorized.batch_region(loss_ancestors)
     consumers, chained = [], set()
-    for op, k in _find_consumers(x_tensor, loss_ancestors):
+    for op, k in _find_consumers(x_tensor, loss_ancestors,
+                                 shortcuts.live_ops(loss)):
         if op not in region and depth < _MAX_CHAIN:
             if op in chained:
                 continue
@@ -261,6 +262,12 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
             return None, separability.Reason(
                 "no per-example rule for op type '%s' (op '%s')"
                 % (op.type, op.name), op)
+        if shortcuts.gradient_override(op) is not None:
+            return None, separability.Reason(
+                "op '%s' (type %s) has its gradient overridden (to %r); the "
+                "%s rule implements the standard gradient" % (
+                    op.name, op.type, shortcuts.gradient_override(op),
+                    op.type), op)
         ctx = registry_lib.RuleContext(op, k, None, batch_size)
         why = rule.unsupported(ctx)
         if why:
@@ -289,7 +296,8 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
            depth):
     """A `_Chain` through `op` (which sees no batch data), or (None, why)."""
     indices = [k for k, inp in enumerate(op.inputs)
-               if inp.ref() in _reached_refs(x_tensor, loss_ancestors)]
+               if inp.ref() in _reached_refs(x_tensor, loss_ancestors,
+                                             shortcuts.live_ops(loss))]
     inner = []
     for out in op.outputs:
         if out.op not in loss_ancestors or not out.dtype.is_floating:
@@ -307,7 +315,7 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
     return _Chain(op, indices, inner), None
 
 
-def _reached_refs(x_tensor, loss_ancestors):
+def _reached_refs(x_tensor, loss_ancestors, live):
     """Refs of x and of the pass-through tensors `_find_consumers` follows."""
     refs = set()
     stack = [x_tensor]
@@ -317,8 +325,8 @@ def _reached_refs(x_tensor, loss_ancestors):
             continue
         refs.add(t.ref())
         for op in t.consumers():
-            if op in loss_ancestors and op.type in _PASS_THROUGH and \
-                    op.inputs[0] is t:
+            if op in loss_ancestors and op.inputs[0] is t and \
+                    shortcuts.passes_through(op, 0, live):
                 stack.append(op.outputs[0])
     return refs
 
@@ -357,7 +365,8 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
             raise ValueError(
                 "custagg: xs[%d] (%s) is from another graph than "
                 "per_example_loss." % (i, getattr(x, "name", x)))
-        if t.op not in ancestors:
+        if t.op not in ancestors or not shortcuts.live_ops(loss).reaches(t):
+            # As tf.gradients: None where no gradient reaches x.
             assignments.append(Assignment(x, t, None))
             continue
         if strategy == "loop":
@@ -540,8 +549,15 @@ class _Engine(object):
         """A rule result in the op input's layout -> x's layout and dtype."""
         dtype = _x_dtype(a)
         if isinstance(t, indexed_slices_lib.IndexedSlices):
-            return indexed_slices_lib.IndexedSlices(
-                tf.cast(t.values, dtype), t.indices, t.dense_shape)
+            rows_of = tf.get_static_value(t.dense_shape)
+            if rows_of is not None and _static_x_shape(a).is_fully_defined() \
+                    and list(rows_of) != _static_x_shape(a).as_list():
+                # Rows of a reshaped table are not rows of x: dense, as
+                # TF's Reshape gradient gives.
+                t = tf.convert_to_tensor(t)
+            else:
+                return indexed_slices_lib.IndexedSlices(
+                    tf.cast(t.values, dtype), t.indices, t.dense_shape)
         lead = [tf.shape(t)[0]] if batched else []
         return tf.cast(tf.reshape(t, lead + _x_shape(a)), dtype)
 
