@@ -10,6 +10,7 @@ pass the per-example loss vector to get each example's own gradient.
 from custagg._version import __version__
 from custagg.aggregation import AggregationMethod
 from custagg.gradients import gradients
+from custagg.install import use_as_tf_gradients
 from custagg.per_example import STRATEGIES
 from custagg.per_example import Plan
 from custagg.per_example import clipped_gradients
@@ -37,7 +38,8 @@ from custagg.optimizers import WeightedOptimizer
 from custagg.optimizers import make_gaussian_optimizer_class
 
 __all__ = [
-    "__version__", "AggregationMethod", "gradients", "STRATEGIES", "Plan",
+    "__version__", "AggregationMethod", "gradients", "use_as_tf_gradients",
+    "STRATEGIES", "Plan",
     "clipped_gradients", "gradient_second_moments", "per_example_gradients",
     "per_example_norms", "plan_per_example", "weighted_gradients", "Rule",
     "RuleContext", "RuleRegistry", "default_registry", "register_rule",

@@ -211,3 +211,20 @@ def is_mkl_enabled():
         return bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
         return False
+
+
+# -------------------------------------------------------------- tf.gradients
+
+def gradients_modules():
+    """TF's modules that hold `tf.gradients` and its internal helper.
+
+    `(gradients, gradients_impl, gradients_util)`: `gradients.gradients` and
+    `gradients_impl.gradients` / `gradients_v2` are the public functions;
+    `gradients_util._GradientsHelper` is what they, cond_v2, while_v2 and
+    tf.function backward passes call (with `src_graph=`), looked up on the
+    module at each call. Same names in 2.12-2.21.
+    """
+    from tensorflow.python.ops import gradients as gradients_mod  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.ops import gradients_impl  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.ops import gradients_util  # pylint: disable=g-import-not-at-top
+    return gradients_mod, gradients_impl, gradients_util
