@@ -26,6 +26,8 @@ INSTALL_REQUIRES = [
     # Google's privacy accountant (RDP, PLD): custagg.privacy's epsilon.
     # 0.4.3 is TF Privacy 0.9.0's pin; newer ones install on TF 2.12-2.21 too.
     "dp-accounting>=0.4.3",
+    # The main job's progress bar inside each epoch (off when not a TTY).
+    "tqdm>=4.60",
 ]
 
 TEST_REQUIRES = [

@@ -5,47 +5,91 @@ mean loss (`tf.reduce_mean`) therefore scales each example's gradient by 1/B;
 pass the per-example loss vector to get each example's own gradient.
 `None` always means "no gradient" (the loss does not depend on that x), as in
 `tf.gradients`.
+
+Importing the package is cheap: TensorFlow and the library modules are
+imported the first time a public name is used (`custagg.gradients`,
+`custagg.optimizers`, ...), so `python -m custagg --help` can answer, and
+set TensorFlow's log level, before TensorFlow loads.
 """
 
-from custagg._version import __version__
-from custagg.aggregation import AggregationMethod
-from custagg.gradients import gradients
-from custagg.install import use_as_tf_gradients
-from custagg.per_example import STRATEGIES
-from custagg.per_example import Plan
-from custagg.per_example import clipped_gradients
-from custagg.per_example import gradient_second_moments
-from custagg.per_example import per_example_gradients
-from custagg.per_example import per_example_norms
-from custagg.per_example import plan_per_example
-from custagg.per_example import weighted_gradients
-from custagg.registry import Rule
-from custagg.registry import RuleContext
-from custagg.registry import RuleRegistry
-from custagg.registry import default_registry
-from custagg.registry import register_rule
-from custagg import datasets  # noqa: F401
-from custagg import optimizers  # noqa: F401
-from custagg import testing  # noqa: F401
-from custagg.optimizers import ClippedOptimizer
-from custagg.optimizers import DPAdagradGaussianOptimizer
-from custagg.optimizers import DPAdamGaussianOptimizer
-from custagg.optimizers import DPGradientDescentGaussianOptimizer
-from custagg.optimizers import DPMomentumGaussianOptimizer
-from custagg.optimizers import DPOptimizer
-from custagg.optimizers import PerExampleOptimizer
-from custagg.optimizers import WeightedOptimizer
-from custagg.optimizers import make_gaussian_optimizer_class
+import importlib
+import sys
+import types
 
-__all__ = [
-    "__version__", "AggregationMethod", "gradients", "use_as_tf_gradients",
-    "STRATEGIES", "Plan",
-    "clipped_gradients", "gradient_second_moments", "per_example_gradients",
-    "per_example_norms", "plan_per_example", "weighted_gradients", "Rule",
-    "RuleContext", "RuleRegistry", "default_registry", "register_rule",
-    "testing", "datasets", "optimizers", "PerExampleOptimizer",
-    "WeightedOptimizer", "ClippedOptimizer", "DPOptimizer",
-    "make_gaussian_optimizer_class", "DPGradientDescentGaussianOptimizer",
-    "DPMomentumGaussianOptimizer", "DPAdagradGaussianOptimizer",
-    "DPAdamGaussianOptimizer",
-]
+from custagg._version import __version__
+
+# Public name -> the module that defines it. `custagg.<name>` imports all of
+# them at once on first use, so the package looks exactly as if this file
+# had imported them eagerly.
+_API = {
+    "AggregationMethod": "custagg.aggregation",
+    "gradients": "custagg.gradients",
+    "use_as_tf_gradients": "custagg.install",
+    "STRATEGIES": "custagg.per_example",
+    "Plan": "custagg.per_example",
+    "clipped_gradients": "custagg.per_example",
+    "gradient_second_moments": "custagg.per_example",
+    "per_example_gradients": "custagg.per_example",
+    "per_example_norms": "custagg.per_example",
+    "plan_per_example": "custagg.per_example",
+    "weighted_gradients": "custagg.per_example",
+    "Rule": "custagg.registry",
+    "RuleContext": "custagg.registry",
+    "RuleRegistry": "custagg.registry",
+    "default_registry": "custagg.registry",
+    "register_rule": "custagg.registry",
+    "ClippedOptimizer": "custagg.optimizers",
+    "DPAdagradGaussianOptimizer": "custagg.optimizers",
+    "DPAdamGaussianOptimizer": "custagg.optimizers",
+    "DPGradientDescentGaussianOptimizer": "custagg.optimizers",
+    "DPMomentumGaussianOptimizer": "custagg.optimizers",
+    "DPOptimizer": "custagg.optimizers",
+    "PerExampleOptimizer": "custagg.optimizers",
+    "WeightedOptimizer": "custagg.optimizers",
+    "make_gaussian_optimizer_class": "custagg.optimizers",
+}
+# Submodules that are part of the public surface (`custagg.testing`, ...).
+# The application (`custagg.app`: the CLI, its models and data) is not: the
+# library never imports it.
+_SUBMODULES = ("optimizers", "testing")
+
+__all__ = ["__version__"] + list(_API) + list(_SUBMODULES)
+
+
+def _load():
+    """Imports every public name into this module's namespace."""
+    namespace = globals()
+    for name in _SUBMODULES:
+        namespace[name] = importlib.import_module("custagg." + name)
+    for name, module in _API.items():
+        namespace[name] = getattr(importlib.import_module(module), name)
+
+
+def __getattr__(name):
+    if name in _API or name in _SUBMODULES:
+        _load()
+        return globals()[name]
+    raise AttributeError("module 'custagg' has no attribute %r" % (name,))
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package object: importing the submodule `custagg.gradients` must
+    not hide the function `custagg.gradients`.
+
+    The import system binds each imported submodule as an attribute of its
+    package; for a name that is also a public function (`gradients`) that
+    binding is skipped, so the name resolves to the function (through
+    `__getattr__` above), as it did when this file imported it eagerly.
+    """
+
+    def __setattr__(self, name, value):
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -648,15 +648,48 @@ class _Engine(object):
                                   [tf.constant(0), arrays])
         return [ta.stack() for ta in arrays]
 
+    def _checked(self, t, a, what):
+        """`t`, a rules result with one row per example, checked to have B
+        rows (the loss's): a rule that took other rows for examples (a fold
+        of `[B, T, D]` into `B*T` rows it did not see) raises instead of
+        clipping or weighting each row as if it were an example."""
+        if not isinstance(t, tf.Tensor) or t.shape.rank == 0:
+            return t
+        rows = tf.compat.dimension_value(t.shape[0])
+        batch = tf.compat.dimension_value(self.loss.shape[0])
+        name = getattr(a.x, "name", a.x)
+        hint = ("a rule took another axis, or rows of a fold it did not see, "
+                "for the examples; strategy='pfor' avoids the rules")
+        if rows is not None and batch is not None:
+            if rows != batch:
+                raise ValueError(
+                    "custagg: the rules gave %s of %s for %d rows, but the "
+                    "batch has %d examples (%s)." % (what, name, rows, batch,
+                                                     hint))
+            return t
+        check = tf.debugging.assert_equal(
+            tf.shape(t)[0], tf.shape(self.loss)[0],
+            message="custagg: the rules gave %s of %s for another number of "
+                    "rows than the batch's examples (%s)" % (what, name, hint))
+        with tf.control_dependencies([check]):
+            return tf.identity(t)
+
     def per_example(self, a):
         if a.strategy is None:
             return None
         if a.strategy == "rules":
-            return self._rules_per_example(a)
+            return self._checked(self._rules_per_example(a), a,
+                                 "per-example gradients")
         return self._materialize(a.strategy)[id(a)]
 
     def squared_norms(self, a):
         """[B] squared norms of x's per-example gradients (loss dtype)."""
+        sq = self._squared_norms(a)
+        if a.strategy == "rules":
+            sq = self._checked(sq, a, "norms")
+        return sq
+
+    def _squared_norms(self, a):
         dtype = self.loss.dtype
         if a.strategy == "rules" and not self.chains(a):
             pairs = self.contexts(a)

@@ -1,13 +1,20 @@
-"""The main job (`python -m custagg`): tiny runs in-process, flag errors."""
+"""The main job (`python -m custagg`): tiny runs in-process, flag errors,
+no TensorFlow for `--help`, no TensorFlow log lines."""
 
+import io
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from custagg import cli
+from custagg.app import cli
+from custagg.app import quiet
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TF_LOG_LINE = re.compile(r"^[IWEF]\d{4} |absl::InitializeLog|cuInit", re.M)
 
 TINY = ["--epochs", "1", "--train-limit", "128", "--batch-size", "32",
         "--check-batch-size", "4"]
@@ -111,23 +118,39 @@ def test_bad_flags(capsys, args, message):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("what", ["missing_dir", "corrupt", "batch"])
+@pytest.mark.parametrize("what", ["missing_dir", "empty_dir", "corrupt",
+                                  "random", "no_mnist_in_cache", "batch"])
 def test_data_errors_are_usage_errors(capsys, tmp_path, what):
     args = list(TINY)
     if what == "missing_dir":
         args += ["--data-dir", str(tmp_path / "nowhere")]
-        message = "No MNIST found in"
-    elif what == "corrupt":
-        (tmp_path / "mnist.npz").write_bytes(b"PK\x03\x04 not really")
+        messages = ["--data-dir %s: the directory does not exist"
+                    % (tmp_path / "nowhere")]
+    elif what == "empty_dir":
         args += ["--data-dir", str(tmp_path)]
-        message = "not a readable .npz archive"
+        messages = ["--data-dir %s holds no MNIST files (looked for "
+                    "train-images-idx3-ubyte[.gz], " % tmp_path,
+                    "t10k-labels-idx1-ubyte[.gz], mnist.npz)", "--download",
+                    "bundled digits"]
+    elif what in ("corrupt", "random"):
+        (tmp_path / "mnist.npz").write_bytes(
+            b"PK\x03\x04 not really" if what == "corrupt"
+            else np.random.RandomState(1).bytes(1000))
+        args += ["--data-dir", str(tmp_path)]
+        messages = ["%s is not a valid MNIST npz" % (tmp_path / "mnist.npz")]
+    elif what == "no_mnist_in_cache":
+        args += ["--dataset", "mnist"]
+        messages = ["--dataset mnist: no MNIST in Keras's cache", "--data-dir"]
     else:
         args += ["--batch-size", "200", "--train-limit", "100"]
-        message = "--batch-size 200 is larger than the 100 training images"
+        messages = ["--batch-size 200 is larger than the 100 training images"]
     with pytest.raises(SystemExit) as e:
         cli.main(args)
     assert e.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    for message in messages:
+        assert message in err
+    assert "allow_pickle" not in err and "data_dir unset" not in err
 
 
 def test_help_and_version(capsys):
@@ -145,18 +168,114 @@ def test_help_and_version(capsys):
     assert capsys.readouterr().out.startswith("custagg 0.")
 
 
+def test_every_flag_has_help():
+    parser = cli.build_parser()
+    for action in parser._actions:  # pylint: disable=protected-access
+        assert action.help, action.option_strings
+    text = parser.format_help()
+    assert "(default: None)" not in text and "default: ... (default" not in text
+    assert "--batch-size B examples per training step (default: 64)" in (
+        " ".join(text.split()))
+
+
+def test_strategies_match_the_library():
+    import custagg
+    assert tuple(cli.STRATEGIES) == tuple(custagg.STRATEGIES)
+
+
+def _without_tensorflow(code):
+    """Runs `code` in a fresh interpreter; returns its stdout, stderr."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"],
+                                  ["--epochs", "0"], ["--bogus"],
+                                  ["--data-dir", "/no/such/dir"]])
+def test_help_and_flag_errors_do_not_import_tensorflow(argv):
+    out, err = _without_tensorflow(
+        "import runpy, sys\n"
+        "sys.argv = ['custagg'] + %r\n"
+        "try:\n"
+        "    runpy.run_module('custagg', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code)\n"
+        "print('tensorflow loaded:', 'tensorflow' in sys.modules)\n" % argv)
+    assert "tensorflow loaded: False" in out
+    assert ("exit 0" if argv[0] in ("--help", "--version") else "exit 2") in out
+
+
+def test_importing_custagg_does_not_import_tensorflow():
+    out, _ = _without_tensorflow(
+        "import sys, custagg, custagg.app, custagg.app.cli\n"
+        "print('before:', 'tensorflow' in sys.modules)\n"
+        "custagg.per_example_gradients\n"
+        "print('after:', 'tensorflow' in sys.modules)\n")
+    assert "before: False" in out and "after: True" in out
+
+
+def test_drop_tf_log_lines():
+    text = (
+        "WARNING: All log messages before absl::InitializeLog() is called are"
+        " written to STDERR\n"
+        "I0000 00:00:1796320874.053532    5739 port.cc:153] oneDNN custom "
+        "operations are on.\n"
+        "I0000 00:00:1796320874.116012    5739 cpu_feature_guard.cc:227] This "
+        "TensorFlow binary is optimized\n"
+        "To enable the following instructions: AVX2 FMA, in other operations\n"
+        "/x/y.py:3: UserWarning: keep me\n"
+        "  warnings.warn('keep me')\n"
+        "E0000 00:00:1796320888.431889    5780 cuda_platform.cc:52] failed "
+        "call to cuInit: INTERNAL\n"
+        "something else\n")
+    assert quiet.drop_tf_log_lines(text) == "/x/y.py:3: UserWarning: keep me" \
+        "\n  warnings.warn('keep me')\nsomething else\n"
+    assert quiet.drop_tf_log_lines("plain\nlines\n") == "plain\nlines\n"
+
+
+def test_hide_tf_log_lines_keeps_other_stderr(capfd):
+    with quiet.hide_tf_log_lines():
+        os.write(2, b"I0000 00:00:1.5    12 port.cc:153] hidden\n")
+        os.write(2, b"kept line\n")
+    with quiet.hide_tf_log_lines(enabled=False):
+        os.write(2, b"I0000 00:00:1.5    12 port.cc:153] shown\n")
+    err = capfd.readouterr().err
+    assert "hidden" not in err and "kept line" in err and "shown" in err
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    from custagg.app import train
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert list(train._progress(iter([1, 2]), 2, 1, 3)) == [1, 2]
+    assert sys.stderr.getvalue() == ""
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert list(train._progress(iter([1, 2]), 2, 1, 3)) == [1, 2]
+    assert "epoch 1/3" in terminal.getvalue()
+
+
 def test_python_dash_m(tmp_path):
-    """The real entry point, in a fresh process (pays TF's import once)."""
+    """The real entry point, in a fresh process (pays TF's import once):
+    trains, passes its check, and prints no TensorFlow log line."""
     from custagg import __main__ as entry
     assert entry.main is cli.main
-    env = dict(os.environ, KERAS_HOME=str(tmp_path), HOME=str(tmp_path),
-               TF_CPP_MIN_LOG_LEVEL="2")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = dict(os.environ, KERAS_HOME=str(tmp_path), HOME=str(tmp_path))
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, "-m", "custagg", "--aggregation", "clip"] + TINY,
-        capture_output=True, text=True, env=env, cwd=root, timeout=300)
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "data: scikit-learn digits" in proc.stdout
     assert ": PASS" in proc.stdout
-    assert "Traceback" not in proc.stderr
+    assert proc.stderr == "", proc.stderr
+    assert not TF_LOG_LINE.search(proc.stdout)

@@ -1,4 +1,4 @@
-"""custagg.datasets: IDX / npz readers, errors on bad files, digits, batching.
+"""custagg.app.datasets: IDX / npz readers, errors on bad files, digits, batching.
 
 Every MNIST file here is written by the test itself (small fake images), so
 nothing is downloaded and the real MNIST is never needed.
@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 
-from custagg import datasets
+from custagg.app import datasets
 
 
 # --------------------------------------------------------------------------
@@ -250,6 +250,32 @@ def test_explicit_dir_without_mnist_is_an_error(tmp_path):
     msg = str(e.value)
     assert str(tmp_path) in msg and "train-images-idx3-ubyte" in msg
     assert "mnist.npz" in msg and "digits" in msg
+
+
+def test_missing_dir_says_it_does_not_exist(tmp_path):
+    with pytest.raises(datasets.MnistNotFoundError) as e:
+        datasets.load_mnist(str(tmp_path / "nowhere"))
+    assert not e.value.dir_exists
+    assert "does not exist" in str(e.value)
+    assert e.value.looked_for == datasets.mnist_file_names()
+
+
+@pytest.mark.parametrize("content", ["random", "pickle"])
+def test_npz_that_is_not_mnist_has_no_pickle_hint(tmp_path, content):
+    path = str(tmp_path / "mnist.npz")
+    if content == "random":
+        with open(path, "wb") as f:
+            f.write(np.random.RandomState(0).bytes(1000))
+    else:  # a real zip whose array needs pickle
+        arrays = dict(zip(("x_train", "y_train", "x_test", "y_test"),
+                          fake_mnist()))
+        arrays["x_train"] = np.array([{"a": 1}], dtype=object)
+        np.savez(path, **arrays)
+    with pytest.raises(datasets.DataFormatError) as e:
+        datasets.load_mnist(str(tmp_path))
+    msg = str(e.value)
+    assert "%s is not a valid MNIST npz" % path in msg
+    assert "allow_pickle" not in msg and "unsafely" not in msg
 
 
 def test_mnist_only_without_files(tmp_path):

@@ -2,10 +2,10 @@
 
 `z = table[ids]` with ids `[B, ...]`: example b's gradient has the rows
 `dz[b, t]` at rows `ids[b, t]` of the `[V, *D]` table, nothing elsewhere.
-Norms and sums never densify a `[V, *D]` table per example: rows are keyed by
-`b * V + id`, repeated ids of one example are merged with a segment sum
-(so `||g_b||` counts them correctly), and weighted sums stay `IndexedSlices`
-like TF's own embedding gradients. Only `per_example` (asked for explicitly)
+Norms and sums never densify a `[V, *D]` table per example: for norms each
+example's ids are sorted so repeats sit side by side and a sorted segment sum
+merges them (so `||g_b||` counts them correctly), and weighted sums stay
+`IndexedSlices` like TF's own embedding gradients. Only `per_example` (asked for explicitly)
 builds the dense `[B, V, *D]`.
 """
 
@@ -49,12 +49,47 @@ class _Rows(object):
             tf.maximum(per_ex, 1)
         self.keys = example * self.vocab + self.ids                   # [B*T]
 
+    def per_example_rows(self):
+        """(ids `[B, T]`, rows `[B, T, Dp]`): each example's lookups."""
+        return (tf.reshape(self.ids, [self.batch, -1]),
+                tf.reshape(self.values, [self.batch, -1,
+                                         self.values.shape[-1]]))
+
     def merged(self):
         """(unique keys, summed rows): repeated ids within an example merged."""
         unique, idx = tf.unique(self.keys, out_idx=tf.int64)
         rows = tf.math.unsorted_segment_sum(self.values, idx,
                                             tf.size(unique, out_type=tf.int64))
         return unique, rows
+
+
+def _sorted_squared_norms(ids, rows):
+    """`[B]` squared norms of each example's table gradient.
+
+    Example b's gradient is the sum of `rows[b, t]` placed at table row
+    `ids[b, t]`; rows with the same id add up before squaring. Sorting each
+    example's ids puts repeats side by side, so a sorted segment sum over
+    the `B*T` rows merges them (TF's sorted segment sum is a contiguous
+    reduction, far cheaper than `tf.unique` + an unsorted one).
+
+    Args:
+      ids: `[B, T]` ids.
+      rows: `[B, T, Dp]` output gradients, one row per lookup.
+    """
+    order = tf.argsort(ids, axis=1, stable=True)                  # [B, T]
+    ids = tf.gather(ids, order, batch_dims=1)
+    rows = tf.gather(rows, order, batch_dims=1)
+    batch = tf.shape(ids)[0]
+    new = tf.concat([tf.ones([batch, 1], tf.bool),
+                     tf.not_equal(ids[:, 1:], ids[:, :-1])], axis=1)
+    segment = tf.cumsum(tf.reshape(tf.cast(new, tf.int32), [-1])) - 1
+    merged = tf.math.segment_sum(
+        tf.reshape(rows, [-1, tf.shape(rows)[2]]), segment)      # [S, Dp]
+    example = tf.math.segment_max(
+        tf.reshape(tf.tile(tf.range(batch)[:, None], [1, tf.shape(ids)[1]]),
+                   [-1]), segment)                                # [S]
+    return tf.math.unsorted_segment_sum(
+        tf.reduce_sum(tf.square(merged), axis=1), example, batch)
 
 
 @registry.register_rule("ResourceGather", "GatherV2")
@@ -85,17 +120,16 @@ class GatherRule(registry.Rule):
 
     def squared_norms(self, ctx):
         rows = _Rows(ctx)
-        unique, merged = rows.merged()
-        return tf.math.unsorted_segment_sum(
-            tf.reduce_sum(tf.square(merged), axis=1), unique // rows.vocab,
-            rows.batch)
+        _, values = rows.per_example_rows()
+        return _sorted_squared_norms(
+            tf.reshape(ctx.op.inputs[1], [tf.shape(values)[0], -1]), values)
 
     def weighted_sum(self, ctx, weights):
         rows = _Rows(ctx)
-        c = tf.gather(tf.cast(weights, rows.values.dtype),
-                      rows.keys // rows.vocab)
+        _, values = rows.per_example_rows()                       # [B, T, Dp]
+        c = tf.cast(weights, values.dtype)[:, None, None]
         return tf.IndexedSlices(
-            tf.reshape(rows.values * c[:, None], [-1] + rows.row_dims),
+            tf.reshape(values * c, [-1] + rows.row_dims),
             rows.ids, tf.constant([rows.vocab] + rows.row_dims, tf.int64))
 
     def squared_sum(self, ctx):

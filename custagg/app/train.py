@@ -1,0 +1,250 @@
+"""The main job's training loop and its final check (see `custagg.app.cli`).
+
+Imports TensorFlow: `custagg.app.cli` imports this module only after it has
+parsed the flags and set TensorFlow's log level.
+"""
+
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+import tqdm
+
+import custagg
+from custagg import optimizers as opt_lib
+from custagg import testing
+from custagg.app import datasets
+from custagg.app.cli import DEFAULT_LEARNING_RATE
+from custagg.app.models import build_model
+from custagg.app.models import class_balanced_factors
+
+
+
+class UsageError(Exception):
+    """A flag value that only turns out wrong once the data is known."""
+
+
+def _describe_norms(norms):
+    q = np.quantile(norms, [0.0, 0.25, 0.5, 0.75, 1.0])
+    return "min %.3g  q25 %.3g  median %.3g  q75 %.3g  max %.3g" % tuple(q)
+
+
+def _make_optimizer(args, lr):
+    if args.optimizer == "sgd":
+        inner = tf.compat.v1.train.GradientDescentOptimizer(lr)
+    elif args.optimizer == "momentum":
+        inner = tf.compat.v1.train.MomentumOptimizer(lr, momentum=0.9)
+    else:
+        inner = tf.compat.v1.train.AdamOptimizer(lr)
+    if args.aggregation == "sum":
+        return opt_lib.PerExampleOptimizer(inner, strategy=args.strategy)
+    if args.aggregation == "weighted":
+        return opt_lib.WeightedOptimizer(inner, strategy=args.strategy)
+    if args.aggregation == "clip":
+        return opt_lib.ClippedOptimizer(
+            inner, args.l2_norm_clip, num_microbatches=args.num_microbatches,
+            strategy=args.strategy)
+    return opt_lib.DPOptimizer(
+        inner, args.l2_norm_clip, args.noise_multiplier,
+        num_microbatches=args.num_microbatches, seed=args.seed,
+        strategy=args.strategy)
+
+
+def _learning_rate(args):
+    if args.learning_rate is not None:
+        return args.learning_rate
+    if args.optimizer == "adam":
+        return 0.001
+    lr = DEFAULT_LEARNING_RATE[args.model]
+    return lr * 0.1 if args.optimizer == "momentum" else lr
+
+
+def _evaluate(sess, acc_sum, x_eval, y_eval, x, y, chunk=1000):
+    correct = 0.0
+    for start in range(0, len(x), chunk):
+        correct += sess.run(acc_sum, {x_eval: x[start:start + chunk],
+                                      y_eval: y[start:start + chunk]})
+    return correct / max(len(x), 1)
+
+
+def run(args, out=None):
+    """The main job for parsed `args`; returns the exit status."""
+    out = out or sys.stdout
+    say = lambda *a: print(*a, file=out, flush=True)
+
+    data = datasets.load_dataset(args.dataset, data_dir=args.data_dir,
+                                 download=args.download, seed=args.seed)
+    if args.train_limit is not None:
+        data = data.subset(args.train_limit, None)
+    bsz = args.batch_size
+    say("custagg %s main job" % custagg.__version__)
+    say("data: %s" % data.describe())
+    if len(data.x_train) < bsz:
+        raise UsageError("--batch-size %d is larger than the %d training "
+                          "images" % (bsz, len(data.x_train)))
+    lr = _learning_rate(args)
+    counts = np.bincount(data.y_train, minlength=data.num_classes)
+    class_weights = 1.0 / np.maximum(counts, 1)
+
+    t_start = time.time()
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(args.seed)
+        d = data.num_features
+        x = tf.compat.v1.placeholder(tf.float32, [bsz, d], name="x")
+        y = tf.compat.v1.placeholder(tf.int64, [bsz], name="y")
+        logits, variables = build_model(args.model, x, data.image_shape,
+                                        data.num_classes, args.hidden,
+                                        args.seed)
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits, name="per_example_loss")
+        global_step = tf.compat.v1.train.get_or_create_global_step()
+        opt = _make_optimizer(args, lr)
+        # sum: the gradient of the mean loss, as in the tutorial; the norms
+        # stay those of each example's own loss.
+        grad_loss = (tf.fill([bsz], 1.0 / bsz) if args.aggregation == "sum"
+                     else None)
+        train_op = opt.minimize(loss, global_step=global_step,
+                                var_list=variables, grad_loss=grad_loss)
+        norms = opt.per_example_norms
+        batch_correct = tf.reduce_sum(tf.cast(tf.equal(
+            tf.argmax(logits, 1), y), tf.float32))
+        mean_loss = tf.reduce_mean(loss)
+
+        x_eval = tf.compat.v1.placeholder(tf.float32, [None, d])
+        y_eval = tf.compat.v1.placeholder(tf.int64, [None])
+        eval_logits, _ = build_model(args.model, x_eval, data.image_shape,
+                                     data.num_classes, args.hidden, args.seed)
+        eval_correct = tf.reduce_sum(tf.cast(tf.equal(
+            tf.argmax(eval_logits, 1), y_eval), tf.float32))
+        plan = custagg.plan_per_example(loss, variables,
+                                        strategy=args.strategy)
+
+        say("model: %s, %d parameters in %d variables; optimizer: %s "
+            "(learning rate %g)" % (
+                args.model, sum(int(np.prod(v.shape)) for v in variables),
+                len(variables), args.optimizer, lr))
+        say("aggregation: %s" % _describe_aggregation(args))
+        say("batch size %d, %d steps per epoch, %d epochs, seed %d" % (
+            bsz, len(data.x_train) // bsz, args.epochs, args.seed))
+        say(str(plan))
+        dp_std = getattr(opt, "noise_stddev", None) \
+            if args.aggregation == "dpsgd" else None
+
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            say("graph built in %.1f s" % (time.time() - t_start))
+            if dp_std is not None:
+                say("noise std on the clipped sum: %.4g" % sess.run(dp_std))
+            for epoch in range(1, args.epochs + 1):
+                t0 = time.time()
+                losses, correct, seen, all_norms = [], 0.0, 0, []
+                batches = datasets.minibatches(
+                    data.x_train, data.y_train, bsz, seed=args.seed,
+                    epoch=epoch)
+                for xb, yb in _progress(batches, len(data.x_train) // bsz,
+                                        epoch, args.epochs):
+                    feed = {x: xb, y: yb}
+                    if args.aggregation == "weighted":
+                        feed[opt.gradient_factors] = class_balanced_factors(
+                            yb, class_weights)
+                    _, l, c, n = sess.run(
+                        [train_op, mean_loss, batch_correct, norms], feed)
+                    losses.append(l)
+                    correct += c
+                    seen += len(yb)
+                    all_norms.append(n)
+                test_acc = _evaluate(sess, eval_correct, x_eval, y_eval,
+                                     data.x_test, data.y_test)
+                say("epoch %2d  loss %.4f  train acc %.4f  test acc %.4f  "
+                    "%.1fs  |  per-example grad norms: %s" % (
+                        epoch, float(np.mean(losses)), correct / seen,
+                        test_acc, time.time() - t0,
+                        _describe_norms(np.concatenate(all_norms))))
+                if args.aggregation == "dpsgd":
+                    say("          " + _describe_epsilon(
+                        args, len(data.x_train), bsz, epoch))
+            if args.aggregation == "dpsgd":
+                say("privacy after %d epochs: %s" % (
+                    args.epochs, _describe_epsilon(
+                        args, len(data.x_train), bsz, args.epochs, pld=True)))
+            status = 0
+            if not args.no_check:
+                status = _check(args, say, sess, data,
+                                variables)
+    say("total %.1f s" % (time.time() - t_start))
+    return status
+
+
+def _describe_epsilon(args, n, batch_size, epochs, pld=False):
+    """ε at δ = 1/n, TF Privacy's accounting (RDP, Poisson sampling with
+    q = B/n, ceil(epochs * n / B) steps, epochs counted as its tutorial
+    does); with `pld`, dp-accounting's PLD figure too."""
+    from custagg.privacy import accounting  # pylint: disable=g-import-not-at-top
+    delta = 1.0 / n
+    eps, order = accounting.compute_dp_sgd_privacy(
+        n, batch_size, args.noise_multiplier, epochs, delta)
+    text = "epsilon %.3f at delta 1/%d (RDP order %s" % (eps, n, order)
+    if pld:
+        text += "; PLD accountant: %.3f" % accounting.compute_dp_sgd_privacy(
+            n, batch_size, args.noise_multiplier, epochs, delta,
+            accountant="pld")[0]
+    return text + "; custagg.privacy.compute_dp_sgd_privacy)"
+
+
+def _describe_aggregation(args):
+    mb = ("" if args.num_microbatches is None else
+          ", %d microbatches" % args.num_microbatches)
+    return {
+        "sum": "sum (gradient of the batch-mean loss, TF's own aggregation)",
+        "weighted": "weighted (class-balanced gradient_factors fed each step, "
+                    "AggregationMethod.CUSTOM)",
+        "clip": "clip (mean of per-example gradients clipped to "
+                "l2_norm_clip=%g%s)" % (args.l2_norm_clip, mb),
+        "dpsgd": "dpsgd (l2_norm_clip=%g, noise_multiplier=%g%s, noise "
+                 "seed %d)" % (args.l2_norm_clip, args.noise_multiplier, mb,
+                               args.seed),
+    }[args.aggregation]
+
+
+def _check(args, say, sess, data, variables):
+    """Per-example gradients of one batch vs the loop reference."""
+    n = min(args.check_batch_size, len(data.x_test))
+    xc = tf.compat.v1.placeholder(tf.float32, [n, data.num_features])
+    yc = tf.compat.v1.placeholder(tf.int64, [n])
+    logits, _ = build_model(args.model, xc, data.image_shape,
+                            data.num_classes, args.hidden, args.seed)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yc,
+                                                          logits=logits)
+    t0 = time.time()
+    got = custagg.per_example_gradients(loss, variables,
+                                        strategy=args.strategy)
+    ref = testing.loop_per_example(loss, variables)
+    feed = {xc: data.x_test[:n], yc: data.y_test[:n]}
+    got_v, ref_v = sess.run([[tf.convert_to_tensor(g) for g in got], ref],
+                            feed)
+    say("check: per-example gradients of %d test images (strategy %s) vs "
+        "custagg.testing.loop_per_example:" % (n, args.strategy))
+    worst_abs, worst_rel, ok = 0.0, 0.0, True
+    for v, g, r in zip(variables, got_v, ref_v):
+        abs_err = float(np.max(np.abs(g - r))) if g.size else 0.0
+        scale = float(np.max(np.abs(r))) if r.size else 0.0
+        rel_err = abs_err / scale if scale > 0 else abs_err
+        passed = g.shape == r.shape and rel_err <= args.check_rtol
+        ok = ok and passed
+        worst_abs, worst_rel = max(worst_abs, abs_err), max(worst_rel, rel_err)
+        say("  %-22s %-18s max abs err %.3g  max rel err %.3g%s" % (
+            v.op.name, list(g.shape), abs_err, rel_err,
+            "" if passed else "  <- FAIL"))
+    say("check: max abs err %.3g, max rel err %.3g (tolerance %g): %s "
+        "(%.1f s)" % (worst_abs, worst_rel, args.check_rtol,
+                      "PASS" if ok else "FAIL", time.time() - t0))
+    return 0 if ok else 1
+
+
+def _progress(batches, steps, epoch, epochs):
+    """A progress bar over one epoch's batches on stderr; none when stderr
+    is not a terminal (tqdm's `disable=None`), so logs and pipes stay clean."""
+    return tqdm.tqdm(batches, total=steps, desc="epoch %d/%d" % (epoch, epochs),
+                     unit="batch", leave=False, disable=None, file=sys.stderr)
