@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -543,7 +542,9 @@ def test_killed_worker_stops_the_run_and_names_it():
         os.kill(pids["worker 1"], signal.SIGKILL)
         t0 = time.monotonic()
         rc = runner.wait(timeout=60)
-        assert time.monotonic() - t0 < 60
+        elapsed = time.monotonic() - t0
+        print("run stopped %.1f s after the kill" % elapsed)
+        assert elapsed < 60
         assert rc == 1
         assert "worker 1 was killed by signal SIGKILL" in runner.output
         assert "Stopping the cluster" in runner.output

@@ -104,6 +104,12 @@ class BilinearRule(registry.Rule):
             return outer.squared_norms()
         return super(BilinearRule, self).squared_norms(ctx)
 
+    def group_squared_norms(self, ctx, num_groups):
+        outer = self._outer(ctx)
+        if outer is not None:
+            return outer.grouped(num_groups).squared_norms()
+        return super(BilinearRule, self).group_squared_norms(ctx, num_groups)
+
     def weighted_sum(self, ctx, weights):
         outer = self._outer(ctx)
         if outer is not None:
