@@ -60,19 +60,20 @@ def references(sess, loss, xs, feed, batch):
 
 
 def _expected(fn, connected, per_ex, weights):
+    batch = len(weights)
     live = [g for g, c in zip(per_ex, connected) if c]
     if fn == "per_example_gradients":
         return [g if c else None for g, c in zip(per_ex, connected)]
     if fn == "per_example_norms":
-        batch = per_ex[0].shape[0]
         return [testing.numpy_norms(live) if live else np.zeros(batch)]
     if fn == "clipped_gradients":
-        batch = per_ex[0].shape[0]
         sums, norms = (testing.numpy_clipped(live, 0.5) if live
                        else ([], np.zeros(batch)))
         it = iter(sums)
         return [next(it) if c else None for c in connected] + [norms]
     if fn == "clipped_per_x":
+        if not per_ex:
+            return []
         sums, norms = testing.numpy_clipped(per_ex, [0.5] * len(per_ex),
                                             per_x=True)
         return ([s if c else None for s, c in zip(sums, connected)]
@@ -83,7 +84,8 @@ def _expected(fn, connected, per_ex, weights):
                 for g, c in zip(per_ex, connected)]
     if fn == "gradient_second_moments":
         return [s if c else None for s, c in
-                zip(testing.numpy_second_moments(per_ex), connected)]
+                zip(testing.numpy_second_moments(per_ex) if per_ex else [],
+                    connected)]
     raise KeyError(fn)
 
 

@@ -314,8 +314,8 @@ LAYERS = ["dense", "act", "override_w", "intcast_branch", "stop_branch",
 
 def random_model(seed):
     rng = np.random.RandomState(seed)
-    batch = [1, 2, 3, 5, 32, 33][rng.choice(6, p=[.2, .25, .25, .2, .05,
-                                                   .05])]
+    batch = [1, 2, 3, 5, 32, 33][rng.choice(6, p=[.2, .25, .25, .24, .03,
+                                                   .03])]
     layers = [LAYERS[rng.randint(len(LAYERS))]
               for _ in range(rng.randint(1, 4))]
     return {"seed": seed, "batch": int(batch),
@@ -387,7 +387,7 @@ def build_model(spec, graph):
     for e in extra:
         loss = loss + e
     xs = list(variables)
-    if spec["input_x"]:
+    if spec["input_x"] or not xs:
         xs.append(x)
     return loss, xs, feed
 
