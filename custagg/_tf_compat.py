@@ -55,16 +55,36 @@ gradient_registry = getattr(ops, "gradient_registry", None) or \
     ops._gradient_registry
 
 # Ops that read only their input's shape (or dtype), never its values: an
-# edge into one of them carries no gradient and no example's data. TF <= 2.15
-# adds a `Shape` of the reshaped tensor in the `Reshape` gradient, so a
-# backward pass already in the graph changes consumer counts; counts that
-# prove something skip these (`value_consumers`).
-SHAPE_ONLY_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+# edge into one of them carries no gradient and no example's data. TF 2.12
+# and 2.15 add a `Shape` of the reshaped tensor in the `Reshape` gradient
+# (2.18 and 2.21 do not), so a backward pass already in the graph changes
+# consumer counts there; counts that prove something skip these
+# (`value_consumers`). `ZerosLike`/`OnesLike` are what backward passes put
+# on outputs that get no gradient.
+SHAPE_ONLY_OPS = frozenset(
+    ["Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"])
 
 
 def value_consumers(t):
     """The ops that read the values of tensor `t` (not only its shape)."""
     return [c for c in t.consumers() if c.type not in SHAPE_ONLY_OPS]
+
+
+def made_by_backward_pass(op):
+    """Whether `op` was built by a gradient function.
+
+    `tf.compat.v1.gradients` and custagg's traversal call each op's gradient
+    function inside `graph._original_op(op)` (`original_op` below), which
+    records `op._original_op` on what it builds. 2.12-2.21; False where the
+    attribute is missing.
+    """
+    return getattr(op, "_original_op", None) is not None
+
+
+def forward_consumers(t):
+    """`value_consumers(t)` less the ops backward passes added: what the
+    model itself computes from `t`, whatever gradients exist already."""
+    return [c for c in value_consumers(t) if not made_by_backward_pass(c)]
 
 
 # ------------------------------------------------------------------ ops

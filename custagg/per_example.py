@@ -30,6 +30,7 @@ import collections
 import logging
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 from custagg import _walk
@@ -482,31 +483,38 @@ class _Engine(object):
         v = self._vjp(chain, [tf.ones([], c.dtype)], a, False)
         return c, tf.add_n(v) if len(v) > 1 else v[0]
 
-    def _terms(self, a):
+    def _terms(self, a, groups=None):
         """x's per-example gradients as a sum of terms, for norms without
         materializing: ("outer", Outer, param shape), ("scaled", c, v) or
-        ("dense", [B, *x])."""
+        ("dense", [B, *x]). With `groups` (M): the microbatch sums, `[M]`
+        leading instead of `[B]`."""
+        def group(t):
+            return t if groups is None else registry_lib.group_sum(t, groups)
         terms = []
         for rule, ctx in self.contexts(a):
             outer = rule.outer(ctx)
             if outer is not None:
+                if groups is not None:
+                    outer = outer.grouped(groups)
                 terms.append(("outer", outer, _outer_lib.static_dims(
                     ctx.param)))
             else:
-                terms.append(("dense", self._to_x(rule.per_example(ctx), a,
-                                                  True), None))
+                terms.append(("dense", group(self._to_x(
+                    rule.per_example(ctx), a, True)), None))
         for chain in self.chains(a):
             if _scalar_chain(chain):
-                terms.append(("scaled",) + self._scaled_chain(chain, a))
+                c, v = self._scaled_chain(chain, a)
+                terms.append(("scaled", group(c), v))
             else:
                 for part in self._chain_per_example(chain, a):
-                    terms.append(("dense", part, None))
+                    terms.append(("dense", group(part), None))
         return terms
 
-    def _cross_norms(self, a):
-        """`[B]` squared norms from pairwise inner products of the terms,
-        or None when two terms cannot be paired without materializing."""
-        terms = self._terms(a)
+    def _cross_norms(self, a, groups=None):
+        """`[B]` (`[M]` with `groups`) squared norms from pairwise inner
+        products of the terms, or None when two terms cannot be paired
+        without materializing."""
+        terms = self._terms(a, groups)
         dtype = self.loss.dtype
         total = []
         for i, t in enumerate(terms):
@@ -617,15 +625,51 @@ class _Engine(object):
                                   [tf.constant(0), arrays])
         return [ta.stack() for ta in arrays]
 
+    def _checked(self, t, a, what):
+        """`t`, a rules result with one row per example, checked to have B
+        rows (the loss's): a rule that took other rows for examples (a fold
+        of `[B, T, D]` into `B*T` rows it did not see) raises instead of
+        clipping or weighting each row as if it were an example."""
+        if not isinstance(t, tf.Tensor) or t.shape.rank == 0:
+            return t
+        rows = tf.compat.dimension_value(t.shape[0])
+        batch = tf.compat.dimension_value(self.loss.shape[0])
+        name = getattr(a.x, "name", a.x)
+        hint = ("a rule took another axis, or rows of a fold it did not see, "
+                "for the examples; strategy='pfor' avoids the rules")
+        if rows is not None and batch is not None:
+            if rows != batch:
+                raise ValueError(
+                    "custagg: the rules gave %s of %s for %d rows, but the "
+                    "batch has %d examples (%s)." % (what, name, rows, batch,
+                                                     hint))
+            return t
+        check = tf.debugging.assert_equal(
+            tf.shape(t)[0], tf.shape(self.loss)[0],
+            message="custagg: the rules gave %s of %s for another number of "
+                    "rows than the batch's examples (%s)" % (what, name, hint))
+        with tf.control_dependencies([check]):
+            return tf.identity(t)
+
     def per_example(self, a):
         if a.strategy is None:
             return None
         if a.strategy == "rules":
-            return self._rules_per_example(a)
+            return self._checked(self._rules_per_example(a), a,
+                                 "per-example gradients")
         return self._materialize(a.strategy)[id(a)]
 
-    def squared_norms(self, a):
-        """[B] squared norms of x's per-example gradients (loss dtype)."""
+    def squared_norms(self, a, groups=None):
+        """[B] squared norms of x's per-example gradients (loss dtype), or
+        with `groups` (M) the [M] squared norms of the microbatch sums."""
+        if groups is not None:
+            return self._group_squared_norms(a, groups)
+        sq = self._squared_norms(a)
+        if a.strategy == "rules":
+            sq = self._checked(sq, a, "norms")
+        return sq
+
+    def _squared_norms(self, a):
         dtype = self.loss.dtype
         if a.strategy == "rules" and not self.chains(a):
             pairs = self.contexts(a)
@@ -642,6 +686,26 @@ class _Engine(object):
         g = tf.cast(self.per_example(a), dtype)
         return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
                              axis=1)
+
+    def _group_squared_norms(self, a, groups):
+        """`[M]` ||sum_{b in m} g_b||^2: each rule's group form (the block
+        Gram form for outer products, ids keyed by microbatch for tables),
+        cross terms summed per microbatch; xs taking pfor or the loop (and
+        rules without a group form) sum their materialized `[B, ...]`."""
+        dtype = self.loss.dtype
+        if a.strategy == "rules" and not self.chains(a):
+            pairs = self.contexts(a)
+            if len(pairs) == 1:
+                rule, ctx = pairs[0]
+                return tf.cast(rule.group_squared_norms(ctx, groups), dtype)
+            if not pairs:
+                return tf.zeros([groups], dtype)
+        if a.strategy == "rules":
+            cross = self._cross_norms(a, groups)
+            if cross is not None:
+                return cross
+        g = registry_lib.group_sum(tf.cast(self.per_example(a), dtype), groups)
+        return tf.reduce_sum(tf.reshape(tf.square(g), [groups, -1]), axis=1)
 
     def weighted_sums(self, group, weights):
         """sum_b weights[b] g_b for each x of `group` (one weights vector)."""
@@ -829,24 +893,64 @@ def per_example_gradients(per_example_loss, xs, strategy="auto",
 
 
 def per_example_norms(per_example_loss, xs, strategy="auto", registry=None,
-                      pfor_chunk_size=32, name="per_example_norms"):
+                      pfor_chunk_size=32, name="per_example_norms",
+                      num_microbatches=None):
     """`[B]` global L2 norms of the per-example gradients over all `xs`.
 
     With rules, computed without materializing per-example gradients
     (`||a_b|| ||dz_b||` for dense layers, the Gram form for sequences, sparse
     rows for embeddings). Unconnected xs count as zero.
+
+    With `num_microbatches` M (a Python int dividing B; B may be dynamic):
+    `[M]` norms of the microbatch gradients, microbatch m being examples
+    `m*B/M ... (m+1)*B/M - 1` (TF Privacy's `tf.reshape(loss, [M, -1])`)
+    and its gradient that of its summed loss, `sum_{b in m} g_b`, again
+    without materializing where the rules allow (see `Rule.
+    group_squared_norms`).
     """
     fn = "custagg.per_example_norms"
     with tf.name_scope(name):
         plan, engine = _engine(per_example_loss, xs, strategy, registry,
                                pfor_chunk_size, fn)
-        return tf.sqrt(_total_squared_norms(plan, engine, plan.assignments))
+        groups, check = _groups(plan.loss, num_microbatches, fn)
+        with tf.control_dependencies(check):
+            return tf.sqrt(_total_squared_norms(plan, engine,
+                                                plan.assignments, groups))
 
 
-def _total_squared_norms(plan, engine, group):
-    parts = [engine.squared_norms(a) for a in group if a.strategy]
+def _groups(loss, num_microbatches, fn):
+    """(M or None when M = B is static, [assert that M divides B])."""
+    if num_microbatches is None:
+        return None, []
+    m = num_microbatches
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+        raise ValueError("%s: num_microbatches must be a positive Python int "
+                         "dividing the batch size, or None; got %r." % (fn, m))
+    m = int(m)
+    batch = tf.compat.dimension_value(loss.shape[0])
+    if batch is not None:
+        if batch % m:
+            raise ValueError("%s: num_microbatches=%d does not divide the "
+                             "batch size %d." % (fn, m, batch))
+        return (None if m == batch else m), []
+    return m, [tf.debugging.assert_equal(
+        tf.shape(loss)[0] % m, 0,
+        message="%s: num_microbatches=%d must divide the batch size" % (fn, m))]
+
+
+def _group_weights(factors, loss, groups):
+    """`[M]` microbatch factors -> `[B]` (each example its group's)."""
+    if groups is None:
+        return factors
+    k = tf.shape(loss)[0] // groups
+    return tf.reshape(tf.tile(factors[:, None], tf.stack([1, k])), [-1])
+
+
+def _total_squared_norms(plan, engine, group, groups=None):
+    parts = [engine.squared_norms(a, groups) for a in group if a.strategy]
     if not parts:
-        return tf.zeros(tf.shape(plan.loss), plan.loss.dtype)
+        return tf.zeros([groups] if groups else tf.shape(plan.loss),
+                        plan.loss.dtype)
     return tf.add_n(parts)
 
 
@@ -860,7 +964,7 @@ def _clip_factors(sq_norms, clip, dtype):
 
 def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
                       return_norms=False, registry=None, pfor_chunk_size=32,
-                      name="clipped_gradients"):
+                      name="clipped_gradients", num_microbatches=None):
     """`sum_b min(1, C / ||g_b||) g_b`: the per-example clipped sum (DP-SGD).
 
     The clip factors are constants (never differentiated through). For xs
@@ -877,6 +981,12 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
       strategy: as for `per_example_gradients`.
       return_norms: also return the `[B]` norms before clipping (global, or
         a list of per-x norms with per-x clip norms).
+      num_microbatches: M (a Python int dividing B), or None for M = B:
+        `sum_m min(1, C / ||G_m||) G_m` with `G_m` the gradient of
+        microbatch m's summed loss (see `per_example_norms`); the norms are
+        then `[M]`. The same one-pass sum with each example weighted by its
+        microbatch's factor: a DP step with M < B costs about what M = B
+        costs.
 
     Returns:
       List aligned with xs (`Tensor`, `IndexedSlices` for embedding tables,
@@ -888,29 +998,40 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
         plan, engine = _engine(per_example_loss, xs, strategy, registry,
                                pfor_chunk_size, fn)
         live = [a for a in plan.assignments if a.strategy]
-        dtype = plan.loss.dtype
-        if per_x:
-            if len(l2_norm_clip) != len(plan.assignments):
-                raise ValueError(
-                    "%s: l2_norm_clip has %d entries but xs has %d; give one "
-                    "clip norm per x, or one number." % (
-                        fn, len(l2_norm_clip), len(plan.assignments)))
-            sums, norms = {}, []
-            for a, clip in zip(plan.assignments, l2_norm_clip):
-                if not a.strategy:
-                    norms.append(tf.zeros(tf.shape(plan.loss), dtype))
-                    continue
-                sq = engine.squared_norms(a)
-                norms.append(tf.sqrt(sq))
-                sums.update(engine.weighted_sums(
-                    [a], _clip_factors(sq, clip, dtype)))
-        else:
-            sq = _total_squared_norms(plan, engine, live)
-            norms = tf.sqrt(sq)
-            sums = engine.weighted_sums(live,
-                                        _clip_factors(sq, l2_norm_clip, dtype))
-        grads = [sums.get(id(a)) for a in plan.assignments]
+        groups, check = _groups(plan.loss, num_microbatches, fn)
+        with tf.control_dependencies(check):
+            grads, norms = _clipped(plan, engine, live, l2_norm_clip, per_x,
+                                    groups, fn)
         return (grads, norms) if return_norms else grads
+
+
+def _clipped(plan, engine, live, l2_norm_clip, per_x, groups, fn):
+    """`clipped_gradients`' sums (aligned with the plan's xs) and norms."""
+    dtype = plan.loss.dtype
+
+    def weights(sq, clip):
+        return _group_weights(_clip_factors(sq, clip, dtype), plan.loss,
+                              groups)
+    if per_x:
+        if len(l2_norm_clip) != len(plan.assignments):
+            raise ValueError(
+                "%s: l2_norm_clip has %d entries but xs has %d; give one "
+                "clip norm per x, or one number." % (
+                    fn, len(l2_norm_clip), len(plan.assignments)))
+        sums, norms = {}, []
+        for a, clip in zip(plan.assignments, l2_norm_clip):
+            if not a.strategy:
+                norms.append(tf.zeros([groups] if groups else
+                                      tf.shape(plan.loss), dtype))
+                continue
+            sq = engine.squared_norms(a, groups)
+            norms.append(tf.sqrt(sq))
+            sums.update(engine.weighted_sums([a], weights(sq, clip)))
+    else:
+        sq = _total_squared_norms(plan, engine, live, groups)
+        norms = tf.sqrt(sq)
+        sums = engine.weighted_sums(live, weights(sq, l2_norm_clip))
+    return [sums.get(id(a)) for a in plan.assignments], norms
 
 
 def weighted_gradients(per_example_loss, xs, weights, name="weighted_gradients"):

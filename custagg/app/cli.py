@@ -135,6 +135,17 @@ FLAGS = [
     ("final check", "--no-check",
      "skip the final check against the loop reference",
      dict(action="store_true")),
+    ("distributed (TF1 parameter server)", "--distributed",
+     "local: train on a cluster of 1 ps and --workers workers, each a process "
+     "on 127.0.0.1 (SyncReplicasOptimizer; DP noise added once per step); see "
+     "docs/distributed.md (default: one process)",
+     dict(choices=("local",), default=None)),
+    ("distributed (TF1 parameter server)", "--workers",
+     "workers of --distributed local; each trains on --batch-size / W "
+     "examples of every step", dict(_POSITIVE, default=2, metavar="W")),
+    ("distributed (TF1 parameter server)", "--cluster-timeout",
+     "--distributed: stop the cluster after S seconds",
+     dict(type=_float(0.0, True), default=3600, metavar="S")),
     ("output", "--verbose", "keep TensorFlow's log lines (hidden by default)",
      dict(action="store_true")),
 ]
@@ -179,6 +190,18 @@ def check_args(parser, args):
     if args.dataset == "digits" and args.data_dir is not None:
         parser.error("--data-dir is for MNIST; it cannot be used with "
                      "--dataset digits")
+    if args.distributed is not None:
+        if args.batch_size % args.workers:
+            parser.error("--batch-size %d must be a multiple of --workers %d"
+                         % (args.batch_size, args.workers))
+        if args.num_microbatches is not None and (
+                args.num_microbatches % args.workers):
+            parser.error("--distributed: --num-microbatches %d must be a "
+                         "multiple of --workers %d (each worker clips its "
+                         "share)" % (args.num_microbatches, args.workers))
+        if args.download:
+            parser.error("--download cannot be used with --distributed; "
+                         "download once without it")
     if args.data_dir is not None and not args.download:
         path = os.path.expanduser(args.data_dir)
         if not os.path.exists(path):
@@ -204,6 +227,9 @@ def _data_error(args, e):
 
 def select_job(args):
     """The function that runs the job the flags ask for."""
+    if args.distributed == "local":
+        from custagg.app import cluster  # pylint: disable=g-import-not-at-top
+        return cluster.run_local
     from custagg.app import train  # pylint: disable=g-import-not-at-top
     return train.run
 

@@ -86,8 +86,16 @@ def _check(per, loss, w, feed):
                                atol=1e-4 * np.abs(want).max())
 
 
+def _with(rule, name, value):
+    setattr(rule, name, value)
+    return rule
+
+
 CONV2D_FORMS = {
     "windows": lambda rule, ctx: rule._windows_per_example(ctx),
+    # The same form with the NHWC concat of windows (many input channels).
+    "windows_nhwc": lambda rule, ctx: _with(
+        rule, "_WINDOWS_CHANNELS_FIRST_MAX", 0)._windows_per_example(ctx),
     "grouped": lambda rule, ctx: rule._grouped_per_example(ctx),
     "offsets": lambda rule, ctx: rule._offsets_per_example(ctx),
     "patches": lambda rule, ctx: rule._outer(ctx).per_example(),
@@ -101,7 +109,7 @@ def test_conv2d_form_matches_loop(graph, form, case):
     w, loss, ctx, feed = _problem(case, rng)
     per = CONV2D_FORMS[form](conv.Conv2DRule(), ctx)
     if per is None:
-        if form in ("offsets", "windows"):
+        if form in ("offsets", "windows", "windows_nhwc"):
             assert not case[-1], form + " form refused static spatial dims"
             pytest.skip("the %s form needs static spatial dims" % form)
         assert form == "grouped" and not conv._folded_kernels_available()
@@ -124,6 +132,9 @@ def test_depthwise_forms_match_loop(graph, case, monkeypatch):
         assert not case[-1], "offsets form refused static spatial dims"
     else:
         forms["offsets"] = offsets
+        # The same form one offset at a time (large images).
+        monkeypatch.setattr(rule, "_STACKED_MAX_ELEMENTS", 0)
+        forms["offsets_one_by_one"] = rule._offsets_per_example(ctx)
     monkeypatch.setattr(conv, "_folded_kernels_available", lambda: False)
     monkeypatch.setattr(rule, "_offsets_per_example", lambda ctx: None)
     forms["patches"] = rule.per_example(ctx)
