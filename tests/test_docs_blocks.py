@@ -84,3 +84,29 @@ def test_block_runs(tmp_path, path, line, code, reason):
                           timeout=600)
     assert proc.returncode == 0, "%s failed:\n%s%s" % (
         where, proc.stdout[-3000:], proc.stderr[-3000:])
+
+
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(path):
+    with open(path, encoding="utf-8") as f:
+        targets = _LINK.findall(f.read())
+    missing = [t for t in targets if "://" not in t and not os.path.exists(
+        os.path.join(os.path.dirname(path), t))]
+    assert not missing, "%s links to missing files: %s" % (path, missing)
+
+
+def test_readme_is_short_and_its_commands_are_the_ci_ones():
+    readme = os.path.join(ROOT, "README.md")
+    assert os.path.getsize(readme) <= 10 * 1024
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    first = text[text.index("```bash\n") + 8:]
+    commands = [l.split("#")[0].strip() for l in
+                first[:first.index("```")].strip().split("\n")]
+    assert len(commands) == 2 and "python -m custagg" in commands[0]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci_last = [l for l in f.read().strip().split("\n") if l.strip()][-1]
+    assert commands[1] == ci_last.strip()
