@@ -39,16 +39,18 @@ READY_TIMEOUT_S = 600
 
 
 def _optimizer(args, lr, workers):
-    """The replicated optimizer: DP ones noise once per step (the chief)."""
+    """`(replicated optimizer, the custagg optimizer inside it)`; DP ones
+    get their noise once per step, from the chief."""
     inner = train._make_optimizer(args, lr)  # pylint: disable=protected-access
     if isinstance(inner, opt_lib.DPOptimizer):   # clip and dpsgd
         seed = args.seed if args.aggregation == "dpsgd" else None
         return distributed.sync_replicas_dp_optimizer(inner, workers,
-                                                      seed=seed)
+                                                      seed=seed), inner
     # sum / weighted: each worker's gradient is normalised on its own slice;
     # the accumulator's mean over the workers is the global one.
     return tf.compat.v1.train.SyncReplicasOptimizer(
-        inner, replicas_to_aggregate=workers, total_num_replicas=workers)
+        inner, replicas_to_aggregate=workers,
+        total_num_replicas=workers), inner
 
 
 def _worker(a, args, spec, server):
@@ -84,7 +86,7 @@ def _worker(a, args, spec, server):
             loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=y, logits=logits, name="per_example_loss")
             step = tf.compat.v1.train.get_or_create_global_step()
-            opt = _optimizer(args, lr, workers)
+            opt, inner = _optimizer(args, lr, workers)
             grad_loss = (tf.fill([local], 1.0 / local)
                          if args.aggregation == "sum" else None)
             kwargs = {} if grad_loss is None else {"grad_loss": grad_loss}
@@ -92,7 +94,7 @@ def _worker(a, args, spec, server):
                                     var_list=variables, **kwargs)
             factors = None
             if args.aggregation == "weighted":
-                factors = opt._opt.gradient_factors  # pylint: disable=protected-access
+                factors = inner.gradient_factors
             x_eval = tf.compat.v1.placeholder(tf.float32, [None, d])
             y_eval = tf.compat.v1.placeholder(tf.int64, [None])
             eval_logits, _ = build_model(args.model, x_eval,
