@@ -8,8 +8,12 @@ the sources). Each entry says which releases it was checked on and what
 the other releases get instead; when a release moves something, this is
 the one file to change.
 
-"2.12-2.21" means checked on 2.12.1, 2.15.1, 2.18.1 and 2.21.0, the
-releases the CI runs (`.ci/run`).
+"2.12-2.21" below means present and used on the four releases checked:
+2.12.1, 2.15.1, 2.18.1 and 2.21.0 (the CI, `.ci/run`, runs the suite on
+2.21, 2.15 and 2.12; docs/tf-releases.md has the counts). The releases in
+between (2.13, 2.14, 2.16, 2.17, 2.19, 2.20) were not run; where an entry
+differs between checked releases it names them, and releases in between
+get whichever branch the attribute lookup finds.
 """
 
 import tensorflow as tf
@@ -50,7 +54,7 @@ from tensorflow.python.util import object_identity  # noqa: F401
 
 TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
 
-# The public alias of ops._gradient_registry. 2.12-2.21.
+# The public alias of ops._gradient_registry (both names on 2.12-2.21).
 gradient_registry = getattr(ops, "gradient_registry", None) or \
     ops._gradient_registry
 
@@ -90,8 +94,9 @@ def forward_consumers(t):
 # ------------------------------------------------------------------ ops
 
 if hasattr(ops.Operation, "_node_def"):
-    # 2.13-2.21: the serialized NodeDef, parsed here (what `op.node_def`
-    # does, one Python frame fewer on the CUSTOM list form's hot path).
+    # 2.15, 2.18, 2.21: the serialized NodeDef, parsed here (what
+    # `op.node_def` does, one Python frame fewer on the CUSTOM list form's
+    # hot path).
     _parse_node_def = node_def_pb2.NodeDef.FromString
 
     def node_def(op):
@@ -113,7 +118,7 @@ def control_flow_context(op):
 def operation_by_name_fn(graph):
     """A fast `graph.get_operation_by_name` (no argument checks).
 
-    `graph._get_operation_by_name` on 2.13-2.21,
+    `graph._get_operation_by_name` on 2.15, 2.18 and 2.21,
     `graph._get_operation_by_name_unsafe` on 2.12, else the public method.
     """
     for name in ("_get_operation_by_name", "_get_operation_by_name_unsafe"):
@@ -188,8 +193,8 @@ def python_grad_func(func):
 def function_def(func):
     """A graph function's FunctionDef proto.
 
-    `func.cached_definition` on 2.15-2.21; `func.definition` on 2.12, whose
-    `_DefinedFunction` has no cached form.
+    `func.cached_definition` on 2.15, 2.18 and 2.21; `func.definition` on
+    2.12, whose `_DefinedFunction` has no cached form.
     """
     try:
         return func.cached_definition

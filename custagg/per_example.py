@@ -33,10 +33,12 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from custagg import _walk
 from custagg import errors
 from custagg import registry as registry_lib
 from custagg import separability
 from custagg import shortcuts
+from custagg import sparse
 from custagg import vectorized
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import resource_variable_ops
@@ -218,13 +220,7 @@ def _find_consumers(x_tensor, loss_ancestors, live):
     under `tf.stop_gradient` or an integer cast is no consumer.
     """
     found = []
-    stack = [x_tensor]
-    seen = set()
-    while stack:
-        t = stack.pop()
-        if t.ref() in seen:
-            continue
-        seen.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor):
         for op in t.consumers():
             if op not in loss_ancestors or op not in live:
                 continue
@@ -319,12 +315,7 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
 def _reached_refs(x_tensor, loss_ancestors, live):
     """Refs of x and of the pass-through tensors `_find_consumers` follows."""
     refs = set()
-    stack = [x_tensor]
-    while stack:
-        t = stack.pop()
-        if t.ref() in refs:
-            continue
-        refs.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor, refs):
         for op in t.consumers():
             if op in loss_ancestors and op.inputs[0] is t and \
                     shortcuts.passes_through(op, 0, live):
@@ -431,12 +422,6 @@ def _x_dtype(a):
     return tf.as_dtype(a.x.dtype).base_dtype
 
 
-def _dense(g):
-    if isinstance(g, indexed_slices_lib.IndexedSlices):
-        return tf.convert_to_tensor(g)
-    return g
-
-
 class _Engine(object):
     """Builds the tensors a plan calls for, sharing the rules' backward pass."""
 
@@ -461,7 +446,7 @@ class _Engine(object):
                 grads = gradients(self.loss, outs) if outs else []
             for c, g in zip(consumers, grads):
                 ctx = None if g is None else registry_lib.RuleContext(
-                    c.op, c.index, _dense(g), self.plan.batch_size, {})
+                    c.op, c.index, sparse.dense(g), self.plan.batch_size, {})
                 self._contexts[(c.op, c.index)] = ctx
         return [(c.rule, self._contexts[(c.op, c.index)])
                 for c in a.consumers if isinstance(c, _Consumer)
@@ -482,7 +467,7 @@ class _Engine(object):
         def vjp(seeds):
             grads = gradients(ys, wrt, grad_ys=seeds, stop_gradients=others,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [_dense(g) for g in grads]
+            return [sparse.dense(g) for g in grads]
 
         if not batched:
             parts = vjp(cotangents)
@@ -637,7 +622,7 @@ class _Engine(object):
         def one(i):
             grads = gradients(self.loss[i], tensors,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [tf.cast(_dense(g), _x_dtype(a))
+            return [tf.cast(sparse.dense(g), _x_dtype(a))
                     for g, a in zip(grads, group)]
 
         batch = self.plan.batch_size
@@ -751,7 +736,8 @@ class _Engine(object):
                     # op's gradient of its outputs' weighted sums.
                     inner = self.weighted_sums(chain.inner, weights)
                     parts.extend(self._vjp(
-                        chain, [_dense(inner[id(i)]) for i in chain.inner], a,
+                        chain,
+                        [sparse.dense(inner[id(i)]) for i in chain.inner], a,
                         False))
                 out[id(a)] = _sum_parts(parts, a)
         if by_pass:
@@ -824,11 +810,8 @@ def _sum_parts(parts, a):
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, indexed_slices_lib.IndexedSlices) for p in parts):
-        return indexed_slices_lib.IndexedSlices(
-            tf.concat([p.values for p in parts], 0),
-            tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0),
-            parts[0].dense_shape)
-    return tf.add_n([_dense(p) for p in parts])
+        return sparse.concat_slices(parts)
+    return tf.add_n([sparse.dense(p) for p in parts])
 
 
 def _engine(per_example_loss, xs, strategy, registry, pfor_chunk_size, fn):

@@ -24,10 +24,11 @@ import collections
 import tensorflow as tf
 
 from custagg import _tf_compat
+from custagg import _walk
 from custagg import separability
+from custagg import sparse
 from custagg._tf_compat import attr_value_pb2
 from custagg._tf_compat import backprop_util
-from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import pfor_ops
 from custagg._tf_compat import resource_variable_ops
 from custagg.gradients import gradients
@@ -38,12 +39,6 @@ _BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
                             "OptionalGetValue"])
 
 _Boundary = collections.namedtuple("_Boundary", ["op", "batch_inputs"])
-
-
-def _dense(g):
-    if isinstance(g, indexed_slices_lib.IndexedSlices):
-        return tf.convert_to_tensor(g)
-    return g
 
 
 def batch_region(loss_ancestors):
@@ -71,12 +66,7 @@ def _is_batch_tensor(t, region, batch_static):
 def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
     """The boundary ops of x, or (None, reason) when the fast form does not apply."""
     found, seen_ops, seen = [], set(), set()
-    stack = [x_tensor]
-    while stack:
-        t = stack.pop()
-        if t.ref() in seen:
-            continue
-        seen.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor, seen):
         if t is loss:
             return None, "x reaches the loss without meeting batch data"
         for op in t.consumers():
@@ -259,13 +249,14 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
                     if g is None:
                         continue
                     ys.append(out)
-                    seeds.append(tf.gather(_dense(g), tf.reshape(i, [1])))
+                    seeds.append(tf.gather(sparse.dense(g),
+                                           tf.reshape(i, [1])))
             # The sliced batch inputs are held constant: other uses of x
             # upstream of them are other boundary ops, counted there.
             g, = gradients(ys, [a.tensor], grad_ys=seeds,
                            stop_gradients=held,
                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            results.append(_dense(g))
+            results.append(sparse.dense(g))
         return results
 
     return chunked_pfor(loop_fn, batch, chunk,
@@ -306,7 +297,7 @@ def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
     def loop_fn(i):
         seed = tf.one_hot(i, batch, dtype=loss.dtype)
         grads = gradients(loss, tensors, grad_ys=seed)
-        return [_dense(g) if g is not None else z()
+        return [sparse.dense(g) if g is not None else z()
                 for g, z in zip(grads, zeros)]
 
     dtypes = [_grad_dtype(t) for t in tensors]
