@@ -8,8 +8,12 @@ the sources). Each entry says which releases it was checked on and what
 the other releases get instead; when a release moves something, this is
 the one file to change.
 
-"2.12-2.21" means checked on 2.12.1, 2.15.1, 2.18.1 and 2.21.0, the
-releases the CI runs (`.ci/run`).
+"2.12-2.21" below means present and used on the four releases checked:
+2.12.1, 2.15.1, 2.18.1 and 2.21.0 (the CI, `.ci/run`, runs the suite on
+2.21, 2.15 and 2.12; docs/tf-releases.md has the counts). The releases in
+between (2.13, 2.14, 2.16, 2.17, 2.19, 2.20) were not run; where an entry
+differs between checked releases it names them, and releases in between
+get whichever branch the attribute lookup finds.
 """
 
 import tensorflow as tf
@@ -50,16 +54,19 @@ from tensorflow.python.util import object_identity  # noqa: F401
 
 TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
 
-# The public alias of ops._gradient_registry. 2.12-2.21.
+# The public alias of ops._gradient_registry (both names on 2.12-2.21).
 gradient_registry = getattr(ops, "gradient_registry", None) or \
     ops._gradient_registry
 
 # Ops that read only their input's shape (or dtype), never its values: an
-# edge into one of them carries no gradient and no example's data. TF <= 2.15
-# adds a `Shape` of the reshaped tensor in the `Reshape` gradient, so a
-# backward pass already in the graph changes consumer counts; counts that
-# prove something skip these (`value_consumers`).
-SHAPE_ONLY_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+# edge into one of them carries no gradient and no example's data. TF 2.12
+# and 2.15 add a `Shape` of the reshaped tensor in the `Reshape` gradient
+# (2.18 and 2.21 do not), so a backward pass already in the graph changes
+# consumer counts there; counts that prove something skip these
+# (`value_consumers`). `ZerosLike`/`OnesLike` are what backward passes put
+# on outputs that get no gradient.
+SHAPE_ONLY_OPS = frozenset(
+    ["Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"])
 
 
 def value_consumers(t):
@@ -67,11 +74,29 @@ def value_consumers(t):
     return [c for c in t.consumers() if c.type not in SHAPE_ONLY_OPS]
 
 
+def made_by_backward_pass(op):
+    """Whether `op` was built by a gradient function.
+
+    `tf.compat.v1.gradients` and custagg's traversal call each op's gradient
+    function inside `graph._original_op(op)` (`original_op` below), which
+    records `op._original_op` on what it builds. 2.12-2.21; False where the
+    attribute is missing.
+    """
+    return getattr(op, "_original_op", None) is not None
+
+
+def forward_consumers(t):
+    """`value_consumers(t)` less the ops backward passes added: what the
+    model itself computes from `t`, whatever gradients exist already."""
+    return [c for c in value_consumers(t) if not made_by_backward_pass(c)]
+
+
 # ------------------------------------------------------------------ ops
 
 if hasattr(ops.Operation, "_node_def"):
-    # 2.13-2.21: the serialized NodeDef, parsed here (what `op.node_def`
-    # does, one Python frame fewer on the CUSTOM list form's hot path).
+    # 2.15, 2.18, 2.21: the serialized NodeDef, parsed here (what
+    # `op.node_def` does, one Python frame fewer on the CUSTOM list form's
+    # hot path).
     _parse_node_def = node_def_pb2.NodeDef.FromString
 
     def node_def(op):
@@ -93,7 +118,7 @@ def control_flow_context(op):
 def operation_by_name_fn(graph):
     """A fast `graph.get_operation_by_name` (no argument checks).
 
-    `graph._get_operation_by_name` on 2.13-2.21,
+    `graph._get_operation_by_name` on 2.15, 2.18 and 2.21,
     `graph._get_operation_by_name_unsafe` on 2.12, else the public method.
     """
     for name in ("_get_operation_by_name", "_get_operation_by_name_unsafe"):
@@ -168,8 +193,8 @@ def python_grad_func(func):
 def function_def(func):
     """A graph function's FunctionDef proto.
 
-    `func.cached_definition` on 2.15-2.21; `func.definition` on 2.12, whose
-    `_DefinedFunction` has no cached form.
+    `func.cached_definition` on 2.15, 2.18 and 2.21; `func.definition` on
+    2.12, whose `_DefinedFunction` has no cached form.
     """
     try:
         return func.cached_definition
@@ -211,6 +236,23 @@ def is_mkl_enabled():
         return bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
         return False
+
+
+# -------------------------------------------------------------- tf.gradients
+
+def gradients_modules():
+    """TF's modules that hold `tf.gradients` and its internal helper.
+
+    `(gradients, gradients_impl, gradients_util)`: `gradients.gradients` and
+    `gradients_impl.gradients` / `gradients_v2` are the public functions;
+    `gradients_util._GradientsHelper` is what they, cond_v2, while_v2 and
+    tf.function backward passes call (with `src_graph=`), looked up on the
+    module at each call. Same names in 2.12-2.21.
+    """
+    from tensorflow.python.ops import gradients as gradients_mod  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.ops import gradients_impl  # pylint: disable=g-import-not-at-top
+    from tensorflow.python.ops import gradients_util  # pylint: disable=g-import-not-at-top
+    return gradients_mod, gradients_impl, gradients_util
 
 
 # ---------------------------------------------------------- graph copies

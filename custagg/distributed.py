@@ -67,13 +67,21 @@ Example (between-graph replication, one ps):
                                 l2_norm_clip=1.0, noise_multiplier=1.1),
             num_workers=2)
         train_op = opt.minimize(loss, global_step=step)
-    hooks = [opt.make_session_run_hook(is_chief=task == 0)]
+    # num_tokens=0: no token before the first step, so each worker adds
+    # exactly one gradient to each global step (lockstep).
+    hooks = [opt.make_session_run_hook(is_chief=task == 0, num_tokens=0)]
+    config = custagg.distributed.worker_session_config(task)
+    if task != 0:
+        custagg.distributed.wait_until_initialized(server.target, config, 300)
     with tf.compat.v1.train.MonitoredTrainingSession(
-            master=server.target, is_chief=task == 0, hooks=hooks) as sess:
+            master=server.target, is_chief=task == 0, hooks=hooks,
+            config=config) as sess:
         ...
 """
 
 from __future__ import annotations
+
+import time
 
 import tensorflow as tf
 
@@ -81,7 +89,8 @@ from custagg import optimizers as _opt
 from custagg.privacy import gaussian_query as _gq
 
 __all__ = ["DistributedDPOptimizer", "sync_replicas_dp_optimizer",
-           "local_cluster_spec"]
+           "local_cluster_spec", "worker_session_config",
+           "wait_until_initialized"]
 
 _Optimizer = tf.compat.v1.train.Optimizer
 
@@ -100,6 +109,36 @@ def local_cluster_spec(worker_ports, ps_ports=()):
     if ps_ports:
         spec["ps"] = ["127.0.0.1:%d" % p for p in ps_ports]
     return spec
+
+
+def worker_session_config(task_index, config=None):
+    """A session config whose devices are the ps tasks and this worker only,
+    so that a worker never waits for the other workers to be up."""
+    config = config or tf.compat.v1.ConfigProto()
+    config.device_filters[:] = ["/job:ps", "/job:worker/task:%d" % task_index]
+    return config
+
+
+def wait_until_initialized(target, config, timeout_s, poll_s=0.2):
+    """Blocks until the chief has initialized the graph's global variables.
+
+    `MonitoredTrainingSession` on a non-chief checks readiness every 30 s;
+    calling this first (before the graph is finalized) makes a non-chief
+    start within `poll_s` of the chief.
+
+    Raises:
+      TimeoutError: not initialized after `timeout_s` seconds.
+    """
+    not_ready = tf.compat.v1.report_uninitialized_variables(
+        tf.compat.v1.global_variables())
+    deadline = time.monotonic() + timeout_s
+    with tf.compat.v1.Session(target, config=config) as sess:
+        while len(sess.run(not_ready)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    "custagg.distributed: the chief did not initialize the "
+                    "variables within %.0f s" % timeout_s)
+            time.sleep(poll_s)
 
 
 class _NoiseSource(object):

@@ -521,10 +521,10 @@ class DPOptimizer(PerExampleOptimizer):
     example per microbatch). The names and meanings of `l2_norm_clip`,
     `noise_multiplier` and `num_microbatches` are TF Privacy's.
 
-    With M == B the clipped sum comes from `custagg.clipped_gradients`
-    (per-example gradients are never materialized when the strategy can
-    avoid it). With M < B the per-example gradients are materialized
-    (`[B, *var.shape]` each), averaged within each microbatch, then clipped.
+    The clipped sum comes from `custagg.clipped_gradients` (with
+    `num_microbatches` for M < B): one backward pass, and per-example or
+    per-microbatch gradients are never materialized where the rules'
+    (group) forms avoid it, so M < B costs about what M = B costs.
 
     Args:
       optimizer: the wrapped `tf.compat.v1.train.Optimizer`.
@@ -757,19 +757,34 @@ def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
     """
     batch_static = tf.compat.dimension_value(loss.shape[0])
     mb = num_microbatches
-    if mb is not None and not (batch_static is not None
-                               and mb == batch_static):
-        if batch_static is not None and batch_static % mb:
-            raise ValueError(
-                "%s: num_microbatches=%d does not divide the batch size "
-                "%d." % (owner, mb, batch_static))
-        grads, norms, clipped_norms = _microbatch_clipped(
-            loss, var_list, clips, mb, strategy, owner)
-        return grads, tf.constant(mb, loss.dtype), norms, clipped_norms
-    # One example per microbatch: custagg's clipped sum, which avoids
-    # materializing per-example gradients where it can.
+    if mb is not None and batch_static is not None and batch_static % mb:
+        raise ValueError("%s: num_microbatches=%d does not divide the batch "
+                         "size %d." % (owner, mb, batch_static))
+    if mb is None or mb == batch_static:
+        # One example per microbatch.
+        group_size, scaled = None, clips
+        num_units = (tf.constant(batch_static, loss.dtype)
+                     if batch_static is not None else
+                     tf.cast(tf.shape(loss)[0], loss.dtype))
+    else:
+        # g_m = G_m / k (k = B/M, G_m the gradient of the microbatch's summed
+        # loss), so clip_C(g_m) = clip_{kC}(G_m) / k: custagg's one-pass
+        # microbatch clipped sum with clip kC, scaled by 1/k. Nothing per
+        # example is materialized where the rules have group forms.
+        group_size = (tf.constant(batch_static // mb, loss.dtype)
+                      if batch_static is not None else
+                      tf.cast(tf.shape(loss)[0] // mb, loss.dtype))
+        scaled = ([c * group_size for c in clips] if isinstance(clips, list)
+                  else clips * group_size)
+        num_units = tf.constant(mb, loss.dtype)
     grads, norms = _api("clipped_gradients")(
-        loss, var_list, clips, strategy=strategy, return_norms=True)
+        loss, var_list, scaled, strategy=strategy, return_norms=True,
+        num_microbatches=mb)
+    if group_size is not None:
+        grads = [None if g is None else _scale(g, 1.0 / group_size)
+                 for g in grads]
+        norms = ([n / group_size for n in norms] if isinstance(norms, list)
+                 else norms / group_size)
     if isinstance(clips, list):
         # Per-layer: the norms come per variable and each variable's
         # contribution is clipped on its own.
@@ -778,59 +793,15 @@ def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
         norms = tf.sqrt(tf.add_n([tf.square(n) for n in norms]))
     else:
         clipped_norms = tf.minimum(norms, clips)
-    num_units = (tf.constant(batch_static, loss.dtype)
-                 if batch_static is not None else
-                 tf.cast(tf.shape(loss)[0], loss.dtype))
     return grads, num_units, norms, clipped_norms
 
 
-def _microbatch_clipped(loss, var_list, clips, num_microbatches, strategy,
-                        owner):
-    """Clipped sum over microbatches from materialized per-example grads.
-
-    Returns:
-      `(grads, norms [M], clipped_norms [M])`.
-    """
-    per_example = _api("per_example_gradients")(
-        loss, var_list, strategy=strategy)
-    batch = tf.shape(loss)[0]
-    check = tf.debugging.assert_equal(
-        batch % num_microbatches, 0,
-        message="%s: num_microbatches=%d must divide the batch size" % (
-            owner, num_microbatches))
-    per_unit = []
-    with tf.control_dependencies([check]):
-        for g in per_example:
-            if g is None:
-                per_unit.append(None)
-                continue
-            g = tf.convert_to_tensor(g)
-            shape = tf.shape(g)[1:]
-            # Mean over each microbatch: the gradient of its mean loss.
-            per_unit.append(tf.reduce_mean(tf.reshape(
-                g, tf.concat([[num_microbatches, -1], shape], 0)), axis=1))
-    squared = [None if g is None else
-               tf.reduce_sum(tf.reshape(tf.square(g),
-                                        [num_microbatches, -1]), axis=1)
-               for g in per_unit]
-    present = [s for s in squared if s is not None]
-    zeros = tf.zeros([num_microbatches], loss.dtype)
-    norms = tf.sqrt(tf.add_n(present) if present else zeros)
-    if isinstance(clips, list):
-        factors = [None if s is None else
-                   c / tf.maximum(tf.sqrt(s), c)
-                   for s, c in zip(squared, clips)]
-        clipped_sq = [s * tf.square(f) for s, f in zip(squared, factors)
-                      if s is not None]
-        clipped_norms = tf.sqrt(tf.add_n(clipped_sq) if clipped_sq
-                                else zeros)
-    else:
-        factor = clips / tf.maximum(norms, clips)
-        factors = [factor] * len(per_unit)
-        clipped_norms = norms * factor
-    grads = [None if g is None else tf.tensordot(f, g, axes=1)
-             for g, f in zip(per_unit, factors)]
-    return grads, norms, clipped_norms
+def _scale(g, factor):
+    """`g * factor` for a Tensor or IndexedSlices (kept sparse)."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype),
+                                g.indices, g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
 
 
 def _key_name(k):

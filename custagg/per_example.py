@@ -38,12 +38,16 @@ import collections
 import logging
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
+from custagg import _walk
 from custagg import errors
 from custagg import recompute
 from custagg import registry as registry_lib
 from custagg import separability
+from custagg import shortcuts
+from custagg import sparse
 from custagg import vectorized
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import resource_variable_ops
@@ -54,11 +58,6 @@ from custagg.rules import _outer as _outer_lib
 _LOG = logging.getLogger("custagg")
 
 STRATEGIES = ("auto", "rules", "pfor", "loop")
-
-# Ops between a parameter and the op that uses it that the rules see through:
-# they change neither values nor (up to a reshape) layout.
-_PASS_THROUGH = frozenset(["ReadVariableOp", "Identity", "Snapshot", "Cast",
-                           "ExpandDims", "Reshape", "Squeeze"])
 
 _Consumer = collections.namedtuple("_Consumer", ["op", "index", "rule"])
 # A consumer that sees no batch data (`l2_loss(w)`, `gamma * rsqrt(var)`):
@@ -230,23 +229,21 @@ def _as_tensor(x, i, fn_name):
         x, as_ref=True)
 
 
-def _find_consumers(x_tensor, loss_ancestors):
-    """(op, input index) pairs where x's value enters a non-pass-through op."""
+def _find_consumers(x_tensor, loss_ancestors, live):
+    """(op, input index) pairs where x's value enters a non-pass-through op.
+
+    Only ops a gradient of the loss goes through (`live`) count: a use of x
+    under `tf.stop_gradient` or an integer cast is no consumer.
+    """
     found = []
-    stack = [x_tensor]
-    seen = set()
-    while stack:
-        t = stack.pop()
-        if t.ref() in seen:
-            continue
-        seen.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor):
         for op in t.consumers():
-            if op not in loss_ancestors:
+            if op not in loss_ancestors or op not in live:
                 continue
             for k, inp in enumerate(op.inputs):
-                if inp is not t:
+                if inp is not t or not live.reaches(inp):
                     continue
-                if op.type in _PASS_THROUGH and k == 0:
+                if shortcuts.passes_through(op, k, live):
                     stack.append(op.outputs[0])
                 else:
                     found.append((op, k))
@@ -261,7 +258,8 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
     if region is None:
         region = vectorized.batch_region(loss_ancestors)
     consumers, chained = [], set()
-    for op, k in _find_consumers(x_tensor, loss_ancestors):
+    for op, k in _find_consumers(x_tensor, loss_ancestors,
+                                 shortcuts.live_ops(loss)):
         if op not in region and depth < _MAX_CHAIN:
             if op in chained:
                 continue
@@ -277,6 +275,12 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
             return None, separability.Reason(
                 "no per-example rule for op type '%s' (op '%s')"
                 % (op.type, op.name), op)
+        if shortcuts.gradient_override(op) is not None:
+            return None, separability.Reason(
+                "op '%s' (type %s) has its gradient overridden (to %r); the "
+                "%s rule implements the standard gradient" % (
+                    op.name, op.type, shortcuts.gradient_override(op),
+                    op.type), op)
         ctx = registry_lib.RuleContext(op, k, None, batch_size)
         why = rule.unsupported(ctx)
         if why:
@@ -305,7 +309,8 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
            depth):
     """A `_Chain` through `op` (which sees no batch data), or (None, why)."""
     indices = [k for k, inp in enumerate(op.inputs)
-               if inp.ref() in _reached_refs(x_tensor, loss_ancestors)]
+               if inp.ref() in _reached_refs(x_tensor, loss_ancestors,
+                                             shortcuts.live_ops(loss))]
     inner = []
     for out in op.outputs:
         if out.op not in loss_ancestors or not out.dtype.is_floating:
@@ -323,18 +328,13 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
     return _Chain(op, indices, inner), None
 
 
-def _reached_refs(x_tensor, loss_ancestors):
+def _reached_refs(x_tensor, loss_ancestors, live):
     """Refs of x and of the pass-through tensors `_find_consumers` follows."""
     refs = set()
-    stack = [x_tensor]
-    while stack:
-        t = stack.pop()
-        if t.ref() in refs:
-            continue
-        refs.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor, refs):
         for op in t.consumers():
-            if op in loss_ancestors and op.type in _PASS_THROUGH and \
-                    op.inputs[0] is t:
+            if op in loss_ancestors and op.inputs[0] is t and \
+                    shortcuts.passes_through(op, 0, live):
                 stack.append(op.outputs[0])
     return refs
 
@@ -398,7 +398,8 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
             raise ValueError(
                 "custagg: xs[%d] (%s) is from another graph than "
                 "per_example_loss." % (i, getattr(x, "name", x)))
-        if t.op not in ancestors:
+        if t.op not in ancestors or not shortcuts.live_ops(loss).reaches(t):
+            # As tf.gradients: None where no gradient reaches x.
             assignments.append(Assignment(x, t, None))
             continue
         if strategy == "loop":
@@ -482,12 +483,6 @@ def _x_dtype(a):
     return tf.as_dtype(a.x.dtype).base_dtype
 
 
-def _dense(g):
-    if isinstance(g, indexed_slices_lib.IndexedSlices):
-        return tf.convert_to_tensor(g)
-    return g
-
-
 class _Engine(object):
     """Builds the tensors a plan calls for, sharing the rules' backward pass."""
 
@@ -512,7 +507,7 @@ class _Engine(object):
                 grads = gradients(self.loss, outs) if outs else []
             for c, g in zip(consumers, grads):
                 ctx = None if g is None else registry_lib.RuleContext(
-                    c.op, c.index, _dense(g), self.plan.batch_size, {})
+                    c.op, c.index, sparse.dense(g), self.plan.batch_size, {})
                 self._contexts[(c.op, c.index)] = ctx
         return [(c.rule, self._contexts[(c.op, c.index)])
                 for c in a.consumers if isinstance(c, _Consumer)
@@ -533,7 +528,7 @@ class _Engine(object):
         def vjp(seeds):
             grads = gradients(ys, wrt, grad_ys=seeds, stop_gradients=others,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [_dense(g) for g in grads]
+            return [sparse.dense(g) for g in grads]
 
         if not batched:
             parts = vjp(cotangents)
@@ -558,31 +553,38 @@ class _Engine(object):
         v = self._vjp(chain, [tf.ones([], c.dtype)], a, False)
         return c, tf.add_n(v) if len(v) > 1 else v[0]
 
-    def _terms(self, a):
+    def _terms(self, a, groups=None):
         """x's per-example gradients as a sum of terms, for norms without
         materializing: ("outer", Outer, param shape), ("scaled", c, v) or
-        ("dense", [B, *x])."""
+        ("dense", [B, *x]). With `groups` (M): the microbatch sums, `[M]`
+        leading instead of `[B]`."""
+        def group(t):
+            return t if groups is None else registry_lib.group_sum(t, groups)
         terms = []
         for rule, ctx in self.contexts(a):
             outer = rule.outer(ctx)
             if outer is not None:
+                if groups is not None:
+                    outer = outer.grouped(groups)
                 terms.append(("outer", outer, _outer_lib.static_dims(
                     ctx.param)))
             else:
-                terms.append(("dense", self._to_x(rule.per_example(ctx), a,
-                                                  True), None))
+                terms.append(("dense", group(self._to_x(
+                    rule.per_example(ctx), a, True)), None))
         for chain in self.chains(a):
             if _scalar_chain(chain):
-                terms.append(("scaled",) + self._scaled_chain(chain, a))
+                c, v = self._scaled_chain(chain, a)
+                terms.append(("scaled", group(c), v))
             else:
                 for part in self._chain_per_example(chain, a):
-                    terms.append(("dense", part, None))
+                    terms.append(("dense", group(part), None))
         return terms
 
-    def _cross_norms(self, a):
-        """`[B]` squared norms from pairwise inner products of the terms,
-        or None when two terms cannot be paired without materializing."""
-        terms = self._terms(a)
+    def _cross_norms(self, a, groups=None):
+        """`[B]` (`[M]` with `groups`) squared norms from pairwise inner
+        products of the terms, or None when two terms cannot be paired
+        without materializing."""
+        terms = self._terms(a, groups)
         dtype = self.loss.dtype
         total = []
         for i, t in enumerate(terms):
@@ -601,8 +603,15 @@ class _Engine(object):
         """A rule result in the op input's layout -> x's layout and dtype."""
         dtype = _x_dtype(a)
         if isinstance(t, indexed_slices_lib.IndexedSlices):
-            return indexed_slices_lib.IndexedSlices(
-                tf.cast(t.values, dtype), t.indices, t.dense_shape)
+            rows_of = tf.get_static_value(t.dense_shape)
+            if rows_of is not None and _static_x_shape(a).is_fully_defined() \
+                    and list(rows_of) != _static_x_shape(a).as_list():
+                # Rows of a reshaped table are not rows of x: dense, as
+                # TF's Reshape gradient gives.
+                t = tf.convert_to_tensor(t)
+            else:
+                return indexed_slices_lib.IndexedSlices(
+                    tf.cast(t.values, dtype), t.indices, t.dense_shape)
         lead = [tf.shape(t)[0]] if batched else []
         return tf.cast(tf.reshape(t, lead + _x_shape(a)), dtype)
 
@@ -729,7 +738,7 @@ class _Engine(object):
         def one(i):
             grads = gradients(self.loss[i], tensors,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [tf.cast(_dense(g), _x_dtype(a))
+            return [tf.cast(sparse.dense(g), _x_dtype(a))
                     for g, a in zip(grads, group)]
 
         batch = self.plan.batch_size
@@ -748,15 +757,51 @@ class _Engine(object):
                                   [tf.constant(0), arrays])
         return [ta.stack() for ta in arrays]
 
+    def _checked(self, t, a, what):
+        """`t`, a rules result with one row per example, checked to have B
+        rows (the loss's): a rule that took other rows for examples (a fold
+        of `[B, T, D]` into `B*T` rows it did not see) raises instead of
+        clipping or weighting each row as if it were an example."""
+        if not isinstance(t, tf.Tensor) or t.shape.rank == 0:
+            return t
+        rows = tf.compat.dimension_value(t.shape[0])
+        batch = tf.compat.dimension_value(self.loss.shape[0])
+        name = getattr(a.x, "name", a.x)
+        hint = ("a rule took another axis, or rows of a fold it did not see, "
+                "for the examples; strategy='pfor' avoids the rules")
+        if rows is not None and batch is not None:
+            if rows != batch:
+                raise ValueError(
+                    "custagg: the rules gave %s of %s for %d rows, but the "
+                    "batch has %d examples (%s)." % (what, name, rows, batch,
+                                                     hint))
+            return t
+        check = tf.debugging.assert_equal(
+            tf.shape(t)[0], tf.shape(self.loss)[0],
+            message="custagg: the rules gave %s of %s for another number of "
+                    "rows than the batch's examples (%s)" % (what, name, hint))
+        with tf.control_dependencies([check]):
+            return tf.identity(t)
+
     def per_example(self, a):
         if a.strategy is None:
             return None
         if a.strategy == "rules":
-            return self._rules_per_example(a)
+            return self._checked(self._rules_per_example(a), a,
+                                 "per-example gradients")
         return self._materialize(a.strategy)[id(a)]
 
-    def squared_norms(self, a):
-        """[B] squared norms of x's per-example gradients (loss dtype)."""
+    def squared_norms(self, a, groups=None):
+        """[B] squared norms of x's per-example gradients (loss dtype), or
+        with `groups` (M) the [M] squared norms of the microbatch sums."""
+        if groups is not None:
+            return self._group_squared_norms(a, groups)
+        sq = self._squared_norms(a)
+        if a.strategy == "rules":
+            sq = self._checked(sq, a, "norms")
+        return sq
+
+    def _squared_norms(self, a):
         dtype = self.loss.dtype
         if a.strategy == "rules" and not self.chains(a):
             pairs = self.contexts(a)
@@ -774,6 +819,26 @@ class _Engine(object):
         return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
                              axis=1)
 
+    def _group_squared_norms(self, a, groups):
+        """`[M]` ||sum_{b in m} g_b||^2: each rule's group form (the block
+        Gram form for outer products, ids keyed by microbatch for tables),
+        cross terms summed per microbatch; xs taking pfor or the loop (and
+        rules without a group form) sum their materialized `[B, ...]`."""
+        dtype = self.loss.dtype
+        if a.strategy == "rules" and not self.chains(a):
+            pairs = self.contexts(a)
+            if len(pairs) == 1:
+                rule, ctx = pairs[0]
+                return tf.cast(rule.group_squared_norms(ctx, groups), dtype)
+            if not pairs:
+                return tf.zeros([groups], dtype)
+        if a.strategy == "rules":
+            cross = self._cross_norms(a, groups)
+            if cross is not None:
+                return cross
+        g = registry_lib.group_sum(tf.cast(self.per_example(a), dtype), groups)
+        return tf.reduce_sum(tf.reshape(tf.square(g), [groups, -1]), axis=1)
+
     def weighted_sums(self, group, weights):
         """sum_b weights[b] g_b for each x of `group` (one weights vector)."""
         out = {}
@@ -787,7 +852,8 @@ class _Engine(object):
                     # op's gradient of its outputs' weighted sums.
                     inner = self.weighted_sums(chain.inner, weights)
                     parts.extend(self._vjp(
-                        chain, [_dense(inner[id(i)]) for i in chain.inner], a,
+                        chain,
+                        [sparse.dense(inner[id(i)]) for i in chain.inner], a,
                         False))
                 out[id(a)] = _sum_parts(parts, a)
         if by_pass:
@@ -895,11 +961,8 @@ def _sum_parts(parts, a):
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, indexed_slices_lib.IndexedSlices) for p in parts):
-        return indexed_slices_lib.IndexedSlices(
-            tf.concat([p.values for p in parts], 0),
-            tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0),
-            parts[0].dense_shape)
-    return tf.add_n([_dense(p) for p in parts])
+        return sparse.concat_slices(parts)
+    return tf.add_n([sparse.dense(p) for p in parts])
 
 
 def _engine(per_example_loss, xs, strategy, registry, pfor_chunk_size, fn):
@@ -997,24 +1060,64 @@ def per_example_gradients(per_example_loss, xs, strategy="auto",
 
 
 def per_example_norms(per_example_loss, xs, strategy="auto", registry=None,
-                      pfor_chunk_size=32, name="per_example_norms"):
+                      pfor_chunk_size=32, name="per_example_norms",
+                      num_microbatches=None):
     """`[B]` global L2 norms of the per-example gradients over all `xs`.
 
     With rules, computed without materializing per-example gradients
     (`||a_b|| ||dz_b||` for dense layers, the Gram form for sequences, sparse
     rows for embeddings). Unconnected xs count as zero.
+
+    With `num_microbatches` M (a Python int dividing B; B may be dynamic):
+    `[M]` norms of the microbatch gradients, microbatch m being examples
+    `m*B/M ... (m+1)*B/M - 1` (TF Privacy's `tf.reshape(loss, [M, -1])`)
+    and its gradient that of its summed loss, `sum_{b in m} g_b`, again
+    without materializing where the rules allow (see `Rule.
+    group_squared_norms`).
     """
     fn = "custagg.per_example_norms"
     with tf.name_scope(name):
         plan, engine = _engine(per_example_loss, xs, strategy, registry,
                                pfor_chunk_size, fn)
-        return tf.sqrt(_total_squared_norms(plan, engine, plan.assignments))
+        groups, check = _groups(plan.loss, num_microbatches, fn)
+        with tf.control_dependencies(check):
+            return tf.sqrt(_total_squared_norms(plan, engine,
+                                                plan.assignments, groups))
 
 
-def _total_squared_norms(plan, engine, group):
-    parts = [engine.squared_norms(a) for a in group if a.strategy]
+def _groups(loss, num_microbatches, fn):
+    """(M or None when M = B is static, [assert that M divides B])."""
+    if num_microbatches is None:
+        return None, []
+    m = num_microbatches
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+        raise ValueError("%s: num_microbatches must be a positive Python int "
+                         "dividing the batch size, or None; got %r." % (fn, m))
+    m = int(m)
+    batch = tf.compat.dimension_value(loss.shape[0])
+    if batch is not None:
+        if batch % m:
+            raise ValueError("%s: num_microbatches=%d does not divide the "
+                             "batch size %d." % (fn, m, batch))
+        return (None if m == batch else m), []
+    return m, [tf.debugging.assert_equal(
+        tf.shape(loss)[0] % m, 0,
+        message="%s: num_microbatches=%d must divide the batch size" % (fn, m))]
+
+
+def _group_weights(factors, loss, groups):
+    """`[M]` microbatch factors -> `[B]` (each example its group's)."""
+    if groups is None:
+        return factors
+    k = tf.shape(loss)[0] // groups
+    return tf.reshape(tf.tile(factors[:, None], tf.stack([1, k])), [-1])
+
+
+def _total_squared_norms(plan, engine, group, groups=None):
+    parts = [engine.squared_norms(a, groups) for a in group if a.strategy]
     if not parts:
-        return tf.zeros(tf.shape(plan.loss), plan.loss.dtype)
+        return tf.zeros([groups] if groups else tf.shape(plan.loss),
+                        plan.loss.dtype)
     return tf.add_n(parts)
 
 
@@ -1028,7 +1131,7 @@ def _clip_factors(sq_norms, clip, dtype):
 
 def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
                       return_norms=False, registry=None, pfor_chunk_size=32,
-                      name="clipped_gradients"):
+                      name="clipped_gradients", num_microbatches=None):
     """`sum_b min(1, C / ||g_b||) g_b`: the per-example clipped sum (DP-SGD).
 
     The clip factors are constants (never differentiated through). For xs
@@ -1045,6 +1148,12 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
       strategy: as for `per_example_gradients`.
       return_norms: also return the `[B]` norms before clipping (global, or
         a list of per-x norms with per-x clip norms).
+      num_microbatches: M (a Python int dividing B), or None for M = B:
+        `sum_m min(1, C / ||G_m||) G_m` with `G_m` the gradient of
+        microbatch m's summed loss (see `per_example_norms`); the norms are
+        then `[M]`. The same one-pass sum with each example weighted by its
+        microbatch's factor: a DP step with M < B costs about what M = B
+        costs.
 
     Returns:
       List aligned with xs (`Tensor`, `IndexedSlices` for embedding tables,
@@ -1056,29 +1165,40 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
         plan, engine = _engine(per_example_loss, xs, strategy, registry,
                                pfor_chunk_size, fn)
         live = [a for a in plan.assignments if a.strategy]
-        dtype = plan.loss.dtype
-        if per_x:
-            if len(l2_norm_clip) != len(plan.assignments):
-                raise ValueError(
-                    "%s: l2_norm_clip has %d entries but xs has %d; give one "
-                    "clip norm per x, or one number." % (
-                        fn, len(l2_norm_clip), len(plan.assignments)))
-            sums, norms = {}, []
-            for a, clip in zip(plan.assignments, l2_norm_clip):
-                if not a.strategy:
-                    norms.append(tf.zeros(tf.shape(plan.loss), dtype))
-                    continue
-                sq = engine.squared_norms(a)
-                norms.append(tf.sqrt(sq))
-                sums.update(engine.weighted_sums(
-                    [a], _clip_factors(sq, clip, dtype)))
-        else:
-            sq = _total_squared_norms(plan, engine, live)
-            norms = tf.sqrt(sq)
-            sums = engine.weighted_sums(live,
-                                        _clip_factors(sq, l2_norm_clip, dtype))
-        grads = [sums.get(id(a)) for a in plan.assignments]
+        groups, check = _groups(plan.loss, num_microbatches, fn)
+        with tf.control_dependencies(check):
+            grads, norms = _clipped(plan, engine, live, l2_norm_clip, per_x,
+                                    groups, fn)
         return (grads, norms) if return_norms else grads
+
+
+def _clipped(plan, engine, live, l2_norm_clip, per_x, groups, fn):
+    """`clipped_gradients`' sums (aligned with the plan's xs) and norms."""
+    dtype = plan.loss.dtype
+
+    def weights(sq, clip):
+        return _group_weights(_clip_factors(sq, clip, dtype), plan.loss,
+                              groups)
+    if per_x:
+        if len(l2_norm_clip) != len(plan.assignments):
+            raise ValueError(
+                "%s: l2_norm_clip has %d entries but xs has %d; give one "
+                "clip norm per x, or one number." % (
+                    fn, len(l2_norm_clip), len(plan.assignments)))
+        sums, norms = {}, []
+        for a, clip in zip(plan.assignments, l2_norm_clip):
+            if not a.strategy:
+                norms.append(tf.zeros([groups] if groups else
+                                      tf.shape(plan.loss), dtype))
+                continue
+            sq = engine.squared_norms(a, groups)
+            norms.append(tf.sqrt(sq))
+            sums.update(engine.weighted_sums([a], weights(sq, clip)))
+    else:
+        sq = _total_squared_norms(plan, engine, live, groups)
+        norms = tf.sqrt(sq)
+        sums = engine.weighted_sums(live, weights(sq, l2_norm_clip))
+    return [sums.get(id(a)) for a in plan.assignments], norms
 
 
 def weighted_gradients(per_example_loss, xs, weights, name="weighted_gradients"):

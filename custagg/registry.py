@@ -18,6 +18,8 @@ A `Rule` computes, from the op's inputs and `dz` alone (one backward pass),
     squared_norms(ctx)      -> [B]                ||g_i||^2
     weighted_sum(ctx, c)    -> p.shape            sum_i c_i g_i   (c: [B])
     squared_sum(ctx)        -> p.shape            sum_i g_i ** 2  (elementwise)
+    group_squared_norms(ctx, M) -> [M]            ||sum_{i in m} g_i||^2, microbatch m
+                                                  = examples m*B/M ... (m+1)*B/M - 1
     outer(ctx)              -> _outer.Outer/None  g_i as sum_t a_it (x) g_it (cross terms)
     output_batch_axis(ctx)  -> int                axis of op.outputs[0] that is the batch
     coupling_start(ctx)     -> (tensor, axis)     where the batch-coupling check starts
@@ -120,12 +122,34 @@ class Rule(object):
     def squared_sum(self, ctx):
         return tf.reduce_sum(tf.square(self.cached_per_example(ctx)), axis=0)
 
+    def group_squared_norms(self, ctx, num_groups):
+        """`[M]` squared norms of the microbatch gradients `sum_{i in m} g_i`
+        (M = `num_groups` consecutive groups of B/M examples, TF Privacy's
+        microbatches). Default: the per-example gradients summed per group;
+        rules with an identity for the group sum override it."""
+        g = group_sum(self.cached_per_example(ctx), num_groups)
+        return tf.reduce_sum(tf.reshape(tf.square(g), [num_groups, -1]),
+                             axis=1)
+
     def outer(self, ctx):
         """The per-example gradients as an `_outer.Outer` (sums of outer
         products, never materialized), or None. Lets a variable used by
         several ops get its norms from cross terms."""
         del ctx
         return None
+
+
+def group_sum(t, num_groups):
+    """`[B, ...]` -> `[M, ...]`: row m sums rows m*B/M ... (m+1)*B/M - 1
+    (TF Privacy's `tf.reshape(loss, [M, -1])` grouping). M must divide B."""
+    if isinstance(t, tf.IndexedSlices):
+        t = tf.convert_to_tensor(t)
+    rest = t.shape[1:]
+    if rest.is_fully_defined():
+        shape = [num_groups, -1] + rest.as_list()
+    else:
+        shape = tf.concat([[num_groups, -1], tf.shape(t)[1:]], 0)
+    return tf.reduce_sum(tf.reshape(t, shape), axis=1)
 
 
 def _caller_location(depth):

@@ -9,15 +9,21 @@ next. Tests that need eager mode, or the global switches of
 (`run_python`): eager cannot be turned back on once a graph-mode test ran.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 
 # Before TensorFlow is imported: quiet C++ logs, and let graph-mode code use
-# tf.compat.v1.layers / legacy Keras (needs the tf-keras package on TF 2.21).
+# tf.compat.v1.layers / legacy Keras where the tf-keras package is installed
+# (needed on TF 2.16-2.21, whose tf.keras is Keras 3). Without tf-keras the
+# switch is left unset: TF 2.12-2.15's tf.keras is Keras 2 already, and on
+# 2.15 the switch would make tf.keras look for tf-keras and fail; tests that
+# need Keras 2 layers on 2.16+ skip and say so.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+if importlib.util.find_spec("tf_keras") is not None:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -111,20 +110,6 @@ def _reference(kind, steps, global_batch, lr=LR):
 # ---------------------------------------------------------- cluster tasks
 
 
-def _wait_until_ready(target, config, timeout):
-    """A non-chief waits for the chief's initialization (bounded) so that
-    MonitoredTrainingSession's 30 s readiness poll never sleeps."""
-    not_ready = tf.compat.v1.report_uninitialized_variables(
-        tf.compat.v1.global_variables())
-    deadline = time.monotonic() + timeout
-    with tf.compat.v1.Session(target, config=config) as s:
-        while len(s.run(not_ready)):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the chief did not initialize in %d s"
-                                   % timeout)
-            time.sleep(0.2)
-
-
 def _sync_task(a):
     """ps or worker of a SyncReplicasOptimizer cluster (between-graph)."""
     spec = json.loads(a.spec)
@@ -148,10 +133,9 @@ def _sync_task(a):
                 _dp_optimizer(a.kind, a.noise, a.lr), num_workers=workers)
             train = opt.minimize(loss, global_step=step, var_list=variables)
         hook = opt.make_session_run_hook(is_chief, num_tokens=0)
-        config = tf.compat.v1.ConfigProto(device_filters=[
-            "/job:ps", "/job:worker/task:%d" % a.task])
+        config = distributed.worker_session_config(a.task)
         if not is_chief:
-            _wait_until_ready(server.target, config, WAIT_S)
+            distributed.wait_until_initialized(server.target, config, WAIT_S)
         with tf.compat.v1.train.MonitoredTrainingSession(
                 master=server.target, is_chief=is_chief, hooks=[hook],
                 config=config, stop_grace_period_secs=2,
@@ -466,6 +450,168 @@ def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
         np.testing.assert_allclose(saved["w"], w_ref, rtol=0, atol=1e-6)
         np.testing.assert_allclose(saved["b"], b_ref, rtol=0, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "63"], "must be a multiple of --workers 2"),
+    (["--aggregation", "dpsgd", "--num-microbatches", "1"],
+     "--num-microbatches 1 must be a multiple of --workers 2"),
+    (["--download"], "--download cannot be used with --distributed"),
+])
+def test_cli_flag_errors(flags, message, capsys):
+    from custagg.app import cli
+    parser = cli.build_parser()
+    args = parser.parse_args(["--distributed", "local", "--workers", "2"] +
+                             flags)
+    with pytest.raises(SystemExit) as e:
+        cli.check_args(parser, args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_selects_the_cluster_runner():
+    from custagg.app import cli
+    args = cli.build_parser().parse_args(["--distributed", "local"])
+    cli.check_args(cli.build_parser(), args)
+    assert args.workers == 2
+    assert cli.select_job(args) is cluster_lib.run_local
+
+
+# ------------------------------------------- python -m custagg --distributed
+
+
+class _Runner(object):
+    """`python -m custagg ...` in its own process group; stdout collected
+    line by line by a thread."""
+
+    def __init__(self, *flags):
+        import subprocess
+        import threading
+        env = dict(os.environ)
+        env.update(_env())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "custagg"] + [str(f) for f in flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, cwd=REPO_ROOT, start_new_session=True)
+        self.lines = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError("no %r in the runner's output within %d s:\n%s"
+                             % (text, timeout, self.output))
+
+    @property
+    def output(self):
+        return "\n".join(self.lines)
+
+    def task_pids(self):
+        """{task name: pid} from the 'started worker 1 (pid 123)' lines."""
+        import re
+        pids = {}
+        for line in self.lines:
+            m = re.match(r"started (\w+ \d+) \(pid (\d+)\)", line)
+            if m:
+                pids[m.group(1)] = int(m.group(2))
+        return pids
+
+    def wait(self, timeout):
+        rc = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return rc
+
+    def kill(self):
+        import signal
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+def _runner_flags(epochs):
+    return ["--distributed", "local", "--workers", 2, "--aggregation",
+            "dpsgd", "--epochs", epochs, "--cluster-timeout", WAIT_S]
+
+
+def _assert_all_gone(pids):
+    """Every task process ends (bounded wait: the kernel reaps them)."""
+    deadline = time.monotonic() + 30
+    while cluster_lib.pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster_lib.pids_alive(pids) == []
+
+
+def test_killed_worker_stops_the_run_and_names_it():
+    """SIGKILL to worker 1 mid-run: the runner exits within 60 s, says
+    which task died, and leaves no process behind."""
+    import signal
+    runner = _Runner(*_runner_flags(100000))
+    pids = {}
+    try:
+        runner.wait_for("epoch  2", timeout=WAIT_S)
+        pids = runner.task_pids()
+        assert set(pids) == {"ps 0", "worker 0", "worker 1"}
+        os.kill(pids["worker 1"], signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = runner.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        print("run stopped %.1f s after the kill" % elapsed)
+        assert elapsed < 60
+        assert rc == 1
+        assert "worker 1 was killed by signal SIGKILL" in runner.output
+        assert "Stopping the cluster" in runner.output
+    finally:
+        runner.kill()
+        _assert_all_gone(list(pids.values()) + [runner.proc.pid])
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process():
+    import signal
+    runner = _Runner(*_runner_flags(100000))
+    pids = {}
+    try:
+        runner.wait_for("epoch  2", timeout=WAIT_S)
+        pids = runner.task_pids()
+        runner.proc.send_signal(signal.SIGINT)
+        assert runner.wait(timeout=60) == 130
+        assert "SIGINT received; stopping the cluster" in runner.output
+    finally:
+        runner.kill()
+        _assert_all_gone(list(pids.values()))
+
+
+@pytest.mark.slow
+def test_local_cluster_run_reports_throughput_and_accuracy():
+    runner = _Runner(*_runner_flags(3))
+    pids = {}
+    try:
+        rc = runner.wait(timeout=WAIT_S)
+        pids = runner.task_pids()
+        assert rc == 0, runner.output
+    finally:
+        runner.kill()
+        _assert_all_gone(list(pids.values()))
+    out = runner.output
+    for i in range(2):
+        assert "worker %d: 66 steps, 2112 examples" % i in out
+    assert "examples/s" in out and "final test accuracy" in out
+    assert "privacy after 3 epochs: epsilon" in out
+    acc = float(out.split("final test accuracy: ")[1].split()[0])
+    assert acc > 0.8
 
 if __name__ == "__main__":
     _args = _task_parser().parse_args()

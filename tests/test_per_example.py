@@ -15,6 +15,7 @@ reference (`custagg.testing.loop_per_example`) or a numpy oracle:
 * argument errors.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -24,7 +25,8 @@ import textwrap
 # TF reads this when tf.compat.v1.layers is first touched, so setting it
 # here works unless an earlier test module touched the layers with Keras 3
 # (tests/conftest.py sets it before importing TF as well).
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+if importlib.util.find_spec("tf_keras"):  # TF 2.15 without it: Keras 2
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -231,3 +231,137 @@ def _signal_group(proc, sig):
 def python_argv(module, *args):
     """`[sys.executable, "-m", module, *args]`."""
     return [sys.executable, "-m", module] + [str(a) for a in args]
+
+
+# --------------------------------------------------------------------------
+# `python -m custagg --distributed local --workers W`
+
+
+DEFAULT_TIMEOUT_S = 3600
+_JOB_MODULE = "custagg.app.cluster_job"
+
+
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM arrived."""
+
+
+def _raise_interrupted(signum, frame):
+    del frame
+    raise _Interrupted(signal.Signals(signum).name)
+
+
+class _LogFollower(object):
+    """Echoes the new lines of a task's log."""
+
+    def __init__(self, path, say, prefix=""):
+        self._path, self._say, self._prefix = path, say, prefix
+        self._pos = 0
+
+    def __call__(self):
+        try:
+            with open(self._path, errors="replace") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+        except OSError:
+            return
+        # Only whole lines; the rest waits for the next call.
+        end = chunk.rfind("\n") + 1
+        self._pos += len(chunk[:end].encode("utf-8", "replace"))
+        for line in chunk[:end].splitlines():
+            if line.startswith(("epoch", "worker")):
+                self._say(self._prefix + line)
+
+
+def run_local(args, out=None):
+    """Runs the main job on a local cluster: 1 ps and `args.workers` workers.
+
+    Every task is a subprocess on 127.0.0.1 (ports picked here), in its own
+    process group; all of them are shut down on success, on failure (a task
+    that dies is named) and on Ctrl-C / SIGTERM.
+
+    Returns:
+      0 on success, 1 when a task failed or the run timed out, 130 on
+      Ctrl-C (143 on SIGTERM).
+    """
+    import json  # pylint: disable=g-import-not-at-top
+    import tempfile  # pylint: disable=g-import-not-at-top
+    out = out or sys.stdout
+    say = lambda *a: print(*a, file=out, flush=True)
+    workers = args.workers
+    timeout = getattr(args, "cluster_timeout", None) or DEFAULT_TIMEOUT_S
+    run_dir = tempfile.mkdtemp(prefix="custagg-cluster-")
+    job_args = json.dumps({k: v for k, v in vars(args).items()})
+    old = {s: signal.signal(s, _raise_interrupted)
+           for s in (signal.SIGINT, signal.SIGTERM)}
+    lc = LocalCluster(os.path.join(run_dir, "logs"))
+    t0 = time.time()
+    try:
+        ports = free_ports(1 + workers)
+        spec = {"ps": ["127.0.0.1:%d" % ports[0]],
+                "worker": ["127.0.0.1:%d" % p for p in ports[1:]]}
+        say("custagg local cluster: 1 ps + %d workers on 127.0.0.1, logs "
+            "in %s" % (workers, lc.log_dir))
+        common = ["--spec", json.dumps(spec), "--args", job_args, "--out",
+                  run_dir]
+        names = []
+        for job, n in (("ps", 1), ("worker", workers)):
+            for i in range(n):
+                name = "%s %d" % (job, i)
+                proc = lc.start(name, python_argv(
+                    _JOB_MODULE, "--job", job, "--task", i, *common),
+                    daemon=job == "ps")
+                say("started %s (pid %d) on %s" % (name, proc.pid,
+                                                    spec[job][i]))
+                if job == "worker":
+                    names.append(name)
+        follow = _LogFollower(lc.tasks["worker 0"].log_path, say)
+        try:
+            lc.wait(names, timeout=timeout, on_poll=follow)
+        finally:
+            follow()
+        results = []
+        for i in range(workers):
+            with open(os.path.join(run_dir, "worker_%d.json" % i)) as f:
+                results.append(json.load(f))
+        _report(say, results, time.time() - t0)
+        if args.aggregation == "dpsgd":
+            from custagg.app import train  # pylint: disable=g-import-not-at-top
+            say("privacy after %d epochs: %s" % (
+                args.epochs, train._describe_epsilon(  # pylint: disable=protected-access
+                    args, results[0]["train_size"], args.batch_size,
+                    args.epochs, pld=True)))
+        return 0
+    except TaskFailed as e:
+        say("custagg: %s. Stopping the cluster." % e)
+        return 1
+    except TaskTimeout as e:
+        say("custagg: the cluster run timed out (%s). Stopping the "
+            "cluster." % e)
+        return 1
+    except (_Interrupted, KeyboardInterrupt) as e:
+        sig = str(e) or "SIGINT"
+        say("custagg: %s received; stopping the cluster." % sig)
+        return 143 if sig == "SIGTERM" else 130
+    finally:
+        # A second Ctrl-C must not cut the shutdown short.
+        for s in old:
+            signal.signal(s, signal.SIG_IGN)
+        lc.shutdown()
+        for s, h in old.items():
+            signal.signal(s, h)
+        say("cluster stopped: %d processes shut down" % len(lc.tasks))
+
+
+def _report(say, results, wall):
+    total = sum(r["examples"] for r in results)
+    seconds = max(r["seconds"] for r in results)
+    for r in results:
+        say("worker %d: %d steps, %d examples in %.1f s: %.0f examples/s" % (
+            r["task"], r["steps"], r["examples"], r["seconds"],
+            r["examples_per_s"]))
+    say("all workers: %.0f examples/s (%d examples in %.1f s of training, "
+        "%.1f s with start-up)" % (total / max(seconds, 1e-9), total, seconds,
+                                   wall))
+    chief = results[0]
+    say("final test accuracy: %.4f (%s)" % (chief["test_acc"],
+                                            chief["data"]))

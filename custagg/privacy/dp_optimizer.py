@@ -34,7 +34,9 @@ Same names, arguments and behaviour:
 
 What differs, by design: the per-microbatch gradients of a Gaussian sum
 query (custagg's `GaussianSumQuery` or TF Privacy's) come from custagg's
-one-pass clipped sum, not from a loop of M backward passes, so
+one-pass clipped sum (microbatch norms from the rules' group forms, never
+materializing the `[M, ...]` microbatch gradients where a form exists;
+see docs/privacy.md), not from a loop of M backward passes, so
 `unroll_microbatches` and `while_loop_parallel_iterations` do not change
 the graph for them (they are accepted; other DPQuery objects still run one
 `accumulate_record` per microbatch, in a Python loop when

@@ -11,6 +11,11 @@ follows from `a` `[B, T, D]` and `g = dz` `[B, T, K]` without materializing
   `T (D + K) < D K`), else materialize.
 * `sum_b c_b G_b = (c a)^T g`.
 * `sum_b G_b ** 2`: `(a^2)^T (g^2)` when T = 1, else materialize.
+* Microbatches (M groups of B/M consecutive examples): the group gradient
+  `sum_{b in m} G_b = sum_{b in m, t} a_bt (x) g_bt` is an Outer with
+  `T' = (B/M) T` (`grouped`), so its norm is the block-diagonal Gram form
+  `sum_{(b,t),(c,s) in m} (a_bt . a_cs)(g_bt . g_cs)` or the materialized
+  `[M, D, K]`, whichever costs less (chosen at run time when B is dynamic).
 """
 
 import numpy as np
@@ -38,6 +43,21 @@ class Outer(object):
         self.a, self.g = a, g
         self.to_param = to_param
         self.seq_len = _static(a.shape[1])
+        self._choose_at_run_time = False
+
+    def grouped(self, num_groups):
+        """The Outer of the M group gradients `sum_{b in m} G_b` (M =
+        `num_groups` groups of B/M consecutive examples; M must divide B)."""
+        if num_groups == _static(self.a.shape[0]):
+            return self
+        d, k = _static(self.a.shape[2]), _static(self.g.shape[2])
+        a = tf.reshape(self.a, [num_groups, -1, d if d is not None else
+                                tf.shape(self.a)[2]])
+        g = tf.reshape(self.g, [num_groups, -1, k if k is not None else
+                                tf.shape(self.g)[2]])
+        out = Outer(a, g, self.to_param)
+        out._choose_at_run_time = True   # (B/M) T may be known only then
+        return out
 
     def per_example(self):
         # One batched matmul `a_b^T g_b` for any T (for T = 1 an outer
@@ -56,10 +76,21 @@ class Outer(object):
         if self.seq_len == 1:
             return (tf.reduce_sum(tf.square(self.a[:, 0]), axis=1) *
                     tf.reduce_sum(tf.square(self.g[:, 0]), axis=1))
+        if self.seq_len is None and self._choose_at_run_time:
+            d, k = _static(self.a.shape[2]), _static(self.g.shape[2])
+            if d is not None and k is not None:
+                return tf.cond(tf.shape(self.a)[1] * (d + k) < d * k,
+                               self._gram_norms, self._full_norms)
         if self._gram_is_cheaper():
-            gram_a = tf.matmul(self.a, self.a, transpose_b=True)
-            gram_g = tf.matmul(self.g, self.g, transpose_b=True)
-            return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+            return self._gram_norms()
+        return self._full_norms()
+
+    def _gram_norms(self):
+        gram_a = tf.matmul(self.a, self.a, transpose_b=True)
+        gram_g = tf.matmul(self.g, self.g, transpose_b=True)
+        return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
+
+    def _full_norms(self):
         full = tf.einsum("btd,btk->bdk", self.a, self.g)
         return tf.reduce_sum(tf.square(full), axis=[1, 2])
 
@@ -67,8 +98,16 @@ class Outer(object):
         c = tf.cast(weights, self.a.dtype)[:, None, None]
         d = tf.shape(self.a)[2]
         k = tf.shape(self.g)[2]
-        total = tf.matmul(tf.reshape(self.a * c, [-1, d]),
-                          tf.reshape(self.g, [-1, k]), transpose_a=True)
+        a, g = self.a, self.g
+        # Scale whichever side is narrower: a Dense layer's 21632 inputs
+        # against its 3 outputs is a [B, 3] multiply instead of [B, 21632].
+        d_static, k_static = _static(a.shape[2]), _static(g.shape[2])
+        if None not in (d_static, k_static) and k_static < d_static:
+            g = g * c
+        else:
+            a = a * c
+        total = tf.matmul(tf.reshape(a, [-1, d]), tf.reshape(g, [-1, k]),
+                          transpose_a=True)
         return self.to_param(total)
 
     @property

@@ -46,8 +46,12 @@ class FusedBatchNormRule(registry.Rule):
             shape[channel] = -1
             x = tf.cast(op.inputs[0], dy.dtype)
             mean = tf.reshape(tf.cast(op.inputs[3], dy.dtype), shape)
-            var = tf.reshape(tf.cast(op.inputs[4], dy.dtype), shape)
+            dy = dy * (x - mean)
+        out = tf.reduce_sum(dy, axis=axes) if axes else dy      # [B, C]
+        if ctx.input_index == 1:
+            # The per-channel 1/sqrt(var + eps) after the reduction: one
+            # pass over the activations fewer.
+            var = tf.cast(op.inputs[4], dy.dtype)
             eps = tf.cast(op.get_attr("epsilon"), dy.dtype)
-            dy = dy * (x - mean) * tf.math.rsqrt(var + eps)
-        out = tf.reduce_sum(dy, axis=axes) if axes else dy
+            out = out * tf.math.rsqrt(var + eps)
         return tf.cast(out, ctx.param.dtype)

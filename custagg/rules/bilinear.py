@@ -16,6 +16,7 @@ sums without materializing); otherwise a generic einsum materializes.
 
 import tensorflow as tf
 
+from custagg import _tf_compat
 from custagg import registry
 from custagg._tf_compat import tensor_util
 from custagg.rules import _outer
@@ -103,6 +104,12 @@ class BilinearRule(registry.Rule):
             return outer.squared_norms()
         return super(BilinearRule, self).squared_norms(ctx)
 
+    def group_squared_norms(self, ctx, num_groups):
+        outer = self._outer(ctx)
+        if outer is not None:
+            return outer.grouped(num_groups).squared_norms()
+        return super(BilinearRule, self).group_squared_norms(ctx, num_groups)
+
     def weighted_sum(self, ctx, weights):
         outer = self._outer(ctx)
         if outer is not None:
@@ -179,8 +186,8 @@ def _folded_rows(ctx):
     so the rule can read `x` and the unfolded output gradient directly and
     sum over T per example. Recognized only when the shapes prove it: the
     fold keeps D as the last axis (row-major order then makes row n =
-    (b, t)), and the product's only consumer unfolds it to `[?, T..., K]`
-    with the same static T.
+    (b, t)), and the product's only consumer (`_tf_compat.forward_consumers`)
+    unfolds it to `[?, T..., K]` with the same static T.
     """
     op = ctx.op
     if (ctx.input_index != 1 or op.get_attr("transpose_a")
@@ -195,7 +202,10 @@ def _folded_rows(ctx):
     if not middle.is_fully_defined() or \
             tf.compat.dimension_value(x.shape[-1]) != depth:
         return None
-    consumers = op.outputs[0].consumers()
+    # Ops that read only the product's shape, and those a backward pass
+    # added (TF <= 2.15's Reshape gradient reads its shape), do not count:
+    # the answer must not change once any gradient exists in the graph.
+    consumers = _tf_compat.forward_consumers(op.outputs[0])
     if len(consumers) != 1 or consumers[0].type != "Reshape":
         return None
     unfold = consumers[0]

@@ -250,16 +250,29 @@ class Conv2DRule(_ConvBase):
     # at B = 256) the per-offset matmuls keep memory down.
     _WINDOWS_MAX_ELEMENTS = 1 << 26
 
-    def _windows_per_example(self, ctx):
-        """`[B, kh, kw, Cin, Cout]` from the offset windows side by side:
-        `[B, P, kh*kw*Cin]` patches (in the filter's (i, j, c) order) and
-        one batched matmul with dz. Measured on a 2-core x86 CPU at B=256
-        (28x28, Cin 1-2, Cout 32; 32 steps, Cin 64): 10-14 ms against 14-22
-        ms per offset and 18-23 ms grouped; level at Cin 32 (5x5, 14x14).
-        None without static spatial dims or when the patches are too big.
-        """
+    # Up to this many input channels the windows are stacked channels-first
+    # as whole [Cin, P] blocks: an NHWC concat interleaves Cin-wide pieces,
+    # which cost more than the matmul (B=256, 28x28, Cin=2: 20 ms of a
+    # 185 ms clipped-sum step).
+    _WINDOWS_CHANNELS_FIRST_MAX = 7
+
+    def _window_patches(self, ctx):
+        """(patches, g, channels_first) from the offset windows side by side,
+        or None (no static spatial dims, or patches too big): patches are
+        `[B, P, kh*kw*Cin]` in the filter's (i, j, c) order, or
+        `[B, kh*kw*Cin, P]` when `channels_first`; g is `[B, P, Cout]`.
+        Built once per context (norms and the weighted sum share them)."""
+        if ctx.cache is not None and "windows" in ctx.cache:
+            return ctx.cache["windows"]
+        found = self._build_window_patches(ctx)
+        if ctx.cache is not None:
+            ctx.cache["windows"] = found
+        return found
+
+    def _build_window_patches(self, ctx):
         kh, kw, cin, cout = _outer.static_dims(ctx.param)
-        found = self._offset_windows(ctx)
+        channels_first = cin <= self._WINDOWS_CHANNELS_FIRST_MAX
+        found = self._offset_windows(ctx, channels_first=channels_first)
         if found is None:
             return None
         windows, g, batch, positions = found
@@ -267,10 +280,70 @@ class Conv2DRule(_ConvBase):
         if (static_b or 256) * positions * kh * kw * cin > \
                 self._WINDOWS_MAX_ELEMENTS:
             return None
-        patches = tf.concat(windows, axis=2)
-        per = tf.matmul(patches, tf.reshape(g, [batch, positions, cout]),
-                        transpose_a=True)
-        return tf.reshape(per, [batch, kh, kw, cin, cout])
+        g = tf.reshape(g, [batch, positions, cout])
+        if channels_first:
+            patches = tf.reshape(tf.stack(windows, axis=1),
+                                 [batch, kh * kw * cin, positions])
+        else:
+            patches = tf.concat(windows, axis=2)
+        return patches, g, channels_first
+
+    def _windows_per_example(self, ctx):
+        """`[B, kh, kw, Cin, Cout]` from the window patches and one batched
+        matmul with dz. Measured on a 2-core x86 CPU at B=256 (28x28, Cin
+        1-2, Cout 32; 32 steps, Cin 64): 10-14 ms against 14-22 ms per
+        offset and 18-23 ms grouped; level at Cin 32 (5x5, 14x14).
+        None without static spatial dims or when the patches are too big.
+        """
+        found = self._window_patches(ctx)
+        if found is None:
+            return None
+        patches, g, channels_first = found
+        per = tf.matmul(patches, g, transpose_a=not channels_first)
+        return tf.reshape(per, [tf.shape(g)[0]] + _outer.static_dims(
+            ctx.param))
+
+    def weighted_sum(self, ctx, weights):
+        """`sum_b c_b G_b`: with NHWC window patches one matmul over all B*P
+        rows, `patches^T (c dz)`; else the backprop-filter kernel."""
+        found = None
+        if not self.has_per_example(ctx) and ctx.cache is not None and \
+                "windows" in ctx.cache:
+            found = ctx.cache["windows"]
+        if found is None or found[2]:
+            return super(Conv2DRule, self).weighted_sum(ctx, weights)
+        patches, g, _ = found
+        c = tf.cast(weights, g.dtype)[:, None, None]
+        total = tf.matmul(tf.reshape(patches, [-1, tf.shape(patches)[2]]),
+                          tf.reshape(g * c, [-1, tf.shape(g)[2]]),
+                          transpose_a=True)
+        return tf.reshape(total, _outer.static_dims(ctx.param))
+
+    # The Gram form is taken when its cost times this factor is below the
+    # materialized one's (tests set 0 to force it).
+    _GRAM_FACTOR = 1
+
+    def _gram_norms(self, ctx):
+        """`[B]` squared norms `sum_{p,q} (a_p . a_q)(g_p . g_q)` over output
+        positions, or None. Cheaper than materializing when there are few
+        positions against the filter size, `P (kh kw Cin + Cout) < kh kw
+        Cin Cout` (a conv1d over a short sequence: P=30, 3x64 -> 64)."""
+        kh, kw, cin, cout = _outer.static_dims(ctx.param)
+        out_hw = [tf.compat.dimension_value(d) for d in _hw(
+            ctx.grad.shape, ctx.op.get_attr("data_format").decode())]
+        positions = None if None in out_hw else out_hw[0] * out_hw[1]
+        width = kh * kw * cin
+        if positions is None or self._GRAM_FACTOR * positions * (
+                width + cout) >= width * cout:
+            return None
+        found = self._window_patches(ctx)
+        if found is None:
+            return None
+        patches, g, channels_first = found
+        gram_a = tf.matmul(patches, patches, transpose_a=channels_first,
+                           transpose_b=not channels_first)    # [B, P, P]
+        gram_g = tf.matmul(g, g, transpose_b=True)
+        return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
 
     def _outer(self, ctx):
         patches, g = self._patches(ctx)
@@ -288,8 +361,12 @@ class Conv2DRule(_ConvBase):
         return self._outer(ctx).per_example()
 
     def squared_norms(self, ctx):
-        # Materializing per offset beats the Gram form for convolutions
-        # (P^2 (K + C) > P K C for the usual layer shapes).
+        # Materializing beats the Gram form for the usual image layers
+        # (P^2 (K + C) > P K C), not for short sequences.
+        if not self.has_per_example(ctx):
+            norms = self._gram_norms(ctx)
+            if norms is not None:
+                return norms
         per = self.cached_per_example(ctx)
         return tf.reduce_sum(tf.square(per), axis=[1, 2, 3, 4])
 

@@ -124,6 +124,14 @@ class GatherRule(registry.Rule):
         return _sorted_squared_norms(
             tf.reshape(ctx.op.inputs[1], [tf.shape(values)[0], -1]), values)
 
+    def group_squared_norms(self, ctx, num_groups):
+        # A microbatch's lookups side by side ([M, (B/M) T]): repeats of an
+        # id across its examples merge like repeats within one example.
+        _, values = _Rows(ctx).per_example_rows()
+        return _sorted_squared_norms(
+            tf.reshape(ctx.op.inputs[1], [num_groups, -1]),
+            tf.reshape(values, [num_groups, -1, values.shape[-1]]))
+
     def weighted_sum(self, ctx, weights):
         rows = _Rows(ctx)
         _, values = rows.per_example_rows()                       # [B, T, Dp]

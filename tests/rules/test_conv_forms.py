@@ -86,8 +86,16 @@ def _check(per, loss, w, feed):
                                atol=1e-4 * np.abs(want).max())
 
 
+def _with(rule, name, value):
+    setattr(rule, name, value)
+    return rule
+
+
 CONV2D_FORMS = {
     "windows": lambda rule, ctx: rule._windows_per_example(ctx),
+    # The same form with the NHWC concat of windows (many input channels).
+    "windows_nhwc": lambda rule, ctx: _with(
+        rule, "_WINDOWS_CHANNELS_FIRST_MAX", 0)._windows_per_example(ctx),
     "grouped": lambda rule, ctx: rule._grouped_per_example(ctx),
     "offsets": lambda rule, ctx: rule._offsets_per_example(ctx),
     "patches": lambda rule, ctx: rule._outer(ctx).per_example(),
@@ -101,7 +109,7 @@ def test_conv2d_form_matches_loop(graph, form, case):
     w, loss, ctx, feed = _problem(case, rng)
     per = CONV2D_FORMS[form](conv.Conv2DRule(), ctx)
     if per is None:
-        if form in ("offsets", "windows"):
+        if form in ("offsets", "windows", "windows_nhwc"):
             assert not case[-1], form + " form refused static spatial dims"
             pytest.skip("the %s form needs static spatial dims" % form)
         assert form == "grouped" and not conv._folded_kernels_available()
@@ -166,3 +174,34 @@ def test_grouped_form_skips_float64(graph):
     ctx = registry.RuleContext(z.op, 1, tf.ones_like(z), tf.shape(x)[0])
     # TF's float64 CPU kernels have no grouped convolution.
     assert conv.Conv2DRule()._grouped_per_example(ctx) is None
+
+
+@pytest.mark.parametrize("channels_first", [True, False])
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1]],
+                         ids=lambda c: "-".join(map(str, c)))
+def test_conv2d_gram_norms_and_window_sum_match_loop(graph, case,
+                                                     channels_first,
+                                                     monkeypatch):
+    """The Gram norms over positions and the weighted sum from the window
+    patches (one matmul over B*P rows), forced on every static case."""
+    rng = np.random.RandomState(5)
+    w, loss, ctx, feed = _problem(case, rng)
+    rule = conv.Conv2DRule()
+    monkeypatch.setattr(rule, "_GRAM_FACTOR", 0)
+    monkeypatch.setattr(rule, "_WINDOWS_CHANNELS_FIRST_MAX",
+                        99 if channels_first else 0)
+    ctx = ctx._replace(cache={})
+    norms = rule.squared_norms(ctx)
+    assert not rule.has_per_example(ctx), "the Gram form was not taken"
+    batch = next(iter(feed.values())).shape[0]
+    weights = tf.constant(rng.randn(batch).astype(np.float32))
+    total = rule.weighted_sum(ctx, weights)
+    ref, = testing.loop_per_example(tf.reshape(loss, [batch]), [w])
+    want_norms = tf.reduce_sum(tf.square(ref), axis=[1, 2, 3, 4])
+    want_total = tf.tensordot(weights, ref, axes=1)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run([norms, total, want_norms, want_total], feed)
+    for g, want in ((got[0], got[2]), (got[1], got[3])):
+        np.testing.assert_allclose(g, want, rtol=1e-4,
+                                   atol=1e-4 * np.abs(want).max())
