@@ -452,6 +452,31 @@ def test_multi_worker_mirrored_strategy_two_processes(tmp_path):
 
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "63"], "must be a multiple of --workers 2"),
+    (["--aggregation", "dpsgd", "--num-microbatches", "1"],
+     "--num-microbatches 1 must be a multiple of --workers 2"),
+    (["--download"], "--download cannot be used with --distributed"),
+])
+def test_cli_flag_errors(flags, message, capsys):
+    from custagg.app import cli
+    parser = cli.build_parser()
+    args = parser.parse_args(["--distributed", "local", "--workers", "2"] +
+                             flags)
+    with pytest.raises(SystemExit) as e:
+        cli.check_args(parser, args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_selects_the_cluster_runner():
+    from custagg.app import cli
+    args = cli.build_parser().parse_args(["--distributed", "local"])
+    cli.check_args(cli.build_parser(), args)
+    assert args.workers == 2
+    assert cli.select_job(args) is cluster_lib.run_local
+
+
 # ------------------------------------------- python -m custagg --distributed
 
 
