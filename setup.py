@@ -45,6 +45,18 @@ TEST_BASE = [
     "matplotlib>=3.8",
 ]
 
+LONG_DESCRIPTION = """\
+Per-example gradients and custom gradient aggregation for TensorFlow graph
+mode (`tf.compat.v1`): `custagg.gradients` is a drop-in for
+`tf.compat.v1.gradients` with an added `AggregationMethod.CUSTOM` (a sum
+weighted by factors fed at run time); `custagg.per_example_gradients`,
+`per_example_norms` and `clipped_gradients` give what happens before TF's
+sum over the batch, mostly in one backward pass; TF1 optimizer wrappers do
+weighted, clipped and DP-SGD training. `python -m custagg` trains the TF1
+MNIST tutorial model with per-example gradients. See the README and docs/
+in the source repository.
+"""
+
 # tf.compat.v1.layers / Keras 2 layers in graph mode: TF 2.16-2.21's tf.keras
 # is Keras 3, so the tests use the tf-keras package there (conftest sets
 # TF_USE_LEGACY_KERAS=1 when it is installed). Each tf-keras release
@@ -61,13 +73,14 @@ setup(
     version=_version(),
     description=("Per-example gradients and custom gradient aggregation for "
                  "TensorFlow graph mode (tf.compat.v1)."),
-    long_description=open(os.path.join(HERE, "README.md")).read(),
+    long_description=LONG_DESCRIPTION,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["custagg", "custagg.*"]),
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={"test": TEST_REQUIRES, "test-base": TEST_BASE,
-                    "notebooks": TEST_BASE[1:]},
+                    # Open and run notebooks/ by hand (jupyter brings nbconvert).
+                    "notebooks": TEST_BASE[1:] + ["jupyter"]},
     entry_points={"console_scripts": ["custagg=custagg.__main__:main"]},
     license="Apache-2.0",
 )

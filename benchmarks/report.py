@@ -5,6 +5,41 @@ from benchmarks.systems import SYSTEMS, TASKS
 
 _SHORT = {"ok": None, "skipped": "skip", "timeout": "timeout", "failed": "FAIL"}
 
+# One colour and marker per system, the same in every panel and figure (the
+# notebook uses these too). custagg's systems are solid lines, the others
+# dashed; a system not listed gets a style fixed by its name.
+SYSTEM_STYLES = {
+    "custagg_auto": ("#1f77b4", "o", "-"),
+    "custagg_rules": ("#17becf", "s", "-"),
+    "custagg_pfor": ("#2ca02c", "^", "-"),
+    "custagg_loop": ("#98df8a", "v", "-"),
+    "custagg_custom_slices": ("#9467bd", "D", "-"),
+    "custagg_custom_vector": ("#c5b0d5", "d", "-"),
+    "custagg_grad_ys": ("#8c564b", "P", "-"),
+    "tf_loop": ("#7f7f7f", "x", "--"),
+    "tf_vmap": ("#d62728", "X", "--"),
+    "tf_jacobian": ("#ff9896", "*", "--"),
+    "tf_grad_ys": ("#bcbd22", "h", "--"),
+    "tfp_vectorized": ("#e377c2", "p", "--"),
+    "jax_vmap": ("#ff7f0e", "<", "--"),
+    "torch_func": ("#000000", ">", "--"),
+    "opacus": ("#c49c94", "8", "--"),
+}
+_SPARE = [("#393b79", "H"), ("#637939", "1"), ("#8c6d31", "2"),
+          ("#843c39", "3"), ("#7b4173", "4"), ("#3182bd", "+")]
+
+
+def system_style(system):
+    """matplotlib keywords (color, marker, linestyle) of `system`, fixed by
+    its name alone, so a system looks the same wherever it is drawn."""
+    if system in SYSTEM_STYLES:
+        color, marker, ls = SYSTEM_STYLES[system]
+    else:
+        import zlib  # pylint: disable=g-import-not-at-top
+        color, marker = _SPARE[zlib.crc32(system.encode()) % len(_SPARE)]
+        ls = "-" if system.startswith("custagg") else "--"
+    return {"color": color, "marker": marker, "linestyle": ls}
+
 
 def _fmt_ms(ms):
     if ms is None:
@@ -13,13 +48,19 @@ def _fmt_ms(ms):
 
 
 def _cell(rec):
+    """`ratio (median / floor ms)`: both times from the record's own process,
+    so the ratio is exactly the quotient shown beside it."""
     if rec is None:
         return ""
     if rec["status"] != "ok":
         return _SHORT.get(rec["status"], rec["status"])
     ratio = rec["ratio_to_floor"]
-    text = "%s (%s)" % (_fmt_ms(rec["median_ms"]),
-                        ("%.1fx" if ratio < 10 else "%.0fx") % ratio)
+    text = ("%.1fx" if ratio < 10 else "%.0fx") % ratio
+    if rec.get("floor_ms"):
+        text += " (%s / %s)" % (_fmt_ms(rec["median_ms"]),
+                                _fmt_ms(rec["floor_ms"]))
+    else:
+        text += " (%s ms)" % _fmt_ms(rec["median_ms"])
     if rec.get("check") == "fail":
         text += " ✗"
     return text
@@ -34,14 +75,6 @@ def _ordered(values, order):
     return [v for v in order if v in values] + sorted(values - set(order))
 
 
-def _tf_floor(records, model, batch_size, task=None):
-    floors = [r["floor_ms"] for r in records
-              if r["model"] == model and r["batch_size"] == batch_size and r["status"] == "ok"
-              and r.get("framework", "tf") == "tf" and r.get("floor_ms")
-              and (task is None or r["task"] == task)]
-    return statistics.median(floors) if floors else None
-
-
 def task_tables(records, tasks=None, heading="##"):
     """Markdown lines: one table per task, a row per (model, B), a column per system."""
     models = _ordered((r["model"] for r in records),
@@ -54,21 +87,21 @@ def task_tables(records, tasks=None, heading="##"):
             continue
         systems = _ordered((r["system"] for r in records if r["task"] == task), list(SYSTEMS))
         lines += ["%s %s" % (heading, TASKS.get(task, task)), ""]
-        lines.append("| model | B | floor ms | " + " | ".join(systems) + " |")
-        lines.append("|---|---:|---:|" + "---:|" * len(systems))
+        lines.append("| model | B | " + " | ".join(systems) + " |")
+        lines.append("|---|---:|" + "---:|" * len(systems))
         for model in models:
             for b in sizes:
                 row = [idx.get((model, b, task, s)) for s in systems]
                 if not any(row):
                     continue
-                lines.append("| %s | %d | %s | %s |" % (
-                    model, b, _fmt_ms(_tf_floor(records, model, b, task)),
-                    " | ".join(_cell(r) for r in row)))
+                lines.append("| %s | %d | %s |" % (
+                    model, b, " | ".join(_cell(r) for r in row)))
         lines.append("")
     return lines
 
 
-README_START = "<!-- benchmark-tables:start (python -m benchmarks --report-only --readme README.md) -->"
+README_START = ("<!-- benchmark-tables:start (python -m benchmarks --report-only "
+                "--readme docs/benchmarks.md) -->")
 README_END = "<!-- benchmark-tables:end -->"
 
 
@@ -91,9 +124,9 @@ def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")
     for merged in meta.get("merged_runs", []):
         runs += "; merged: `%s`, %.0f s" % (merged.get("command", "?"), merged.get("wall_s", 0.0))
     block = [README_START, "",
-             "Measured on %s, %s cores, %s GB RAM; %s; %s. Cells: median ms (ratio to the "
-             "floor: the aggregated gradient of the summed loss in the system's own framework, "
-             "measured in the same process; the `floor ms` column is TensorFlow's). skip: "
+             "Measured on %s, %s cores, %s GB RAM; %s; %s. Cells: ratio to the floor (median "
+             "ms / the floor's median ms, both measured in the same process; the floor is the "
+             "aggregated gradient of the summed loss in the system's own framework). skip: "
              "estimated too slow (B² systems) or not supported by the strategy; notes, the "
              "other figures and task (d) are in [`%s`](%s)." % (
                  meta.get("cpu", "?"), meta.get("cores", "?"), meta.get("memory_gb", "?"),
@@ -119,11 +152,12 @@ def write_markdown(path, records, meta):
         % (meta.get("command"), meta.get("started"), meta.get("wall_s", 0.0),
            _load(meta.get("loadavg_start")), _load(meta.get("loadavg_end"))),
         "",
-        "Each cell: median ms of fetching the task's result after warm-up "
-        "(its ratio to the floor measured in the same process). The floor is the plain "
+        "Each cell: the ratio to the floor, then (median ms of fetching the task's result "
+        "after warm-up / median ms of the floor), both measured in the same process, so the "
+        "ratio is the quotient beside it. The floor is the plain "
         "aggregated gradient of the summed loss in the system's framework "
-        "(TF: `tf.compat.v1.gradients`; JAX: `jit(grad)`; PyTorch: `loss.sum().backward()`); "
-        "the `floor` column shows the TF one. ✗: numbers disagree with the reference "
+        "(TF: `tf.compat.v1.gradients`; JAX: `jit(grad)`; PyTorch: `loss.sum().backward()`). "
+        "✗: numbers disagree with the reference "
         "(tolerance %g, max abs error over max abs value). skip/timeout/FAIL: see the notes "
         "below." % meta.get("tolerance", 1e-3),
         "",
@@ -177,50 +211,53 @@ def _load(v):
 
 
 def write_plot(path, records):
+    """One panel per (task, model): time / floor against B for each system
+    measured there (skipped ones are absent), styled by `system_style`, with
+    one legend for the figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in records if r["status"] == "ok" and r.get("median_ms")]
+    ok = [r for r in records if r["status"] == "ok" and r.get("ratio_to_floor")]
     if not ok:
         return
     tasks = _ordered((r["task"] for r in ok), list(TASKS))
     models = _ordered((r["model"] for r in ok), ["softmax", "mlp", "cnn", "text", "lstm",
                                                   "transformer"])
     systems = _ordered((r["system"] for r in ok), list(SYSTEMS))
-    cmap = plt.get_cmap("tab20")
-    colors = {s: cmap(i % 20) for i, s in enumerate(systems)}
     fig, axes = plt.subplots(len(tasks), len(models), squeeze=False,
                              figsize=(3.2 * len(models), 2.8 * len(tasks)))
+    handles = {}
     for ti, task in enumerate(tasks):
         for mi, model in enumerate(models):
             ax = axes[ti][mi]
             rows = [r for r in ok if r["task"] == task and r["model"] == model]
-            sizes = sorted({r["batch_size"] for r in rows})
-            floors = [_tf_floor(records, model, b, task) for b in sizes]
-            if any(floors):
-                ax.plot(sizes, floors, "kx--", ms=4, lw=1, label="floor (TF)")
+            if not rows:
+                ax.axis("off")
+                continue
+            ax.axhline(1.0, color="k", lw=0.8, ls=":")
             for s in systems:
-                pts = sorted((r["batch_size"], r["median_ms"]) for r in rows if r["system"] == s)
+                pts = sorted((r["batch_size"], r["ratio_to_floor"]) for r in rows
+                             if r["system"] == s)
                 if pts:
-                    ax.plot(*zip(*pts), "o-", ms=3, lw=1.2, color=colors[s], label=s)
+                    line, = ax.plot(*zip(*pts), ms=4, lw=1.2, label=s, **system_style(s))
+                    handles.setdefault(s, line)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title("%s / %s" % (model, task), fontsize=9)
             ax.tick_params(labelsize=7)
             if mi == 0:
-                ax.set_ylabel("median ms", fontsize=8)
+                ax.set_ylabel("time / floor", fontsize=8)
             if ti == len(tasks) - 1:
                 ax.set_xlabel("batch size", fontsize=8)
-    handles, labels = {}, {}
-    for ax in axes.ravel():
-        for h, l in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(l, h)
+    labels = [s for s in systems if s in handles]
     width, height = fig.get_size_inches()
-    ncol = max(1, min(len(handles), int(width / 1.9)))
-    legend_rows = -(-len(handles) // ncol)
-    fig.legend(list(handles.values()), list(handles), loc="lower center",
+    ncol = max(1, min(len(labels), int(width / 2.2)))
+    legend_rows = -(-len(labels) // ncol)
+    fig.legend([handles[s] for s in labels], labels, loc="lower center",
                ncol=ncol, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, min(0.4, (0.2 * legend_rows + 0.1) / height), 1, 1))
+    fig.suptitle("Time relative to the floor (the aggregated gradient, same process; "
+                 "dotted line = 1; lower is better)", fontsize=10)
+    fig.tight_layout(rect=(0, min(0.4, (0.2 * legend_rows + 0.1) / height), 1, 0.98))
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -24,6 +24,7 @@ from custagg._version import __version__
 _API = {
     "AggregationMethod": "custagg.aggregation",
     "gradients": "custagg.gradients",
+    "use_as_tf_gradients": "custagg.install",
     "STRATEGIES": "custagg.per_example",
     "Plan": "custagg.per_example",
     "clipped_gradients": "custagg.per_example",

@@ -106,8 +106,13 @@ class _Backprop(object):
     """State of one reverse pass: what is between ys and xs, and what is pending."""
 
     def __init__(self, graph, ys, xs, stop_tensors, colocate, gate,
-                 sum_method, gradient_uid, scope_name):
+                 sum_method, gradient_uid, scope_name, src_graph=None):
+        # `graph`: where the gradient ops go (the default graph);
+        # `src_graph`: the graph of ys and xs, where called functions are
+        # looked up (TF's `src_graph`: a function body whose gradient is
+        # built in another graph, by cond_v2, while_v2, tf.function).
         self.graph = graph
+        self.src_graph = graph if src_graph is None else src_graph
         # The gradients call's name scope ("gradients/"): TF names the XLA
         # scope of separately compiled gradients after it.
         self.scope_name = scope_name
@@ -119,7 +124,7 @@ class _Backprop(object):
         self.gradient_uid = gradient_uid
         # FuncGraphs enclosing the default graph: their captures are inputs.
         self.func_graphs = []
-        g = graph
+        g = self.src_graph
         while _is_func_graph(g):
             self.func_graphs.append(g)
             g = g.outer_graph
@@ -282,17 +287,18 @@ class _Backprop(object):
         the op type; then a function call's Python gradient or, failing
         that, a SymbolicGradient node.
         """
-        is_call = (_tf_compat.is_function(self.graph, op.type)
+        is_call = (_tf_compat.is_function(self.src_graph, op.type)
                    or _is_partitioned_call(op))
         try:
             return ops.get_gradient_function(op), is_call, None
         except LookupError:
             if not is_call:
                 raise LookupError(
-                    "custagg.gradients: no gradient is registered for op '%s' "
-                    "(type %s). Register one with @tf.RegisterGradient, or "
-                    "wrap the op's input in tf.stop_gradient if it should be "
-                    "treated as a constant." % (op.name, op.type))
+                    "No gradient defined for operation'%s' (op type: %s). "
+                    "custagg.gradients: register one with "
+                    "@tf.RegisterGradient(%r), or wrap the op's input in "
+                    "tf.stop_gradient if it should be treated as a constant."
+                    % (op.name, op.type, op.type))
         func = self._called_function(op)
         func = getattr(op, "__defun", func)
         return (_tf_compat.python_grad_func(func) if func is not None
@@ -300,7 +306,7 @@ class _Backprop(object):
 
     def _called_function(self, op):
         name = op.get_attr("f").name if _is_partitioned_call(op) else op.type
-        g = self.graph
+        g = self.src_graph
         while g is not None:
             func = _tf_compat.get_function(g, name)
             if func is not None:
@@ -333,10 +339,11 @@ class _Backprop(object):
                 and ctxt.IsWhileContext() and ctxt ==
                 _tf_compat.graph_control_flow_context(self.graph)):
             raise ValueError(
-                "custagg.gradients: cannot differentiate with respect to, or "
-                "through, the initial value of a v1 while loop variable (op "
-                "'%s'). Gradients can be taken through loop invariants or "
-                "with respect to the inputs of the loop body." % op.name)
+                "Cannot compute gradient inside while loop with respect to op "
+                "'%s'. custagg.gradients: the initial value of a v1 while "
+                "loop variable cannot be differentiated with respect to or "
+                "through; take gradients through loop invariants or with "
+                "respect to the inputs of the loop body." % op.name)
 
     def visit(self, op):
         """Aggregates op's output gradients and sends its input gradients on."""
@@ -366,9 +373,12 @@ class _Backprop(object):
                 g.set_shape(t_in.shape)
             except ValueError:
                 raise ValueError(
-                    "custagg.gradients: the gradient function of op '%s' "
-                    "returned shape %s for input %d, whose shape is %s."
-                    % (op.name, g.shape, i, t_in.shape))
+                    "Incompatible shapes between op input and calculated "
+                    "input gradient. Forward operation: %s. Input index: %d. "
+                    "Original input shape: %s. Calculated input gradient "
+                    "shape: %s. custagg.gradients: fix the gradient function "
+                    "used for op type %s." % (op.name, i, t_in.shape, g.shape,
+                                              op.type))
         if not isinstance(t_in, ops.EagerTensor):
             self.add(t_in, g)
 
@@ -385,7 +395,7 @@ class _Backprop(object):
                 elif default_gradient.supports_default_grad(op.outputs[i]):
                     out_grads[i] = control_flow_state.ZerosLike(op, i)
         with tf.name_scope(op.name + "_grad"):
-            with _tf_compat.original_op(self.graph, op):
+            with _tf_compat.original_op(self.src_graph, op):
                 with self._xla_scope(op, func):
                     if grad_fn is not None:
                         in_grads = grad_fn(op, *out_grads)
@@ -396,9 +406,12 @@ class _Backprop(object):
                 if op.type not in ("While", "StatelessWhile") and \
                         len(in_grads) != len(op.inputs):
                     raise ValueError(
-                        "custagg.gradients: the gradient function of op '%s' "
-                        "(type %s) returned %d gradients for %d inputs."
-                        % (op.name, op.type, len(in_grads), len(op.inputs)))
+                        "Num gradients %d generated for op %s do not match "
+                        "num inputs %d. custagg.gradients: the gradient "
+                        "function of op '%s' (type %s) must return one "
+                        "gradient (or None) per input."
+                        % (len(in_grads), op.node_def, len(op.inputs),
+                           op.name, op.type))
                 if self.gate and sum(g is not None for g in in_grads) > 1:
                     with tf.device(None):
                         with _tf_compat.colocate_with_for_gradient(
@@ -526,13 +539,25 @@ def _check_seed_dtype(i, y, gy):
         ok, expected = gy.dtype != tf.resource, "a numeric dtype"
     else:
         raise TypeError(
-            "custagg.gradients: ys[%d] (%s) has dtype %s, which has no "
-            "gradient; ys must be numeric." % (i, y.name, y.dtype.name))
+            "Tensor %s with type %s must be numeric to obtain a default "
+            "gradient. custagg.gradients: ys[%d] (%s) has no gradient; ys "
+            "must be numeric." % (y, y.dtype.name, i, y.name))
     if not ok:
+        # TF's wording first (code matching TF's messages keeps working).
+        if y.dtype == tf.resource:
+            first = ("Input gradient %s for resource tensor %s should not be "
+                     "a resource" % (gy, y))
+        else:
+            kind, need = (("complex-valued", "real") if y.dtype.is_complex
+                          else ("variant", "variant") if y.dtype == tf.variant
+                          else ("real or integer-valued", "real or integer"))
+            first = ("Gradient type %s generated for %s tensor %s with type "
+                     "%s must be %s" % (gy.dtype.name, kind, y, y.dtype.name,
+                                        need))
         raise TypeError(
-            "custagg.gradients: grad_ys[%d] has dtype %s but ys[%d] (%s) is "
-            "%s; expected %s." % (i, gy.dtype.name, i, y.name, y.dtype.name,
-                                  expected))
+            "%s. custagg.gradients: grad_ys[%d] has dtype %s but ys[%d] (%s) "
+            "is %s; expected %s." % (first, i, gy.dtype.name, i, y.name,
+                                     y.dtype.name, expected))
 
 
 def _default_grad_ys(ys, grad_ys, colocate, gradient_uid):
@@ -548,8 +573,9 @@ def _default_grad_ys(ys, grad_ys, colocate, gradient_uid):
             if gy is None:
                 if y.dtype.is_complex:
                     raise TypeError(
-                        "custagg.gradients: ys[%d] (%s) is complex; pass "
-                        "grad_ys for it." % (i, y.name))
+                        "Gradients of complex tensors (%s) must set grad_ys "
+                        "(y.dtype = %s). custagg.gradients: pass grad_ys for "
+                        "ys[%d] (%s)." % (y, y.dtype.name, i, y.name))
                 seeds.append(tf.ones(tf.shape(y), dtype=y.dtype,
                                      name="grad_ys_%d" % i))
                 continue
@@ -608,7 +634,8 @@ def gradients(ys,
               aggregation_method=None,
               stop_gradients=None,
               unconnected_gradients=tf.UnconnectedGradients.NONE,
-              gradient_factors=None):
+              gradient_factors=None,
+              src_graph=None):
     """Symbolic derivatives of `ys` w.r.t. `xs`; a drop-in for `tf.gradients`.
 
     Without `gradient_factors` this returns what `tf.compat.v1.gradients`
@@ -642,6 +669,13 @@ def gradients(ys,
         `ZERO` (give zeros) for xs the ys do not depend on.
       gradient_factors: `[B]` tensor of per-example factors, only with
         `CUSTOM`; usually a `tf.compat.v1.placeholder` fed each step.
+      src_graph: the graph ys and xs are in, when the gradient is built in
+        another one (TF's internal gradients helper takes it: cond_v2,
+        while_v2 and tf.function build a function body's gradient inside a
+        new function graph). Called functions are looked up there and its
+        enclosing function graphs' captures are followed; the gradient ops
+        go into the default graph. Default: the default graph (and, outside
+        function graphs, custagg builds in the graph of ys).
 
     Returns:
       A list aligned with `xs` of `Tensor`, `IndexedSlices` or `None`.
@@ -666,8 +700,9 @@ def gradients(ys,
         unconnected_gradients = tf.UnconnectedGradients(unconnected_gradients)
     except ValueError:
         raise ValueError(
-            "custagg.gradients: unknown unconnected_gradients %r; expected "
-            "tf.UnconnectedGradients.NONE or ZERO." % (unconnected_gradients,))
+            "Unknown value for unconnected_gradients: '%s'. "
+            "custagg.gradients: expected tf.UnconnectedGradients.NONE or ZERO "
+            "(or 'none' / 'zero')." % (unconnected_gradients,))
 
     # Resource variables are differentiated through their handles (ys are
     # read); ref variables convert to their ref tensor / snapshot below.
@@ -683,11 +718,11 @@ def gradients(ys,
     grad_ys = [None] * len(ys) if grad_ys is None else _as_list(grad_ys)
     if len(grad_ys) != len(ys):
         raise ValueError(
-            "custagg.gradients: grad_ys has %d entries but ys has %d; pass "
-            "one seed (or None) per y." % (len(grad_ys), len(ys)))
+            "Length mismatch. Passed %d grad_ys for %d ys. custagg.gradients: "
+            "pass one seed (or None) per y." % (len(grad_ys), len(ys)))
     args = _Args(name, colocate_gradients_with_ops, gate_gradients,
                  aggregation_method, sum_method, stop_gradients,
-                 unconnected_gradients, gradient_factors)
+                 unconnected_gradients, gradient_factors, src_graph)
     # As in tf.gradients, composite grad_ys alone (an IndexedSlices seed)
     # do not take this path: they are kept as they are.
     if any(isinstance(t, composite_tensor.CompositeTensor)
@@ -699,7 +734,7 @@ def gradients(ys,
 # The checked arguments of one gradients call, passed on unchanged.
 _Args = collections.namedtuple("_Args", [
     "name", "colocate", "gate", "aggregation_method", "sum_method",
-    "stop_gradients", "unconnected", "gradient_factors"])
+    "stop_gradients", "unconnected", "gradient_factors", "src_graph"])
 
 
 def _composite_gradients(ys, xs, grad_ys, args):
@@ -735,10 +770,14 @@ def _tensor_gradients(ys, xs, grad_ys, args, y_kinds=None):
     if any(isinstance(y, ops.EagerTensor) for y in y_kinds):
         errors.check_graph_tensors(ys, "ys", "custagg.gradients")
     graph = _graph_of(ys) or ops.get_default_graph()
-    _check_same_graph(ys, xs, graph)
+    if args.src_graph is None:
+        _check_same_graph(ys, xs, graph)
 
-    with graph.as_default() if not _is_func_graph(
-            ops.get_default_graph()) else contextlib.nullcontext():
+    # TF builds in the default graph; custagg outside function graphs (and
+    # without src_graph) in the graph of ys.
+    with graph.as_default() if not (
+            _is_func_graph(ops.get_default_graph()) or
+            args.src_graph is not None) else contextlib.nullcontext():
         # The v1 name scope, as tf.gradients: name=None means "gradients",
         # name="" means the root scope.
         with ops.name_scope_v1(args.name, "gradients") as scope_name:
@@ -758,7 +797,7 @@ def _tensor_gradients(ys, xs, grad_ys, args, y_kinds=None):
             backprop = _Backprop(ops.get_default_graph(), ys, xs,
                                  args.stop_gradients, args.colocate,
                                  args.gate, args.sum_method, gradient_uid,
-                                 scope_name)
+                                 scope_name, args.src_graph)
             backprop.run(ys, grad_ys)
         # Outside the name scope, as in tf.gradients: the zeros made for
         # unconnected xs (unconnected_gradients=ZERO) get the same names.

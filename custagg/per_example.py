@@ -22,6 +22,14 @@ Strategies (chosen per x by `plan_per_example`):
   downstream; otherwise it is an error that says what to use instead.
 * `"auto"`: "rules" for each x that qualifies, "pfor" for the others (and
   "loop" if pfor cannot build and B is static).
+
+"pfor" takes, per x, the first form that applies: the boundary ops (O(B));
+per-example copies of the forward pass, vectorized by pfor ("recompute",
+O(B): `custagg.recompute`, for weights inside loops and ops no rule covers),
+or run in a while loop when pfor cannot convert the copies
+("recompute-loop", O(B)); the whole backward pass per example (O(B^2), the
+last resort, used where examples interact or the forward pass cannot be
+copied). `str(plan)` gives each choice and why.
 """
 
 from __future__ import annotations
@@ -33,9 +41,13 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from custagg import _walk
 from custagg import errors
+from custagg import recompute
 from custagg import registry as registry_lib
 from custagg import separability
+from custagg import shortcuts
+from custagg import sparse
 from custagg import vectorized
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import resource_variable_ops
@@ -46,11 +58,6 @@ from custagg.rules import _outer as _outer_lib
 _LOG = logging.getLogger("custagg")
 
 STRATEGIES = ("auto", "rules", "pfor", "loop")
-
-# Ops between a parameter and the op that uses it that the rules see through:
-# they change neither values nor (up to a reshape) layout.
-_PASS_THROUGH = frozenset(["ReadVariableOp", "Identity", "Snapshot", "Cast",
-                           "ExpandDims", "Reshape", "Squeeze"])
 
 _Consumer = collections.namedtuple("_Consumer", ["op", "index", "rule"])
 # A consumer that sees no batch data (`l2_loss(w)`, `gamma * rsqrt(var)`):
@@ -65,6 +72,10 @@ _Chain = collections.namedtuple("_Chain", ["op", "indices", "inner"])
 FORMS = {
     "rules": ("rules", "about 1 backward pass"),
     "boundary": ("pfor at the ops where x meets batch data", "O(B)"),
+    "recompute": ("pfor over per-example copies of the forward pass",
+                  "O(B)"),
+    "recompute-loop": ("a while loop over per-example copies of the forward "
+                       "pass", "O(B)"),
     "whole-pass": ("pfor over the whole backward pass", "O(B^2)"),
     "loop": ("one backward pass per example", "O(B^2)"),
 }
@@ -87,6 +98,8 @@ class Assignment(object):
         could not be used; None when they were, or were not considered.
       consumers: the rule ops, for "rules".
       boundaries: the boundary ops, for the "boundary" form.
+      forward: the forward pass to copy (`recompute.Forward`), for the
+        "recompute" and "recompute-loop" forms.
       blocker: the op that kept x off "rules", when one op did.
     """
 
@@ -99,6 +112,7 @@ class Assignment(object):
                              else None)
         self.boundaries = boundaries
         self.blocker = blocker
+        self.forward = None     # recompute.Forward, for the recompute forms
 
     @property
     def name(self):
@@ -215,23 +229,21 @@ def _as_tensor(x, i, fn_name):
         x, as_ref=True)
 
 
-def _find_consumers(x_tensor, loss_ancestors):
-    """(op, input index) pairs where x's value enters a non-pass-through op."""
+def _find_consumers(x_tensor, loss_ancestors, live):
+    """(op, input index) pairs where x's value enters a non-pass-through op.
+
+    Only ops a gradient of the loss goes through (`live`) count: a use of x
+    under `tf.stop_gradient` or an integer cast is no consumer.
+    """
     found = []
-    stack = [x_tensor]
-    seen = set()
-    while stack:
-        t = stack.pop()
-        if t.ref() in seen:
-            continue
-        seen.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor):
         for op in t.consumers():
-            if op not in loss_ancestors:
+            if op not in loss_ancestors or op not in live:
                 continue
             for k, inp in enumerate(op.inputs):
-                if inp is not t:
+                if inp is not t or not live.reaches(inp):
                     continue
-                if op.type in _PASS_THROUGH and k == 0:
+                if shortcuts.passes_through(op, k, live):
                     stack.append(op.outputs[0])
                 else:
                     found.append((op, k))
@@ -246,7 +258,8 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
     if region is None:
         region = vectorized.batch_region(loss_ancestors)
     consumers, chained = [], set()
-    for op, k in _find_consumers(x_tensor, loss_ancestors):
+    for op, k in _find_consumers(x_tensor, loss_ancestors,
+                                 shortcuts.live_ops(loss)):
         if op not in region and depth < _MAX_CHAIN:
             if op in chained:
                 continue
@@ -262,6 +275,12 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
             return None, separability.Reason(
                 "no per-example rule for op type '%s' (op '%s')"
                 % (op.type, op.name), op)
+        if shortcuts.gradient_override(op) is not None:
+            return None, separability.Reason(
+                "op '%s' (type %s) has its gradient overridden (to %r); the "
+                "%s rule implements the standard gradient" % (
+                    op.name, op.type, shortcuts.gradient_override(op),
+                    op.type), op)
         ctx = registry_lib.RuleContext(op, k, None, batch_size)
         why = rule.unsupported(ctx)
         if why:
@@ -290,7 +309,8 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
            depth):
     """A `_Chain` through `op` (which sees no batch data), or (None, why)."""
     indices = [k for k, inp in enumerate(op.inputs)
-               if inp.ref() in _reached_refs(x_tensor, loss_ancestors)]
+               if inp.ref() in _reached_refs(x_tensor, loss_ancestors,
+                                             shortcuts.live_ops(loss))]
     inner = []
     for out in op.outputs:
         if out.op not in loss_ancestors or not out.dtype.is_floating:
@@ -308,20 +328,39 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
     return _Chain(op, indices, inner), None
 
 
-def _reached_refs(x_tensor, loss_ancestors):
+def _reached_refs(x_tensor, loss_ancestors, live):
     """Refs of x and of the pass-through tensors `_find_consumers` follows."""
     refs = set()
-    stack = [x_tensor]
-    while stack:
-        t = stack.pop()
-        if t.ref() in refs:
-            continue
-        refs.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor, refs):
         for op in t.consumers():
-            if op in loss_ancestors and op.type in _PASS_THROUGH and \
-                    op.inputs[0] is t:
+            if op in loss_ancestors and op.inputs[0] is t and \
+                    shortcuts.passes_through(op, 0, live):
                 stack.append(op.outputs[0])
     return refs
+
+
+# Keyed by graph: loss ref -> (form, reason) where building the recompute
+# form fell back, so later plans of that loss say what runs.
+_RECOMPUTE_FALLBACKS = weakref.WeakKeyDictionary()
+
+
+def _forward_or_refusal(loss, ancestors, static_b):
+    try:
+        return recompute.analyze(loss, ancestors, static_b)
+    except recompute.Refused as e:
+        return e
+
+
+def _recompute_reason(forward, x_tensor):
+    """(forward, None) if x's per-example gradients can come from copies of
+    the forward pass, else (None, reason)."""
+    if isinstance(forward, recompute.Refused):
+        return None, separability.Reason(str(forward), forward.op)
+    if x_tensor.op in forward.op_set:
+        return None, separability.Reason(
+            "x ('%s') depends on batch data, and a copy of the forward pass "
+            "would copy it too" % x_tensor.name, x_tensor.op)
+    return forward, None
 
 
 def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
@@ -351,6 +390,7 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
     batch_size = tf.shape(loss)[0] if static_b is None else static_b
     ancestors = separability.ancestors(loss)
     region = None
+    forwards = None     # [recompute.Forward or Refused], found once
     assignments = []
     for i, x in enumerate(xs):
         t = _as_tensor(x, i, fn)
@@ -358,7 +398,8 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
             raise ValueError(
                 "custagg: xs[%d] (%s) is from another graph than "
                 "per_example_loss." % (i, getattr(x, "name", x)))
-        if t.op not in ancestors:
+        if t.op not in ancestors or not shortcuts.live_ops(loss).reaches(t):
+            # As tf.gradients: None where no gradient reaches x.
             assignments.append(Assignment(x, t, None))
             continue
         if strategy == "loop":
@@ -392,9 +433,29 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
             blocker = blocker or getattr(why, "op", None)
             reason = "; ".join(r for r in (reason, "no boundary form: " + why)
                                if r)
+        form = "boundary" if bounds else "whole-pass"
+        forward = None
+        if bounds is None:
+            # Each example's forward pass copied and vectorized (O(B)), or
+            # else the whole backward pass per example (O(B^2)).
+            if forwards is None:
+                forwards = [_forward_or_refusal(loss, ancestors, static_b)]
+            forward, why = _recompute_reason(forwards[0], t)
+            if forward is not None:
+                form = "recompute"
+                # A fallback an earlier build took for this loss holds now.
+                taken = _RECOMPUTE_FALLBACKS.get(loss.graph, {}).get(
+                    loss.ref())
+                if taken:
+                    form = taken[0]
+                    reason = reason + "; " + taken[1]
+            else:
+                blocker = blocker or getattr(why, "op", None)
+                reason = reason + "; no recompute form: " + str(why)
         assignments.append(Assignment(
-            x, t, "pfor", reason, form="boundary" if bounds else "whole-pass",
-            boundaries=bounds, blocker=blocker))
+            x, t, "pfor", reason, form=form, boundaries=bounds,
+            blocker=blocker))
+        assignments[-1].forward = forward
     plan = Plan(loss, assignments, batch_size, strategy)
     _LOG.debug("%s", plan)
     return plan
@@ -422,12 +483,6 @@ def _x_dtype(a):
     return tf.as_dtype(a.x.dtype).base_dtype
 
 
-def _dense(g):
-    if isinstance(g, indexed_slices_lib.IndexedSlices):
-        return tf.convert_to_tensor(g)
-    return g
-
-
 class _Engine(object):
     """Builds the tensors a plan calls for, sharing the rules' backward pass."""
 
@@ -452,7 +507,7 @@ class _Engine(object):
                 grads = gradients(self.loss, outs) if outs else []
             for c, g in zip(consumers, grads):
                 ctx = None if g is None else registry_lib.RuleContext(
-                    c.op, c.index, _dense(g), self.plan.batch_size, {})
+                    c.op, c.index, sparse.dense(g), self.plan.batch_size, {})
                 self._contexts[(c.op, c.index)] = ctx
         return [(c.rule, self._contexts[(c.op, c.index)])
                 for c in a.consumers if isinstance(c, _Consumer)
@@ -473,7 +528,7 @@ class _Engine(object):
         def vjp(seeds):
             grads = gradients(ys, wrt, grad_ys=seeds, stop_gradients=others,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [_dense(g) for g in grads]
+            return [sparse.dense(g) for g in grads]
 
         if not batched:
             parts = vjp(cotangents)
@@ -548,8 +603,15 @@ class _Engine(object):
         """A rule result in the op input's layout -> x's layout and dtype."""
         dtype = _x_dtype(a)
         if isinstance(t, indexed_slices_lib.IndexedSlices):
-            return indexed_slices_lib.IndexedSlices(
-                tf.cast(t.values, dtype), t.indices, t.dense_shape)
+            rows_of = tf.get_static_value(t.dense_shape)
+            if rows_of is not None and _static_x_shape(a).is_fully_defined() \
+                    and list(rows_of) != _static_x_shape(a).as_list():
+                # Rows of a reshaped table are not rows of x: dense, as
+                # TF's Reshape gradient gives.
+                t = tf.convert_to_tensor(t)
+            else:
+                return indexed_slices_lib.IndexedSlices(
+                    tf.cast(t.values, dtype), t.indices, t.dense_shape)
         lead = [tf.shape(t)[0]] if batched else []
         return tf.cast(tf.reshape(t, lead + _x_shape(a)), dtype)
 
@@ -582,7 +644,10 @@ class _Engine(object):
                         a.reason = ((a.reason + "; ") if a.reason else "") + (
                             "pfor could not build: %s" % e)
                     warn_slow(self.plan)
-                    stacked = self._loop(group)
+                    try:
+                        stacked = self._loop(group)
+                    except Exception as loop_error:  # pylint: disable=broad-except
+                        raise _no_strategy(group, e, loop_error)
             else:
                 stacked = self._loop(group)
         result = {}
@@ -595,8 +660,12 @@ class _Engine(object):
         """Each x in the form its plan gives: boundary ops or whole pass."""
         loss, batch = self.loss, self.plan.batch_size
         fast = [a for a in group if a.form == "boundary"]
-        slow = [a for a in group if a.form == "whole-pass"]
         result = {}
+        again = [a for a in group
+                 if a.form in ("recompute", "recompute-loop")]
+        if again:
+            result.update(self._recompute(again))
+        slow = [a for a in group if a.form == "whole-pass"]
         # The scopes name the form, so the graph shows what ran.
         if fast:
             with tf.name_scope("boundary_form"):
@@ -613,6 +682,54 @@ class _Engine(object):
             result.update(zip([id(a) for a in slow], stacked))
         return [result[id(a)] for a in group]
 
+    def _recompute(self, group):
+        """Per-example copies of the forward pass: pfor over chunks of
+        examples ("recompute"), else a while loop over them
+        ("recompute-loop"), else the whole pass; the plan records which ran
+        and why (and later plans of this loss say so too)."""
+        forward = group[0].forward
+        fallbacks = _RECOMPUTE_FALLBACKS.setdefault(self.loss.graph, {})
+        tensors = [a.tensor for a in group]
+        zeros = [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a))
+                 for a in group]
+        dtypes = [recompute.grad_dtype(t) for t in tensors]
+        batch = self.plan.batch_size
+        ids = [id(a) for a in group]
+
+        def fall_back(form, why):
+            for a in group:
+                if a.form != form:
+                    a.form = form
+                    a.reason = ((a.reason + "; ") if a.reason else "") + why
+            fallbacks[self.loss.ref()] = (form, why)
+
+        if group[0].form == "recompute":
+            try:
+                with tf.name_scope("recompute_form"):
+                    return dict(zip(ids, recompute.per_example_pfor(
+                        forward, tensors, zeros, dtypes, batch, self.chunk,
+                        _copy_gradients)))
+            except Exception as e:  # pylint: disable=broad-except
+                _LOG.debug("pfor could not vectorize the copies (%s)", e)
+                fall_back("recompute-loop",
+                          "pfor could not vectorize the copies: "
+                          + _first_line(e))
+        if group[0].form == "recompute-loop":
+            try:
+                with tf.name_scope("recompute_loop_form"):
+                    return dict(zip(ids, recompute.per_example_loop(
+                        forward, tensors, zeros, dtypes,
+                        [_static_x_shape(a) for a in group], batch,
+                        _copy_gradients)))
+            except Exception as e:  # pylint: disable=broad-except
+                _LOG.debug("the copies could not be built (%s)", e)
+                fall_back("whole-pass", "the copies could not be built: "
+                          + _first_line(e))
+        warn_slow(self.plan)
+        with tf.name_scope("whole_pass_form"):
+            return dict(zip(ids, vectorized.whole_pass_per_example(
+                self.loss, tensors, zeros, batch, self.chunk)))
+
     def _loop(self, group):
         """One `gradients(loss[i])` per example: a Python loop for a static
         B, else a `tf.while_loop` over the examples."""
@@ -621,7 +738,7 @@ class _Engine(object):
         def one(i):
             grads = gradients(self.loss[i], tensors,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return [tf.cast(_dense(g), _x_dtype(a))
+            return [tf.cast(sparse.dense(g), _x_dtype(a))
                     for g, a in zip(grads, group)]
 
         batch = self.plan.batch_size
@@ -735,7 +852,8 @@ class _Engine(object):
                     # op's gradient of its outputs' weighted sums.
                     inner = self.weighted_sums(chain.inner, weights)
                     parts.extend(self._vjp(
-                        chain, [_dense(inner[id(i)]) for i in chain.inner], a,
+                        chain,
+                        [sparse.dense(inner[id(i)]) for i in chain.inner], a,
                         False))
                 out[id(a)] = _sum_parts(parts, a)
         if by_pass:
@@ -754,6 +872,41 @@ class _Engine(object):
                 rule, ctx = parts[0]
                 return self._to_x(rule.squared_sum(ctx), a, False)
         return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _no_strategy(group, pfor_error, loop_error):
+    """The error for a graph no strategy can build: names the ops that kept
+    each x off the O(B) forms and what to try."""
+    ops = sorted({"'%s' (%s)" % (a.blocker.name, a.blocker.type)
+                  for a in group if a.blocker is not None})
+    return ValueError(
+        "custagg: no strategy can build per-example gradients of %s%s. "
+        "Tried: rules (%s); pfor: %s; the per-example loop: %s. What to "
+        "try: give the inputs a [None, ...] shape so each example's forward "
+        "pass can be copied, build the model with control flow v2 "
+        "(tf.compat.v1.enable_control_flow_v2()), or register a rule for the "
+        "op with @custagg.register_rule." % (
+            ", ".join(a.name for a in group),
+            (", held up by op " + ", ".join(ops)) if ops else "",
+            "; ".join(sorted({a.reason.split(";")[0] for a in group
+                              if a.reason})) or "not asked for",
+            _first_line(pfor_error), _first_line(loop_error)))
+
+
+def _copy_gradients(ys, xs, **kwargs):
+    """TF's own gradients for the copies of the forward pass: custagg's
+    traversal adds nothing there, and TF's leaves no `zeros_like` of the
+    TensorLists a loop accumulates (which pfor cannot vectorize)."""
+    return tf.compat.v1.gradients(ys, xs, **kwargs)
+
+
+def _first_line(e):
+    """The line of an exception's text that says what went wrong."""
+    lines = [l.strip() for l in str(e).strip().split("\n") if l.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def _scalar_chain(chain):
@@ -808,11 +961,8 @@ def _sum_parts(parts, a):
     if len(parts) == 1:
         return parts[0]
     if all(isinstance(p, indexed_slices_lib.IndexedSlices) for p in parts):
-        return indexed_slices_lib.IndexedSlices(
-            tf.concat([p.values for p in parts], 0),
-            tf.concat([tf.cast(p.indices, tf.int64) for p in parts], 0),
-            parts[0].dense_shape)
-    return tf.add_n([_dense(p) for p in parts])
+        return sparse.concat_slices(parts)
+    return tf.add_n([sparse.dense(p) for p in parts])
 
 
 def _engine(per_example_loss, xs, strategy, registry, pfor_chunk_size, fn):

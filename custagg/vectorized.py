@@ -24,9 +24,11 @@ import collections
 import tensorflow as tf
 
 from custagg import _tf_compat
+from custagg import _walk
 from custagg import separability
+from custagg import sparse
+from custagg._tf_compat import attr_value_pb2
 from custagg._tf_compat import backprop_util
-from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import pfor_ops
 from custagg._tf_compat import resource_variable_ops
 from custagg.gradients import gradients
@@ -37,12 +39,6 @@ _BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
                             "OptionalGetValue"])
 
 _Boundary = collections.namedtuple("_Boundary", ["op", "batch_inputs"])
-
-
-def _dense(g):
-    if isinstance(g, indexed_slices_lib.IndexedSlices):
-        return tf.convert_to_tensor(g)
-    return g
 
 
 def batch_region(loss_ancestors):
@@ -70,12 +66,7 @@ def _is_batch_tensor(t, region, batch_static):
 def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
     """The boundary ops of x, or (None, reason) when the fast form does not apply."""
     found, seen_ops, seen = [], set(), set()
-    stack = [x_tensor]
-    while stack:
-        t = stack.pop()
-        if t.ref() in seen:
-            continue
-        seen.add(t.ref())
+    for t, stack in _walk.depth_first(x_tensor, seen):
         if t is loss:
             return None, "x reaches the loss without meeting batch data"
         for op in t.consumers():
@@ -113,12 +104,43 @@ def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
     return found, None
 
 
+def _explicit_padding(op):
+    """The `[4, 2]` paddings of a Conv2D with explicit padding, else None."""
+    if op.type != "Conv2D":
+        return None
+    try:
+        if op.get_attr("padding") != b"EXPLICIT":
+            return None
+        pads = list(op.get_attr("explicit_paddings"))
+    except ValueError:
+        return None
+    return [pads[j:j + 2] for j in range(0, len(pads), 2)]
+
+
 def _copy_on_rows(op, batch_inputs, i):
-    """Re-creates `op` on rows [i:i+1] of its batch inputs."""
+    """Re-creates `op` on rows [i:i+1] of its batch inputs.
+
+    A Conv2D with explicit padding is copied as `tf.pad` of its input and a
+    VALID Conv2D (the same values): TF's pfor converter for its filter
+    gradient, Conv2DBackpropFilter, drops `explicit_paddings`, and the
+    vectorized op then fails at run time.
+    """
     inputs = [tf.gather(inp, tf.reshape(i, [1])) if k in batch_inputs
               else inp for k, inp in enumerate(op.inputs)]
     graph = tf.compat.v1.get_default_graph()
     attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
+    pads = _explicit_padding(op)
+    if pads is not None:
+        sliced = [inputs[k] for k in batch_inputs]
+        inputs[0] = tf.pad(inputs[0], pads)
+        attrs["padding"] = attr_value_pb2.AttrValue(s=b"VALID")
+        attrs["explicit_paddings"] = attr_value_pb2.AttrValue(
+            list=attr_value_pb2.AttrValue.ListValue())
+        new = _tf_compat.create_op(
+            graph, op.type, inputs, dtypes=[o.dtype for o in op.outputs],
+            name=op.name.split("/")[-1] + "_example", attrs=attrs,
+            op_def=op.op_def)
+        return new, sliced
     new = _tf_compat.create_op(
         graph, op.type, inputs, dtypes=[o.dtype for o in op.outputs],
         name=op.name.split("/")[-1] + "_example", attrs=attrs,
@@ -227,21 +249,47 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
                     if g is None:
                         continue
                     ys.append(out)
-                    seeds.append(tf.gather(_dense(g), tf.reshape(i, [1])))
+                    seeds.append(tf.gather(sparse.dense(g),
+                                           tf.reshape(i, [1])))
             # The sliced batch inputs are held constant: other uses of x
             # upstream of them are other boundary ops, counted there.
             g, = gradients(ys, [a.tensor], grad_ys=seeds,
                            stop_gradients=held,
                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            results.append(_dense(g))
+            results.append(sparse.dense(g))
         return results
 
     return chunked_pfor(loop_fn, batch, chunk,
                         [_grad_dtype(a.tensor) for a in group])
 
 
+def _pfor_safe(loss, tensors):
+    """False when the backward pass from `loss` to `tensors` holds an op
+    whose gradient TF's pfor vectorizes wrongly: a Conv2D with explicit
+    padding (its Conv2DBackpropFilter converter drops `explicit_paddings`)."""
+    between = separability.ancestors(loss)
+    return not any(_explicit_padding(op) is not None for op in between)
+
+
+def _loop_per_example(loop_fn, batch, dtypes):
+    """`loop_fn(i)` for each example in a `tf.while_loop`, stacked."""
+    arrays = [tf.TensorArray(d, size=batch, infer_shape=True) for d in dtypes]
+
+    def body(i, arrays):
+        return i + 1, [ta.write(i, tf.cast(g, ta.dtype))
+                       for ta, g in zip(arrays, loop_fn(i))]
+
+    _, arrays = tf.while_loop(lambda i, _: i < batch, body,
+                              [tf.constant(0), arrays])
+    return [ta.stack() for ta in arrays]
+
+
 def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
-    """Per-example gradients by the one-hot-seeded full backward pass."""
+    """Per-example gradients by the one-hot-seeded full backward pass.
+
+    Vectorized with pfor, except where pfor would build a wrong graph
+    (`_pfor_safe`): then the same passes run one example at a time.
+    """
 
     # pfor runs loop_fn through autograph unless told not to; custagg's
     # traversal is plain graph-building Python and must not be rewritten.
@@ -249,8 +297,10 @@ def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
     def loop_fn(i):
         seed = tf.one_hot(i, batch, dtype=loss.dtype)
         grads = gradients(loss, tensors, grad_ys=seed)
-        return [_dense(g) if g is not None else z()
+        return [sparse.dense(g) if g is not None else z()
                 for g, z in zip(grads, zeros)]
 
-    return chunked_pfor(loop_fn, batch, chunk,
-                        [_grad_dtype(t) for t in tensors])
+    dtypes = [_grad_dtype(t) for t in tensors]
+    if not _pfor_safe(loss, tensors):
+        return _loop_per_example(loop_fn, batch, dtypes)
+    return chunked_pfor(loop_fn, batch, chunk, dtypes)

@@ -17,19 +17,12 @@ KEYS = {"model", "batch_size", "task", "system", "status", "note", "build_s", "n
         "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor", "check"}
 
 
-def _custagg_ready():
-    try:
-        import custagg
-    except Exception:
-        return False
-    return all(hasattr(custagg, n) for n in ("per_example_gradients", "per_example_norms",
-                                              "clipped_gradients"))
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    systems = ["tf_vmap", "tf_grad_ys"] + (["custagg_auto"] if _custagg_ready() else [])
+    # custagg is always in the run: a broken import must fail here, not
+    # quietly leave it out.
+    systems = ["tf_vmap", "tf_grad_ys", "custagg_auto"]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     # The repository root first: opacus (an optional peer) installs an
     # unrelated top-level `benchmarks` package into site-packages.
@@ -78,7 +71,9 @@ def test_report_tables_from_records(tmp_path):
     path = str(tmp_path / "r.md")
     report.write_markdown(path, [rec, skipped], {"cpu": "x", "cores": 2, "tolerance": 1e-3})
     text = open(path).read()
-    assert "2 (2.0x)" in text and "skipped (too slow" in text
+    # The ratio and the two times it is the quotient of, from one record.
+    assert "| 2.0x (2 / 1) |" in text and "skipped (too slow" in text
+    assert "floor ms |" not in text.split("## All records")[0]
 
 
 def test_readme_tables_are_rewritten_between_the_markers(tmp_path):
@@ -94,10 +89,50 @@ def test_readme_tables_are_rewritten_between_the_markers(tmp_path):
     text = readme.read_text()
     assert "stale table" not in text
     assert text.startswith("intro\n") and text.endswith("outro\n")
-    assert "| cnn | 32 | 2 | 3 (1.5x) |" in text
+    assert "| cnn | 32 | 1.5x (3 / 2) |" in text
     readme.write_text("no markers\n")
     with pytest.raises(ValueError, match="no benchmark block"):
         report.update_readme(str(readme), [rec], {})
+
+
+def test_each_system_has_one_style_everywhere():
+    from benchmarks import report
+    from benchmarks.systems import SYSTEMS
+    styles = [tuple(sorted(report.system_style(s).items())) for s in SYSTEMS]
+    assert len(set(styles)) == len(styles)          # no two systems alike
+    colors = [report.system_style(s)["color"] for s in SYSTEMS]
+    assert len(set(colors)) == len(colors)
+    assert report.system_style("not_a_system") == report.system_style("not_a_system")
+
+
+def test_plot_draws_measured_systems_only(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import report
+    rec = {k: None for k in KEYS}
+    rec.update(model="mlp", task="norms", status="ok", note="", check="pass",
+               framework="tf", floor_ms=1.0)
+    recs = [dict(rec, system=s, batch_size=b, median_ms=r * b, ratio_to_floor=r * b)
+            for s, r in (("custagg_rules", 0.1), ("tf_vmap", 1.0)) for b in (8, 32)]
+    recs.append(dict(rec, system="tf_loop", batch_size=32, status="skipped",
+                     median_ms=None, ratio_to_floor=None))
+    import matplotlib.pyplot as plt
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def capture(fig, *a, **k):
+        seen["labels"] = [t.get_text() for t in fig.legends[0].get_texts()]
+        seen["colors"] = {l.get_label(): l.get_color()
+                          for ax in fig.axes for l in ax.get_lines()}
+        return real_savefig(fig, *a, **k)
+
+    plt.Figure.savefig = capture
+    try:
+        report.write_plot(str(tmp_path / "r.png"), recs)
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert seen["labels"] == ["custagg_rules", "tf_vmap"]
+    assert seen["colors"]["tf_vmap"] == report.system_style("tf_vmap")["color"]
+    assert (tmp_path / "r.png").stat().st_size > 0
 
 
 def test_skip_estimate_for_quadratic_systems():

@@ -222,7 +222,7 @@ _SLICE_EXPRESSIONS = [
                          ids=[n for n, _, _ in _SLICE_EXPRESSIONS])
 def test_slice_recognition_and_its_result(expr, recognized, sess, rng):
     """What is taken for one example, and the result either way (vs TF)."""
-    from custagg import aggregation
+    from custagg import slice_recognizer
     batch = 4
     x = tf.compat.v1.placeholder(tf.float64, [batch, 2])
     w = tf.compat.v1.Variable(rng.normal(size=(2, 3)))
@@ -230,7 +230,7 @@ def test_slice_recognition_and_its_result(expr, recognized, sess, rng):
     loss = tf.reduce_sum(tf.square(out), axis=1)           # [B]
     i = tf.compat.v1.placeholder(tf.int32, [])
     term = expr(loss, out, i)
-    assert (aggregation.slice_of(term) is not None) == recognized
+    assert (slice_recognizer.slice_of(term) is not None) == recognized
     ys = [term, loss[0]]
     f = tf.compat.v1.placeholder(tf.float64, [2])
     got = custagg.gradients(ys, [w], aggregation_method=CUSTOM,

@@ -5,6 +5,7 @@ whole process).
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -202,37 +203,76 @@ def test_xs_from_another_graph(model):
                           gradient_factors=f_other)
 
 
+def _tf_wording_first(exc_type, call_tf, call_custagg, sentences=None):
+    """custagg's message starts with TF's own (all of it, or its first
+    `sentences`), then adds custagg's guidance; both raise `exc_type`."""
+    with pytest.raises(exc_type) as tf_err:
+        call_tf()
+    with pytest.raises(exc_type) as ca_err:
+        call_custagg()
+    tf_msg = str(tf_err.value).rstrip(".")
+    if sentences:
+        tf_msg = ". ".join(tf_msg.split(". ")[:sentences])
+    ca_msg = str(ca_err.value)
+    assert ca_msg.startswith(tf_msg), (ca_msg, tf_msg)
+    assert "custagg.gradients:" in ca_msg[len(tf_msg):], ca_msg
+    return ca_msg
+
+
 def test_unknown_unconnected_gradients(model):
     _, w, loss = model
-    with pytest.raises(ValueError, match=r"unknown unconnected_gradients "
-                       r"'zeros'; expected tf.UnconnectedGradients.NONE or "
-                       r"ZERO"):
-        custagg.gradients(loss, [w], unconnected_gradients="zeros")
+    msg = _tf_wording_first(
+        ValueError,
+        lambda: tf.compat.v1.gradients(loss, [w],
+                                       unconnected_gradients="zeros"),
+        lambda: custagg.gradients(loss, [w], unconnected_gradients="zeros"))
+    assert re.match(r"Unknown value for unconnected_gradients: 'zeros'\. "
+                    r"custagg.gradients: expected tf.UnconnectedGradients."
+                    r"NONE or ZERO", msg), msg
 
 
 def test_grad_ys_of_another_length(model):
     _, w, loss = model
-    with pytest.raises(ValueError, match=r"grad_ys has 2 entries but ys has "
-                       r"1; pass one seed \(or None\) per y"):
-        custagg.gradients([loss], [w], grad_ys=[None, None])
+    msg = _tf_wording_first(
+        ValueError,
+        lambda: tf.compat.v1.gradients([loss], [w], grad_ys=[None, None]),
+        lambda: custagg.gradients([loss], [w], grad_ys=[None, None]))
+    assert "pass one seed (or None) per y" in msg
 
 
 def test_grad_ys_dtypes_like_tf(model):
     _, w, loss = model
-    with pytest.raises(TypeError, match=r"grad_ys\[0\] has dtype bool but "
-                       r"ys\[0\] .* is float32; expected a real or integer"):
-        custagg.gradients(loss, [w], grad_ys=tf.cast(tf.ones([4]), tf.bool))
-    with pytest.raises(TypeError):      # TF raises too
-        tf.compat.v1.gradients(loss, [w],
-                               grad_ys=tf.cast(tf.ones([4]), tf.bool))
+    bad = tf.cast(tf.ones([4]), tf.bool)
+    msg = _tf_wording_first(
+        TypeError, lambda: tf.compat.v1.gradients(loss, [w], grad_ys=bad),
+        lambda: custagg.gradients(loss, [w], grad_ys=bad))
+    assert re.search(r"grad_ys\[0\] has dtype bool but ys\[0\] .* is "
+                     r"float32; expected a real or integer", msg), msg
     flag = tf.cast(loss, tf.bool)
-    with pytest.raises(TypeError, match=r"ys\[0\] .* has dtype bool, which "
-                       r"has no gradient"):
-        custagg.gradients(flag, [w], grad_ys=tf.ones([4], tf.bool))
+    seed = tf.ones([4], tf.bool)
+    msg = _tf_wording_first(
+        TypeError, lambda: tf.compat.v1.gradients(flag, [w], grad_ys=seed),
+        lambda: custagg.gradients(flag, [w], grad_ys=seed))
+    assert re.search(r"ys\[0\] .* has no gradient; ys must be numeric", msg)
     c = tf.complex(loss, loss)
-    with pytest.raises(TypeError, match=r"ys\[0\] .* is complex; pass "
-                       r"grad_ys"):
-        custagg.gradients(c, [w])
+    msg = _tf_wording_first(
+        TypeError, lambda: tf.compat.v1.gradients(c, [w]),
+        lambda: custagg.gradients(c, [w]))
+    # The regex of TF's own testRealOnly.
+    assert re.search(r"Gradients of complex tensors .* must set grad_ys "
+                     r"\(y\.dtype = complex64\)", msg), msg
+    assert "pass grad_ys for ys[0]" in msg
+
+
+def test_missing_gradient_function_wording(graph):
+    x = tf.constant(1.0)
+    y = tf.raw_ops.Bitcast(input=x, type=tf.float32)  # no gradient registered
+    loss = y * 2.0
+    msg = _tf_wording_first(
+        LookupError, lambda: tf.compat.v1.gradients(loss, [x]),
+        lambda: custagg.gradients(loss, [x]), sentences=1)
+    assert msg.startswith("No gradient defined for operation")
+    assert "@tf.RegisterGradient('Bitcast')" in msg
 
 
 def test_eager_mode_in_subprocess(run_python):

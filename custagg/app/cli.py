@@ -26,7 +26,7 @@ Quiet by default: TensorFlow's log level is set before TensorFlow is
 imported, and its start-up lines are dropped (`--verbose` keeps them).
 `--help` and flag errors never import TensorFlow.
 
-Adding a mode: declare its flags in `build_parser` (a group of their own),
+Adding a mode: declare its flags in `FLAGS` (a group of their own),
 check their combinations in `check_args`, and pick the job to run in
 `select_job`; a job is a function `job(args, out) -> exit status`.
 """
@@ -51,36 +51,108 @@ DEFAULT_EPOCHS = 10
 DEFAULT_BATCH_SIZE = 64
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a positive integer, got %r"
-                                         % text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("expected a positive integer, got %d"
-                                         % value)
-    return value
-
-
-def _float(low, strict):
+def _number(convert, what, ok):
+    """An argparse type: `convert(text)`, rejected unless `ok(value)`."""
     def parse(text):
         try:
-            value = float(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError("expected a number, got %r"
-                                             % text)
-        if not math.isfinite(value) or (value <= low if strict
-                                        else value < low):
-            raise argparse.ArgumentTypeError(
-                "expected a number %s %g, got %s" % (">" if strict else ">=",
-                                                     low, text))
+            raise argparse.ArgumentTypeError("expected %s, got %r"
+                                             % (what, text))
+        if not ok(value):
+            raise argparse.ArgumentTypeError("expected %s, got %s"
+                                             % (what, text))
         return value
     return parse
 
 
+_positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+
+
+def _float(low, strict):
+    """A finite float `> low` (`strict`) or `>= low`."""
+    return _number(float, "a number %s %g" % (">" if strict else ">=", low),
+                   lambda v: math.isfinite(v) and (v > low if strict
+                                                   else v >= low))
+
+
+_POSITIVE = dict(type=_positive_int)
+# (group, flag, help, argparse keywords). A flag with a value states its
+# default in the help ("(default: ...)" is added from `default`, or given in
+# the help when it is not one value).
+FLAGS = [
+    ("training", "--model",
+     "softmax regression (the TF1 tutorial), a one-hidden-layer MLP, or a "
+     "small CNN", dict(choices=MODELS, default="softmax")),
+    ("training", "--aggregation",
+     "how per-example gradients are combined: sum (TF's own), weighted "
+     "(class-balanced factors), clip, or dpsgd (clip + Gaussian noise)",
+     dict(choices=AGGREGATIONS, default="sum")),
+    ("training", "--strategy", "how per-example gradients are computed",
+     dict(choices=STRATEGIES, default="auto")),
+    ("training", "--batch-size", "examples per training step",
+     dict(_POSITIVE, default=DEFAULT_BATCH_SIZE, metavar="B")),
+    ("training", "--epochs", "passes over the training set",
+     dict(_POSITIVE, default=DEFAULT_EPOCHS, metavar="N")),
+    ("training", "--optimizer", "the TF1 optimizer that applies the gradients",
+     dict(choices=OPTIMIZERS, default="sgd")),
+    ("training", "--learning-rate",
+     "step size (default: for sgd %s; momentum uses the sgd rate times 0.1; "
+     "adam 0.001)" % ", ".join("%g for %s" % (v, k) for k, v in
+                               DEFAULT_LEARNING_RATE.items()),
+     dict(type=_float(0.0, True), metavar="LR")),
+    ("training", "--hidden", "hidden units of --model mlp",
+     dict(_POSITIVE, default=128, metavar="H")),
+    ("training", "--seed", "seeds the data order, initialization and DP noise",
+     dict(type=int, default=0)),
+    ("clipping and DP-SGD", "--l2-norm-clip",
+     "clip norm C for --aggregation clip / dpsgd",
+     dict(type=_float(0.0, True), default=1.0, metavar="C")),
+    ("clipping and DP-SGD", "--noise-multiplier",
+     "noise std / C for --aggregation dpsgd",
+     dict(type=_float(0.0, False), default=1.1, metavar="Z")),
+    ("clipping and DP-SGD", "--num-microbatches",
+     "clip / dpsgd: microbatches per batch, must divide the batch size "
+     "(default: one example each)", dict(_POSITIVE, metavar="M")),
+    ("data", "--data-dir",
+     "directory with MNIST (the four IDX files, optionally .gz, or "
+     "mnist.npz) (default: Keras's cache if it has mnist.npz, else "
+     "scikit-learn's bundled 8x8 digits)", dict(metavar="DIR")),
+    ("data", "--download",
+     "fetch mnist.npz into --data-dir (or Keras's cache) when it is missing; "
+     "needs internet access", dict(action="store_true")),
+    ("data", "--dataset", "force one data set (auto: MNIST if found, else "
+     "digits)", dict(choices=("auto", "mnist", "digits"), default="auto")),
+    ("data", "--train-limit",
+     "use only the first N training images (default: all)",
+     dict(_POSITIVE, metavar="N")),
+    ("final check", "--check-batch-size",
+     "test images in the final check against the loop reference",
+     dict(_POSITIVE, default=32, metavar="N")),
+    ("final check", "--check-rtol",
+     "PASS when max|got - ref| <= RTOL * max|ref| for every variable",
+     dict(type=_float(0.0, True), default=1e-4, metavar="RTOL")),
+    ("final check", "--no-check",
+     "skip the final check against the loop reference",
+     dict(action="store_true")),
+    ("distributed (TF1 parameter server)", "--distributed",
+     "local: train on a cluster of 1 ps and --workers workers, each a process "
+     "on 127.0.0.1 (SyncReplicasOptimizer; DP noise added once per step); see "
+     "docs/distributed.md (default: one process)",
+     dict(choices=("local",), default=None)),
+    ("distributed (TF1 parameter server)", "--workers",
+     "workers of --distributed local; each trains on --batch-size / W "
+     "examples of every step", dict(_POSITIVE, default=2, metavar="W")),
+    ("distributed (TF1 parameter server)", "--cluster-timeout",
+     "--distributed: stop the cluster after S seconds",
+     dict(type=_float(0.0, True), default=3600, metavar="S")),
+    ("output", "--verbose", "keep TensorFlow's log lines (hidden by default)",
+     dict(action="store_true")),
+]
+
+
 def build_parser():
-    """The argument parser; every flag has help text and states its default."""
+    """The argument parser: `FLAGS`, grouped, plus --help and --version."""
     p = argparse.ArgumentParser(
         prog="custagg",
         description=(
@@ -88,103 +160,14 @@ def build_parser():
             "gradients (custagg), print per-epoch loss, accuracy and "
             "per-example gradient norms, then check one batch's per-example "
             "gradients against the loop reference (exit 1 on FAIL)."))
-    training = p.add_argument_group("training")
-    training.add_argument(
-        "--model", choices=MODELS, default="softmax",
-        help="softmax regression (the TF1 tutorial), a one-hidden-layer MLP, "
-             "or a small CNN (default: %(default)s)")
-    training.add_argument(
-        "--aggregation", choices=AGGREGATIONS, default="sum",
-        help="how per-example gradients are combined: sum (TF's own), "
-             "weighted (class-balanced factors), clip, or dpsgd (clip + "
-             "Gaussian noise) (default: %(default)s)")
-    training.add_argument(
-        "--strategy", choices=STRATEGIES, default="auto",
-        help="how per-example gradients are computed (default: %(default)s)")
-    training.add_argument(
-        "--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
-        metavar="B", help="examples per training step (default: %(default)s)")
-    training.add_argument(
-        "--epochs", type=_positive_int, default=DEFAULT_EPOCHS, metavar="N",
-        help="passes over the training set (default: %(default)s)")
-    training.add_argument(
-        "--optimizer", choices=OPTIMIZERS, default="sgd",
-        help="the TF1 optimizer that applies the gradients "
-             "(default: %(default)s)")
-    training.add_argument(
-        "--learning-rate", type=_float(0.0, True), default=None, metavar="LR",
-        help="step size (default: for sgd %s; momentum uses the sgd rate "
-             "times 0.1; adam 0.001)" % ", ".join(
-                 "%g for %s" % (v, k) for k, v in
-                 DEFAULT_LEARNING_RATE.items()))
-    training.add_argument(
-        "--hidden", type=_positive_int, default=128, metavar="H",
-        help="hidden units of --model mlp (default: %(default)s)")
-    training.add_argument(
-        "--seed", type=int, default=0,
-        help="seeds the data order, initialization and DP noise "
-             "(default: %(default)s)")
-    privacy = p.add_argument_group("clipping and DP-SGD")
-    privacy.add_argument(
-        "--l2-norm-clip", type=_float(0.0, True), default=1.0, metavar="C",
-        help="clip norm C for --aggregation clip / dpsgd "
-             "(default: %(default)s)")
-    privacy.add_argument(
-        "--noise-multiplier", type=_float(0.0, False), default=1.1,
-        metavar="Z", help="noise std / C for --aggregation dpsgd "
-                          "(default: %(default)s)")
-    privacy.add_argument(
-        "--num-microbatches", type=_positive_int, default=None, metavar="M",
-        help="clip / dpsgd: microbatches per batch, must divide the batch "
-             "size (default: one example each)")
-    data = p.add_argument_group("data")
-    data.add_argument(
-        "--data-dir", default=None, metavar="DIR",
-        help="directory with MNIST (the four IDX files, optionally .gz, or "
-             "mnist.npz) (default: Keras's cache if it has mnist.npz, else "
-             "scikit-learn's bundled 8x8 digits)")
-    data.add_argument(
-        "--download", action="store_true",
-        help="fetch mnist.npz into --data-dir (or Keras's cache) when it is "
-             "missing; needs internet access")
-    data.add_argument(
-        "--dataset", choices=("auto", "mnist", "digits"), default="auto",
-        help="force one data set (default: %(default)s: MNIST if found, else "
-             "digits)")
-    data.add_argument(
-        "--train-limit", type=_positive_int, default=None, metavar="N",
-        help="use only the first N training images (default: all)")
-    check = p.add_argument_group("final check")
-    check.add_argument(
-        "--check-batch-size", type=_positive_int, default=32, metavar="N",
-        help="test images in the final check against the loop reference "
-             "(default: %(default)s)")
-    check.add_argument(
-        "--check-rtol", type=_float(0.0, True), default=1e-4, metavar="RTOL",
-        help="PASS when max|got - ref| <= RTOL * max|ref| for every variable "
-             "(default: %(default)s)")
-    check.add_argument(
-        "--no-check", action="store_true",
-        help="skip the final check against the loop reference")
-    cluster = p.add_argument_group("distributed (TF1 parameter server)")
-    cluster.add_argument(
-        "--distributed", choices=("local",), default=None,
-        help="local: train on a cluster of 1 ps and --workers workers, each "
-             "a process on 127.0.0.1 (SyncReplicasOptimizer; DP noise added "
-             "once per step); see docs/distributed.md (default: one process)")
-    cluster.add_argument(
-        "--workers", type=_positive_int, default=2, metavar="W",
-        help="workers of --distributed local; each trains on --batch-size / "
-             "W examples of every step (default: %(default)s)")
-    cluster.add_argument(
-        "--cluster-timeout", type=_float(0.0, True), default=3600,
-        metavar="S", help="--distributed: stop the cluster after S seconds "
-                          "(default: %(default)s)")
-    output = p.add_argument_group("output")
-    output.add_argument(
-        "--verbose", action="store_true",
-        help="keep TensorFlow's log lines (hidden by default)")
-    output.add_argument(
+    groups = {}
+    for group, flag, text, kwargs in FLAGS:
+        if group not in groups:
+            groups[group] = p.add_argument_group(group)
+        if kwargs.get("default") is not None:
+            text += " (default: %(default)s)"
+        groups[group].add_argument(flag, help=text, **kwargs)
+    groups["output"].add_argument(
         "--version", action="version", version="%(prog)s " + _version(),
         help="print the version and exit")
     return p

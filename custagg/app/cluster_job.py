@@ -33,6 +33,7 @@ from custagg.app import datasets
 from custagg.app import train
 from custagg.app.models import build_model
 from custagg.app.models import class_balanced_factors
+from custagg.app.models import per_example_loss
 
 # Bound on a non-chief's wait for the chief's initialization.
 READY_TIMEOUT_S = 600
@@ -78,13 +79,8 @@ def _worker(a, args, spec, server):
                 worker_device="/job:worker/task:%d" % a.task,
                 cluster=cluster)):
             d = data.num_features
-            x = tf.compat.v1.placeholder(tf.float32, [local, d], name="x")
-            y = tf.compat.v1.placeholder(tf.int64, [local], name="y")
-            logits, variables = build_model(args.model, x, data.image_shape,
-                                            data.num_classes, args.hidden,
-                                            args.seed)
-            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y, logits=logits, name="per_example_loss")
+            x, y, logits, variables, loss = per_example_loss(args, data,
+                                                             local)
             step = tf.compat.v1.train.get_or_create_global_step()
             opt, inner = _optimizer(args, lr, workers)
             grad_loss = (tf.fill([local], 1.0 / local)

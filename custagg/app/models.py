@@ -61,3 +61,21 @@ def class_balanced_factors(labels, class_weights):
     """`f_i` proportional to `class_weights[labels[i]]`, summing to 1."""
     f = class_weights[labels].astype(np.float32)
     return f / f.sum()
+
+
+def per_example_loss(args, data, batch_size):
+    """The main job's graph inputs and loss for batches of `batch_size`.
+
+    Returns:
+      `(x, y, logits, variables, loss)`: placeholders x `[batch_size, D]`
+      and y `[batch_size]`, the model of `args.model` on x, its variables,
+      and the per-example cross-entropy `[batch_size]`.
+    """
+    x = tf.compat.v1.placeholder(tf.float32, [batch_size, data.num_features],
+                                 name="x")
+    y = tf.compat.v1.placeholder(tf.int64, [batch_size], name="y")
+    logits, variables = build_model(args.model, x, data.image_shape,
+                                    data.num_classes, args.hidden, args.seed)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=logits, name="per_example_loss")
+    return x, y, logits, variables, loss

@@ -18,6 +18,7 @@ from custagg.app import datasets
 from custagg.app.cli import DEFAULT_LEARNING_RATE
 from custagg.app.models import build_model
 from custagg.app.models import class_balanced_factors
+from custagg.app.models import per_example_loss
 
 
 
@@ -92,13 +93,7 @@ def run(args, out=None):
     with graph.as_default():
         tf.compat.v1.set_random_seed(args.seed)
         d = data.num_features
-        x = tf.compat.v1.placeholder(tf.float32, [bsz, d], name="x")
-        y = tf.compat.v1.placeholder(tf.int64, [bsz], name="y")
-        logits, variables = build_model(args.model, x, data.image_shape,
-                                        data.num_classes, args.hidden,
-                                        args.seed)
-        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=y, logits=logits, name="per_example_loss")
+        x, y, logits, variables, loss = per_example_loss(args, data, bsz)
         global_step = tf.compat.v1.train.get_or_create_global_step()
         opt = _make_optimizer(args, lr)
         # sum: the gradient of the mean loss, as in the tutorial; the norms

@@ -1,0 +1,136 @@
+"""Checks every public per-example function against one tf.gradients per example.
+
+Shared by tests/test_edge_cases.py and tests/test_randomized.py. The
+reference is TF's own traversal (`tf.compat.v1.gradients(loss[i], x)` for
+each example i, built for the batch size that is fed, so it also serves
+dynamic batches), and `None` is expected exactly where
+`tf.compat.v1.gradients(tf.reduce_sum(loss), x)` is `None`.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import custagg
+from custagg import testing
+
+FUNCTIONS = ("per_example_gradients", "per_example_norms",
+             "clipped_gradients", "clipped_per_x", "weighted_gradients",
+             "gradient_second_moments")
+
+
+def build_functions(loss, xs, strategy, functions=FUNCTIONS):
+    """{name: fetches} for each public function under `strategy`, plus the
+    weights placeholder the weighted sum uses."""
+    out = {}
+    weights = tf.compat.v1.placeholder(loss.dtype, [None], name="weights")
+    for fn in functions:
+        if fn == "per_example_gradients":
+            out[fn] = custagg.per_example_gradients(loss, xs, strategy=strategy)
+        elif fn == "per_example_norms":
+            out[fn] = [custagg.per_example_norms(loss, xs, strategy=strategy)]
+        elif fn == "clipped_gradients":
+            grads, norms = custagg.clipped_gradients(
+                loss, xs, 0.5, strategy=strategy, return_norms=True)
+            out[fn] = list(grads) + [norms]
+        elif fn == "clipped_per_x":
+            grads, norms = custagg.clipped_gradients(
+                loss, xs, [0.5] * len(xs), strategy=strategy,
+                return_norms=True)
+            out[fn] = list(grads) + list(norms)
+        elif fn == "weighted_gradients":
+            out[fn] = custagg.weighted_gradients(loss, xs, weights)
+        elif fn == "gradient_second_moments":
+            out[fn] = custagg.gradient_second_moments(loss, xs,
+                                                      strategy=strategy)
+    return out, weights
+
+
+def references(sess, loss, xs, feed, batch):
+    """(connected flags, [B, *x] arrays) from TF's traversal."""
+    total = tf.compat.v1.gradients(tf.reduce_sum(loss), xs)
+    connected = [g is not None for g in total]
+    rows = []
+    for i in range(batch):
+        grads = tf.compat.v1.gradients(
+            loss[i], xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        rows.append([tf.convert_to_tensor(g) for g in grads])
+    per_ex = [tf.stack(list(col)) for col in zip(*rows)]
+    values = sess.run(per_ex, feed)
+    return connected, [v.astype(np.float64) for v in values]
+
+
+def _expected(fn, connected, per_ex, weights):
+    batch = len(weights)
+    live = [g for g, c in zip(per_ex, connected) if c]
+    if fn == "per_example_gradients":
+        return [g if c else None for g, c in zip(per_ex, connected)]
+    if fn == "per_example_norms":
+        return [testing.numpy_norms(live) if live else np.zeros(batch)]
+    if fn == "clipped_gradients":
+        sums, norms = (testing.numpy_clipped(live, 0.5) if live
+                       else ([], np.zeros(batch)))
+        it = iter(sums)
+        return [next(it) if c else None for c in connected] + [norms]
+    if fn == "clipped_per_x":
+        if not per_ex:
+            return []
+        sums, norms = testing.numpy_clipped(per_ex, [0.5] * len(per_ex),
+                                            per_x=True)
+        return ([s if c else None for s, c in zip(sums, connected)]
+                + [n if c else np.zeros_like(n)
+                   for n, c in zip(norms, connected)])
+    if fn == "weighted_gradients":
+        return [np.tensordot(weights, g, axes=1) if c else None
+                for g, c in zip(per_ex, connected)]
+    if fn == "gradient_second_moments":
+        return [s if c else None for s, c in
+                zip(testing.numpy_second_moments(per_ex) if per_ex else [],
+                    connected)]
+    raise KeyError(fn)
+
+
+def _dense_shape_ok(got, x_shape):
+    """IndexedSlices results must describe x's shape, as TF's do."""
+    if hasattr(got, "dense_shape"):
+        return tuple(np.asarray(got.dense_shape).tolist()) == tuple(x_shape)
+    return True
+
+
+def check(sess, loss, xs, feed, built, weights_ph, rtol=1e-6, label="",
+          refs=None):
+    """Runs `built` (from `build_functions`) and compares with the loop.
+
+    `refs`: `references(...)` for this feed, when the caller has them.
+    Returns None when everything agrees, else a message.
+    """
+    batch = int(sess.run(tf.shape(loss)[0], feed))
+    connected, per_ex = refs or references(sess, loss, xs, feed, batch)
+    weights = np.linspace(-1.0, 2.0, batch)
+    feed = dict(feed)
+    feed[weights_ph] = weights
+    for fn, fetches in built.items():
+        want = _expected(fn, connected, per_ex, weights)
+        live = [(j, f) for j, f in enumerate(fetches) if f is not None]
+        got = dict(zip([j for j, _ in live],
+                       sess.run([f for _, f in live], feed)))
+        for j, w in enumerate(want):
+            where = "%s %s[%d]" % (label, fn, j)
+            if w is None:
+                if fetches[j] is not None:
+                    return "%s: expected None (as tf.gradients), got %s" % (
+                        where, fetches[j])
+                continue
+            if fetches[j] is None:
+                return "%s: got None, tf.gradients has a gradient" % where
+            if j < len(xs) and fn != "per_example_norms" and \
+                    not _dense_shape_ok(got[j], w.shape):
+                return "%s: IndexedSlices dense_shape %s, expected %s" % (
+                    where, got[j].dense_shape, w.shape)
+            g = testing.to_numpy(got[j])
+            if g.shape != w.shape:
+                return "%s: shape %s, expected %s" % (where, g.shape, w.shape)
+            scale = float(np.max(np.abs(w))) if w.size else 0.0
+            if not np.allclose(g, w, rtol=rtol, atol=rtol * max(scale, 1e-12)):
+                return "%s: max |diff| %.3g (scale %.3g)" % (
+                    where, float(np.max(np.abs(g - w))), scale)
+    return None
