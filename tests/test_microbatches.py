@@ -256,3 +256,34 @@ def test_batch_matmul_einsum_and_broadcast_group_forms(static, sess):
         for j, s in enumerate(sums):
             testing.assert_close(clipped[j], s, 1e-9, "M=%d clipped[%d]"
                                  % (m, j))
+
+
+def test_rnn_in_a_while_loop_falls_back_and_matches(sess):
+    """A tf.compat.v1.nn.dynamic_rnn LSTM (weights inside a while loop: the
+    materializing fallback) next to a dense head (rules): microbatch norms
+    and clipped sums at B = 6, M = 1, 2, 3, 6."""
+    rng = np.random.default_rng(2)
+    x = tf.compat.v1.placeholder(tf.float64, [None, 4, 3])
+    y = tf.compat.v1.placeholder(tf.int32, [None])
+    cell = tf.compat.v1.nn.rnn_cell.LSTMCell(5, dtype=tf.float64)
+    _, state = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float64)
+    w = tf.Variable(rng.normal(size=[5, 2]), dtype=tf.float64)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(state.h, w))
+    xs = cell.trainable_weights + [w]
+    fetch = {m: custagg.clipped_gradients(loss, xs, 0.2, return_norms=True,
+                                          num_microbatches=m)
+             for m in (1, 2, 3, 6)}
+    refs = {m: _reference(loss, xs, 6, m) for m in fetch}
+    sess.run(tf.compat.v1.global_variables_initializer())
+    values = sess.run({"got": fetch, "ref": refs},
+                      {x: rng.normal(size=[6, 4, 3]),
+                       y: rng.integers(0, 2, 6)})
+    for m in fetch:
+        per_unit = [np.stack(col) for col in zip(*values["ref"][m])]
+        sums, norms = testing.numpy_clipped(per_unit, 0.2)
+        clipped, got_norms = values["got"][m]
+        testing.assert_close(got_norms, norms, 1e-9, "M=%d norms" % m)
+        for j, s in enumerate(sums):
+            testing.assert_close(clipped[j], s, 1e-9, "M=%d clipped[%d]"
+                                 % (m, j))
