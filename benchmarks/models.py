@@ -77,6 +77,14 @@ _SPECS = {
         ParamSpec("out_w", (TR_DIM, NUM_CLASSES), "w"),
         ParamSpec("out_b", (NUM_CLASSES,), "b"),
     ],
+    # Last, so the seeds of the models above (from their index) stay put.
+    "gru": [
+        ParamSpec("kernel", (LSTM_IN, 3 * LSTM_HIDDEN), "w"),
+        ParamSpec("recurrent", (LSTM_HIDDEN, 3 * LSTM_HIDDEN), "w"),
+        ParamSpec("bias", (3 * LSTM_HIDDEN,), "b"),
+        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
+        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
+    ],
 }
 
 MODELS = tuple(_SPECS)
@@ -89,6 +97,8 @@ DESCRIPTIONS = {
             % (TEXT_VOCAB, TEXT_DIM, TEXT_LEN),
     "lstm": "LSTM %d steps, in %d, hidden %d (tf.compat.v1.while_loop), dense 10"
             % (LSTM_STEPS, LSTM_IN, LSTM_HIDDEN),
+    "gru": "GRU %d steps, in %d, hidden %d (tf.compat.v1.while_loop), dense 10"
+           % (LSTM_STEPS, LSTM_IN, LSTM_HIDDEN),
     "transformer": ("transformer block: tokens %d x len %d, d=%d, %d heads (Einsum), "
                     "LayerNorm as Mul/Add, FF %d, mean-pool, dense 10"
                     % (TR_VOCAB, TR_LEN, TR_DIM, TR_HEADS, TR_FF)),
@@ -136,6 +146,7 @@ def input_spec(model):
         "cnn": ((28, 28, 1), "float32"),
         "text": ((TEXT_LEN,), "int32"),
         "lstm": ((LSTM_STEPS, LSTM_IN), "float32"),
+        "gru": ((LSTM_STEPS, LSTM_IN), "float32"),
         "transformer": ((TR_LEN,), "int32"),
     }[model]
 
@@ -213,6 +224,23 @@ def _tf_lstm(tf, p, x):
     return _tf_dense(tf, h, p["dense_w"], p["dense_b"])
 
 
+def _tf_gru(tf, p, x):
+    x_tm = tf.transpose(x, [1, 0, 2])               # [T, B, D]
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], LSTM_HIDDEN]))
+
+    def body(t, h):
+        xz, xr, xn = tf.split(tf.nn.bias_add(tf.matmul(tf.gather(x_tm, t), p["kernel"]),
+                                             p["bias"]), 3, axis=1)
+        hz, hr, hn = tf.split(tf.matmul(h, p["recurrent"]), 3, axis=1)
+        z = tf.sigmoid(xz + hz)
+        r = tf.sigmoid(xr + hr)
+        n = tf.tanh(xn + r * hn)
+        return t + 1, (1.0 - z) * n + z * h
+
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < LSTM_STEPS, body, (tf.constant(0), h0))
+    return _tf_dense(tf, h, p["dense_w"], p["dense_b"])
+
+
 def _tf_layer_norm(tf, h, gamma, beta):
     # Written with Mul/Add (no fused op) so per-example rules can see through it.
     mu = tf.reduce_mean(h, axis=-1, keepdims=True)
@@ -242,7 +270,7 @@ def _tf_transformer(tf, p, x):
 
 _TF_FORWARD = {
     "softmax": _tf_softmax, "mlp": _tf_mlp, "cnn": _tf_cnn, "text": _tf_text,
-    "lstm": _tf_lstm, "transformer": _tf_transformer,
+    "lstm": _tf_lstm, "gru": _tf_gru, "transformer": _tf_transformer,
 }
 
 

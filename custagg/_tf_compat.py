@@ -253,3 +253,27 @@ def gradients_modules():
     from tensorflow.python.ops import gradients_impl  # pylint: disable=g-import-not-at-top
     from tensorflow.python.ops import gradients_util  # pylint: disable=g-import-not-at-top
     return gradients_mod, gradients_impl, gradients_util
+
+
+# ---------------------------------------------------------- graph copies
+# custagg.recompute re-creates forward ops op by op; what TF's Python keeps
+# beside the C op must come along. 2.12-2.21.
+
+from tensorflow.python.ops import handle_data_util  # noqa: E402
+
+
+def copy_handle_data(source, target):
+    """Shape/dtype of the resource or variant behind `source` onto `target`
+    (TensorLists out of a While op need it downstream)."""
+    handle_data_util.copy_handle_data(source, target)
+
+
+def gradient_function(op):
+    """The gradient function set on the op itself (tf.function call sites,
+    v2 control flow), or None. `op._gradient_function`."""
+    return getattr(op, "_gradient_function", None)
+
+
+def set_gradient_function(op, fn):
+    """Sets `op._gradient_function` (a copied call op keeps its gradient)."""
+    op._gradient_function = fn

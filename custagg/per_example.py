@@ -22,6 +22,14 @@ Strategies (chosen per x by `plan_per_example`):
   downstream; otherwise it is an error that says what to use instead.
 * `"auto"`: "rules" for each x that qualifies, "pfor" for the others (and
   "loop" if pfor cannot build and B is static).
+
+"pfor" takes, per x, the first form that applies: the boundary ops (O(B));
+per-example copies of the forward pass, vectorized by pfor ("recompute",
+O(B): `custagg.recompute`, for weights inside loops and ops no rule covers),
+or run in a while loop when pfor cannot convert the copies
+("recompute-loop", O(B)); the whole backward pass per example (O(B^2), the
+last resort, used where examples interact or the forward pass cannot be
+copied). `str(plan)` gives each choice and why.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import tensorflow as tf
 
 from custagg import _walk
 from custagg import errors
+from custagg import recompute
 from custagg import registry as registry_lib
 from custagg import separability
 from custagg import shortcuts
@@ -63,6 +72,10 @@ _Chain = collections.namedtuple("_Chain", ["op", "indices", "inner"])
 FORMS = {
     "rules": ("rules", "about 1 backward pass"),
     "boundary": ("pfor at the ops where x meets batch data", "O(B)"),
+    "recompute": ("pfor over per-example copies of the forward pass",
+                  "O(B)"),
+    "recompute-loop": ("a while loop over per-example copies of the forward "
+                       "pass", "O(B)"),
     "whole-pass": ("pfor over the whole backward pass", "O(B^2)"),
     "loop": ("one backward pass per example", "O(B^2)"),
 }
@@ -85,6 +98,8 @@ class Assignment(object):
         could not be used; None when they were, or were not considered.
       consumers: the rule ops, for "rules".
       boundaries: the boundary ops, for the "boundary" form.
+      forward: the forward pass to copy (`recompute.Forward`), for the
+        "recompute" and "recompute-loop" forms.
       blocker: the op that kept x off "rules", when one op did.
     """
 
@@ -97,6 +112,7 @@ class Assignment(object):
                              else None)
         self.boundaries = boundaries
         self.blocker = blocker
+        self.forward = None     # recompute.Forward, for the recompute forms
 
     @property
     def name(self):
@@ -323,6 +339,30 @@ def _reached_refs(x_tensor, loss_ancestors, live):
     return refs
 
 
+# Keyed by graph: loss ref -> (form, reason) where building the recompute
+# form fell back, so later plans of that loss say what runs.
+_RECOMPUTE_FALLBACKS = weakref.WeakKeyDictionary()
+
+
+def _forward_or_refusal(loss, ancestors, static_b):
+    try:
+        return recompute.analyze(loss, ancestors, static_b)
+    except recompute.Refused as e:
+        return e
+
+
+def _recompute_reason(forward, x_tensor):
+    """(forward, None) if x's per-example gradients can come from copies of
+    the forward pass, else (None, reason)."""
+    if isinstance(forward, recompute.Refused):
+        return None, separability.Reason(str(forward), forward.op)
+    if x_tensor.op in forward.op_set:
+        return None, separability.Reason(
+            "x ('%s') depends on batch data, and a copy of the forward pass "
+            "would copy it too" % x_tensor.name, x_tensor.op)
+    return forward, None
+
+
 def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
     """Decides, per x, which strategy computes its per-example gradients.
 
@@ -350,6 +390,7 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
     batch_size = tf.shape(loss)[0] if static_b is None else static_b
     ancestors = separability.ancestors(loss)
     region = None
+    forwards = None     # [recompute.Forward or Refused], found once
     assignments = []
     for i, x in enumerate(xs):
         t = _as_tensor(x, i, fn)
@@ -392,9 +433,29 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
             blocker = blocker or getattr(why, "op", None)
             reason = "; ".join(r for r in (reason, "no boundary form: " + why)
                                if r)
+        form = "boundary" if bounds else "whole-pass"
+        forward = None
+        if bounds is None:
+            # Each example's forward pass copied and vectorized (O(B)), or
+            # else the whole backward pass per example (O(B^2)).
+            if forwards is None:
+                forwards = [_forward_or_refusal(loss, ancestors, static_b)]
+            forward, why = _recompute_reason(forwards[0], t)
+            if forward is not None:
+                form = "recompute"
+                # A fallback an earlier build took for this loss holds now.
+                taken = _RECOMPUTE_FALLBACKS.get(loss.graph, {}).get(
+                    loss.ref())
+                if taken:
+                    form = taken[0]
+                    reason = reason + "; " + taken[1]
+            else:
+                blocker = blocker or getattr(why, "op", None)
+                reason = reason + "; no recompute form: " + str(why)
         assignments.append(Assignment(
-            x, t, "pfor", reason, form="boundary" if bounds else "whole-pass",
-            boundaries=bounds, blocker=blocker))
+            x, t, "pfor", reason, form=form, boundaries=bounds,
+            blocker=blocker))
+        assignments[-1].forward = forward
     plan = Plan(loss, assignments, batch_size, strategy)
     _LOG.debug("%s", plan)
     return plan
@@ -583,7 +644,10 @@ class _Engine(object):
                         a.reason = ((a.reason + "; ") if a.reason else "") + (
                             "pfor could not build: %s" % e)
                     warn_slow(self.plan)
-                    stacked = self._loop(group)
+                    try:
+                        stacked = self._loop(group)
+                    except Exception as loop_error:  # pylint: disable=broad-except
+                        raise _no_strategy(group, e, loop_error)
             else:
                 stacked = self._loop(group)
         result = {}
@@ -596,8 +660,12 @@ class _Engine(object):
         """Each x in the form its plan gives: boundary ops or whole pass."""
         loss, batch = self.loss, self.plan.batch_size
         fast = [a for a in group if a.form == "boundary"]
-        slow = [a for a in group if a.form == "whole-pass"]
         result = {}
+        again = [a for a in group
+                 if a.form in ("recompute", "recompute-loop")]
+        if again:
+            result.update(self._recompute(again))
+        slow = [a for a in group if a.form == "whole-pass"]
         # The scopes name the form, so the graph shows what ran.
         if fast:
             with tf.name_scope("boundary_form"):
@@ -613,6 +681,54 @@ class _Engine(object):
                      for a in slow], batch, self.chunk)
             result.update(zip([id(a) for a in slow], stacked))
         return [result[id(a)] for a in group]
+
+    def _recompute(self, group):
+        """Per-example copies of the forward pass: pfor over chunks of
+        examples ("recompute"), else a while loop over them
+        ("recompute-loop"), else the whole pass; the plan records which ran
+        and why (and later plans of this loss say so too)."""
+        forward = group[0].forward
+        fallbacks = _RECOMPUTE_FALLBACKS.setdefault(self.loss.graph, {})
+        tensors = [a.tensor for a in group]
+        zeros = [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a))
+                 for a in group]
+        dtypes = [recompute.grad_dtype(t) for t in tensors]
+        batch = self.plan.batch_size
+        ids = [id(a) for a in group]
+
+        def fall_back(form, why):
+            for a in group:
+                if a.form != form:
+                    a.form = form
+                    a.reason = ((a.reason + "; ") if a.reason else "") + why
+            fallbacks[self.loss.ref()] = (form, why)
+
+        if group[0].form == "recompute":
+            try:
+                with tf.name_scope("recompute_form"):
+                    return dict(zip(ids, recompute.per_example_pfor(
+                        forward, tensors, zeros, dtypes, batch, self.chunk,
+                        _copy_gradients)))
+            except Exception as e:  # pylint: disable=broad-except
+                _LOG.debug("pfor could not vectorize the copies (%s)", e)
+                fall_back("recompute-loop",
+                          "pfor could not vectorize the copies: "
+                          + _first_line(e))
+        if group[0].form == "recompute-loop":
+            try:
+                with tf.name_scope("recompute_loop_form"):
+                    return dict(zip(ids, recompute.per_example_loop(
+                        forward, tensors, zeros, dtypes,
+                        [_static_x_shape(a) for a in group], batch,
+                        _copy_gradients)))
+            except Exception as e:  # pylint: disable=broad-except
+                _LOG.debug("the copies could not be built (%s)", e)
+                fall_back("whole-pass", "the copies could not be built: "
+                          + _first_line(e))
+        warn_slow(self.plan)
+        with tf.name_scope("whole_pass_form"):
+            return dict(zip(ids, vectorized.whole_pass_per_example(
+                self.loss, tensors, zeros, batch, self.chunk)))
 
     def _loop(self, group):
         """One `gradients(loss[i])` per example: a Python loop for a static
@@ -756,6 +872,41 @@ class _Engine(object):
                 rule, ctx = parts[0]
                 return self._to_x(rule.squared_sum(ctx), a, False)
         return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _no_strategy(group, pfor_error, loop_error):
+    """The error for a graph no strategy can build: names the ops that kept
+    each x off the O(B) forms and what to try."""
+    ops = sorted({"'%s' (%s)" % (a.blocker.name, a.blocker.type)
+                  for a in group if a.blocker is not None})
+    return ValueError(
+        "custagg: no strategy can build per-example gradients of %s%s. "
+        "Tried: rules (%s); pfor: %s; the per-example loop: %s. What to "
+        "try: give the inputs a [None, ...] shape so each example's forward "
+        "pass can be copied, build the model with control flow v2 "
+        "(tf.compat.v1.enable_control_flow_v2()), or register a rule for the "
+        "op with @custagg.register_rule." % (
+            ", ".join(a.name for a in group),
+            (", held up by op " + ", ".join(ops)) if ops else "",
+            "; ".join(sorted({a.reason.split(";")[0] for a in group
+                              if a.reason})) or "not asked for",
+            _first_line(pfor_error), _first_line(loop_error)))
+
+
+def _copy_gradients(ys, xs, **kwargs):
+    """TF's own gradients for the copies of the forward pass: custagg's
+    traversal adds nothing there, and TF's leaves no `zeros_like` of the
+    TensorLists a loop accumulates (which pfor cannot vectorize)."""
+    return tf.compat.v1.gradients(ys, xs, **kwargs)
+
+
+def _first_line(e):
+    """The line of an exception's text that says what went wrong."""
+    lines = [l.strip() for l in str(e).strip().split("\n") if l.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def _scalar_chain(chain):

@@ -1,0 +1,694 @@
+"""The "recompute" forms: each example's forward pass, copied and vectorized.
+
+For an x no rule covers (an RNN cell's weight inside a `while_loop`, an op
+only TF knows), the per-example gradient of example i is the gradient of a
+copy of the forward pass run on example i alone:
+
+    g_i = d/dx  loss'(inputs[i:i+1])
+
+where `loss'` is the forward subgraph between the batch inputs (the
+placeholders and iterator outputs whose leading axis is the batch) and the
+loss, re-created op by op with those inputs replaced by one example's rows.
+Ops that do not depend on batch data (variable reads, constants) are not
+copied: the copy reads the same variables, so gradients reach x. Each
+example costs one forward and one backward pass of one example, so the
+whole batch costs O(B) passes, not the O(B^2) of seeding the batch's
+backward pass with `one_hot(i)`.
+
+Two forms vectorize the copies:
+
+* "recompute": `pfor` over chunks of examples (`vectorized.chunked_pfor`),
+  what `tf.vectorized_map(grad)` does for code that is still at hand;
+* "recompute-loop": a `tf.while_loop` over the examples (one copy per
+  iteration; dynamic B works), for graphs pfor cannot convert.
+
+Copies follow v2 control flow (`While`/`If` ops: their function bodies are
+shared, their gradients rebuilt from the function definitions) and
+`tf.function` call sites (their gradient functions come along). v1 loops
+(`Enter`/`Exit` frames, `disable_v2_behavior`) are rebuilt as new
+`tf.while_loop`s whose bodies copy the frame's ops.
+
+The copy is exact only if examples do not interact between the inputs and
+the loss. `analyze` refuses graphs where a known op mixes examples (batch
+statistics, a mean over the batch) or draws random numbers (a copy would
+draw new ones), and every run checks that the copies' losses equal the
+batch's loss, so an interaction no analysis saw fails loudly instead of
+giving wrong gradients.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+from custagg import _tf_compat
+from custagg import separability
+from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg._tf_compat import pfor_ops  # noqa: F401  (documented above)
+
+# Ops that bring batch data into a graph (as in `vectorized`).
+BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
+                           "IteratorGetNext", "IteratorGetNextSync",
+                           "OptionalGetValue"])
+
+# Ops whose copy would draw new random numbers.
+_RANDOM = frozenset([
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
+    "StatefulUniform", "StatefulUniformInt", "StatefulStandardNormalV2",
+    "StatefulTruncatedNormal", "StatefulUniformFullInt",
+    "StatefulRandomBinomial", "RandomShuffleQueueV2"])
+
+_VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable",
+                           "ReadVariableOp", "ResourceGather"])
+
+# Attrs a copy must not take: colocation with the original's neighbours.
+_DROP_ATTRS = frozenset(["_class"])
+
+class Forward(collections.namedtuple("Forward", ["inputs", "ops", "loss",
+                                                 "static_b"])):
+    """The forward pass to copy: batch `inputs`, the `ops` between them and
+    the `loss` (creation order), the static batch size (or None)."""
+
+    @property
+    def op_set(self):
+        return frozenset(self.ops)
+
+
+class Refused(ValueError):
+    """The forward pass cannot be recomputed per example; the message names
+    the op and says what to try."""
+
+    def __init__(self, message, op=None):
+        super().__init__(message)
+        self.op = op
+
+
+def _leading_is_batch(t, static_b):
+    if t.shape.rank is None or t.shape.rank == 0:
+        return False
+    lead = tf.compat.dimension_value(t.shape[0])
+    return lead is None or static_b is None or lead == static_b
+
+
+def batch_inputs(loss, loss_ancestors, static_b):
+    """The tensors whose leading axis is the batch and that feed the loss.
+
+    Raises:
+      Refused: none found, or a batch source of unknown rank.
+    """
+    found = []
+    for op in sorted(loss_ancestors, key=lambda o: o.name):
+        if op.type not in BATCH_SOURCES:
+            continue
+        for out in op.outputs:
+            if out.shape.rank is None:
+                raise Refused(
+                    "input '%s' (op type %s) has unknown rank, so custagg "
+                    "cannot tell whether its leading axis is the batch; give "
+                    "the placeholder a shape such as [None, ...]"
+                    % (out.name, op.type), op)
+            if _leading_is_batch(out, static_b) and any(
+                    c in loss_ancestors for c in out.consumers()):
+                found.append(out)
+    if not found:
+        raise Refused(
+            "no batch inputs feed the loss (no placeholder or iterator output "
+            "with the batch on axis 0), so there is no example to recompute")
+    return found
+
+
+def _region(inputs, loss_ancestors):
+    """Ops on a path from the batch inputs to the loss, in creation order."""
+    region = set()
+    queue = collections.deque(c for t in inputs for c in t.consumers())
+    while queue:
+        op = queue.popleft()
+        if op in region or op not in loss_ancestors:
+            continue
+        region.add(op)
+        for out in op.outputs:
+            queue.extend(out.consumers())
+    graph = next(iter(inputs)).graph
+    return [op for op in graph.get_operations() if op in region]
+
+
+def _known(op):
+    return op.type in separability._TABLE or \
+        op.type in separability._FOLD_AWARE  # pylint: disable=protected-access
+
+
+def _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b):
+    """Raises `Refused` where a known op mixes examples; ops the analysis
+    does not know (loops, calls) are assumed to keep the batch on axis 0 of
+    their batch-shaped outputs, which the run-time check confirms."""
+    live = separability.gradient_paths(loss, loss_ancestors)
+    in_region = set(ops)
+    seen = set()
+    queue = collections.deque((t, 0) for t in inputs)
+    while queue:
+        t, axis = queue.popleft()
+        if (t.ref(), axis) in seen:
+            continue
+        seen.add((t.ref(), axis))
+        for op in t.consumers():
+            if op not in in_region:
+                continue
+            if op.type in _RANDOM:
+                raise Refused(
+                    "op '%s' (type %s) draws random numbers between the "
+                    "inputs and the loss, and a per-example copy would draw "
+                    "new ones; pass the random tensor in as a placeholder, "
+                    "or use strategy='loop'" % (op.name, op.type), op)
+            outs = [o for o in op.outputs if o.ref() in live]
+            if not _known(op):
+                for o in op.outputs:
+                    if _leading_is_batch(o, static_b):
+                        queue.append((o, 0))
+                continue
+            if not outs:
+                continue
+            for k, inp in enumerate(op.inputs):
+                if inp is not t:
+                    continue
+                out_axis = separability.propagate(op, k, axis)
+                if out_axis is None:
+                    raise Refused(
+                        "op '%s' (type %s) mixes examples (or is not known to "
+                        "keep them apart), so one example's forward pass "
+                        "alone does not give its loss" % (op.name, op.type),
+                        op)
+                for o in outs:
+                    here = (out_axis[o.value_index]
+                            if isinstance(out_axis, list) else out_axis)
+                    if here is None:
+                        raise Refused(
+                            "output %d of op '%s' (type %s) mixes examples"
+                            % (o.value_index, op.name, op.type), op)
+                    if here is not separability.NO_PATH:
+                        queue.append((o, here))
+
+
+def analyze(loss, loss_ancestors, static_b):
+    """The forward pass to recompute: `Forward(inputs, ops, loss)`.
+
+    Raises:
+      Refused: with the op and what to try.
+    """
+    inputs = batch_inputs(loss, loss_ancestors, static_b)
+    ops = _region(inputs, loss_ancestors)
+    if loss.op not in ops:
+        raise Refused("the loss does not depend on the batch inputs")
+    for op in ops:
+        ctxt = _tf_compat.control_flow_context(op)
+        if ctxt is not None and _frame_of(ctxt, None) is None:
+            raise Refused(
+                "op '%s' (type %s) is in a v1 tf.compat.v1.cond (Switch/"
+                "Merge under disable_v2_behavior), which custagg does not "
+                "copy; tf.compat.v1.enable_control_flow_v2() builds conds it "
+                "can copy" % (op.name, op.type), op)
+    _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b)
+    if static_b is not None and static_b > 1:
+        # With a static batch, tensors made without batch data can have it
+        # built in (`tf.zeros([B, H])` for an RNN's first state: tf.shape of
+        # a static placeholder is a constant). Their rows are sliced too;
+        # weights are never sliced.
+        region = set(ops)
+        seen = {t.ref() for t in inputs}
+        for op in ops:
+            for t in op.inputs:
+                if t.ref() in seen or t.op in region or not t.shape.rank:
+                    continue
+                if tf.compat.dimension_value(t.shape[0]) == static_b and \
+                        not _reads_variables(t):
+                    seen.add(t.ref())
+                    inputs.append(t)
+    return Forward(inputs, ops, loss, static_b)
+
+
+def _reads_variables(t):
+    """Whether `t` depends on a variable (a weight is never a batch row)."""
+    stack, seen = [t.op], set()
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _VARIABLE_OPS:
+            return True
+        stack.extend(i.op for i in op.inputs)
+    return False
+
+
+def copy_forward(forward, rows):
+    """Re-creates `forward.ops` on `rows` (a dict: input ref -> tensor) in the
+    default graph; returns the copy of the loss."""
+    mapping = dict(rows)
+    _STATIC_B[:] = [forward.static_b]
+    _copy_ops(forward.ops, mapping, wanted={forward.loss.ref()})
+    return mapping[forward.loss.ref()]
+
+
+def _frame_of(ctxt, frame):
+    """The v1 while context just inside `frame` (None: top level) that holds
+    `ctxt`, or None if a v1 cond context is on the way."""
+    while ctxt is not None:
+        if not hasattr(ctxt, "loop_exits"):
+            return None
+        if ctxt.outer_context is frame:
+            return ctxt
+        ctxt = ctxt.outer_context
+    return None
+
+
+def _copy_ops(ops, mapping, frame=None, wanted=()):
+    """Copies `ops` (in creation order) with inputs through `mapping`
+    (ref -> tensor), which gets the copies' outputs. `frame`: the v1 while
+    context being rebuilt (ops of loops inside it are rebuilt as loops);
+    `wanted`: refs of the tensors the caller reads (with the inputs of
+    `ops`, what decides which outputs of a loop are live)."""
+    done = set()
+    read = set(wanted)
+    for op in ops:
+        read.update(t.ref() for t in op.inputs)
+    for op in ops:
+        if all(o.ref() in mapping for o in op.outputs) and op.outputs:
+            continue
+        ctxt = _tf_compat.control_flow_context(op)
+        if ctxt is not frame:
+            inner = _frame_of(ctxt, frame)
+            if inner is None:
+                raise Refused("op '%s' (type %s) is in a v1 control-flow "
+                              "context custagg cannot rebuild"
+                              % (op.name, op.type), op)
+            if inner not in done:
+                done.add(inner)
+                _rebuild_v1_while(inner, mapping)
+            continue
+        if op.type in ("While", "StatelessWhile"):
+            outs = _rebuild_while(op, mapping, [
+                k for k, o in enumerate(op.outputs) if o.ref() in read])
+        else:
+            outs = _copy_op(op, mapping)
+        for old, out in zip(op.outputs, outs):
+            if out is not None:
+                mapping[old.ref()] = out
+
+
+# TensorList makers and the index of their element_shape input.
+_LIST_MAKERS = {"TensorListReserve": 0, "EmptyTensorList": 0}
+
+
+# The static batch size of the forward pass being copied (a copy has 1).
+_STATIC_B = [None]
+
+
+def _is_batch_dim(d):
+    return d is None or d < 0 or (_STATIC_B[0] is not None and
+                                  _STATIC_B[0] > 1 and d == _STATIC_B[0])
+
+
+def _one_row_invariant(shape):
+    """A loop variable's shape invariant for a one-example copy: the
+    leading axis (and any axis of the static batch size) left open."""
+    shape = tf.TensorShape(shape)
+    if shape.rank is None or shape.rank == 0:
+        return shape
+    dims = shape.as_list()
+    return tf.TensorShape([None] + [None if (d is not None and _STATIC_B[0]
+                                             and _STATIC_B[0] > 1 and
+                                             d == _STATIC_B[0]) else d
+                                    for d in dims[1:]])
+
+
+def _one_row_shape(op):
+    """For a TensorList maker whose elements' leading axis is unknown (the
+    batch, in an RNN), the element shape with that axis 1 (a copy runs one
+    example: pfor and the gradients read unset elements, which needs the
+    whole shape); else None."""
+    k = _LIST_MAKERS.get(op.type)
+    if k is None:
+        return None
+    shape = tf.get_static_value(op.inputs[k])
+    if shape is None or np.ndim(shape) != 1 or len(shape) < 1 or \
+            not _is_batch_dim(int(shape[0])) or any(d < 0 for d in shape[1:]):
+        return None
+    return tf.constant([1] + [int(d) for d in shape[1:]],
+                       dtype=op.inputs[k].dtype)
+
+
+def _input(t, mapping):
+    """The copy's version of input `t`."""
+    got = mapping.get(t.ref())
+    if got is not None:
+        return got
+    if t.dtype == tf.variant and _one_row_shape(t.op) is not None:
+        # An empty list made outside the batch ops but filled with rows.
+        mapping[t.ref()] = _copy_op(t.op, mapping)[t.value_index]
+        return mapping[t.ref()]
+    return t
+
+
+class _Rows(object):
+    """Stands for `TensorListFromTensor(tensor)` inside a copied loop body
+    whose only uses read items: each read becomes `tf.gather(tensor, i)`."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _copy_op(op, mapping):
+    graph = tf.compat.v1.get_default_graph()
+    inputs = [_input(t, mapping) for t in op.inputs]
+    if inputs and isinstance(inputs[0], _Rows):
+        item = tf.gather(inputs[0].tensor, inputs[1])
+        return [item]
+    fixed_shape = _one_row_shape(op)
+    if fixed_shape is not None:
+        inputs[_LIST_MAKERS[op.type]] = fixed_shape
+    node_def = _tf_compat.node_def(op)
+    attrs = {k: node_def.attr[k] for k in node_def.attr
+             if k not in _DROP_ATTRS}
+    controls = [mapping[c.outputs[0].ref()].op for c in op.control_inputs
+                if c.outputs and c.outputs[0].ref() in mapping]
+    with tf.control_dependencies(controls):
+        new = _tf_compat.create_op(
+            graph, op.type, inputs, dtypes=[o.dtype for o in op.outputs],
+            name=op.name.split("/")[-1], attrs=attrs, op_def=op.op_def)
+    fn = _tf_compat.gradient_function(op)
+    if fn is not None:
+        _tf_compat.set_gradient_function(new, fn)
+    for old, out in zip(op.outputs, new.outputs):
+        if old.dtype in (tf.resource, tf.variant):
+            _tf_compat.copy_handle_data(old, out)
+    return new.outputs
+
+
+def _func_graph(op, attr):
+    name = op.get_attr(attr).name
+    graph = op.graph
+    while graph is not None:
+        func = _tf_compat.get_function(graph, name)
+        if func is not None and getattr(func, "graph", None) is not None:
+            return func.graph
+        graph = getattr(graph, "outer_graph", None)
+    raise Refused("cannot find the %s function '%s' of op '%s' (type %s)"
+                  % (attr, name, op.name, op.type), op)
+
+
+def _ancestors_in(graph_outputs, stop=()):
+    """Ops behind `graph_outputs`, not past the tensors whose refs are in
+    `stop` (bound values: a loop's variables)."""
+    seen = set()
+    stack = [t.op for t in graph_outputs if t.ref() not in stop]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs if t.ref() not in stop)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def _run_func_graph(func, outputs, bound):
+    """Copies the ops of FuncGraph `func` behind `outputs` into the current
+    graph with `func.inputs[k]` bound to `bound[k]`; returns the copies."""
+    mapping = {func.inputs[k].ref(): v for k, v in bound.items()}
+    needed = _ancestors_in(outputs)
+    _copy_ops([o for o in func.get_operations() if o in needed], mapping,
+              wanted={t.ref() for t in outputs})
+    return [mapping[t.ref()] for t in outputs]
+
+
+def _frame_ops(ctxt, graph):
+    """Ops of the v1 while context `ctxt` and of the contexts inside it."""
+    out = []
+    for op in graph.get_operations():
+        c = _tf_compat.control_flow_context(op)
+        while c is not None and c is not ctxt:
+            c = c.outer_context
+        if c is ctxt:
+            out.append(op)
+    return out
+
+
+def _rebuild_v1_while(ctxt, mapping):
+    """A v1 while loop (Enter/Merge/Switch/NextIteration/Exit frame) rebuilt
+    as a new `tf.compat.v1.while_loop` whose cond and body copy the frame's
+    ops; maps the frame's Exit outputs (and nothing inside it)."""
+    exits = list(ctxt.loop_exits)
+    switches = [e.op.inputs[0].op for e in exits]
+    merges = [sw.inputs[0].op for sw in switches]
+    enters = [m.inputs[0].op for m in merges]
+    nexts = [m.inputs[1].op for m in merges]
+    if any(m.type not in ("Merge", "RefMerge") for m in merges) or \
+            any(e.type not in ("Enter", "RefEnter") for e in enters):
+        raise Refused("the v1 while loop '%s' has a layout custagg does not "
+                      "know" % ctxt.name, exits[0].op if exits else None)
+    graph = exits[0].graph
+    ops = _frame_ops(ctxt, graph)
+    pred = [op for op in ops if op.type == "LoopCond" and
+            _tf_compat.control_flow_context(op) is ctxt][0].inputs[0]
+    loop_ops = set(merges) | set(switches) | set(enters) | set(nexts) | set(
+        e.op for e in exits)
+    constants = {}
+    for op in ops:
+        if op.type in ("Enter", "RefEnter") and op not in loop_ops and \
+                _tf_compat.control_flow_context(op) is ctxt:
+            constants[op.outputs[0].ref()] = _input(op.inputs[0], mapping)
+    inits = [_input(e.inputs[0], mapping) for e in enters]
+    shapes = [_one_row_invariant(m.outputs[0].shape) for m in merges]
+
+    def run(bound, outputs):
+        m = dict(mapping)
+        m.update(constants)
+        m.update(bound)
+        needed = _ancestors_in(outputs, set(bound) | set(constants))
+        _copy_ops([op for op in ops if op in needed and op not in loop_ops
+                   and op.outputs and op.outputs[0].ref() not in m]
+                  + [op for op in ops if op in needed and not op.outputs
+                     and op not in loop_ops], m, ctxt)
+        return [m[t.ref()] for t in outputs]
+
+    def cond_fn(*values):
+        bound = {mg.outputs[0].ref(): v for mg, v in zip(merges, values)}
+        return run(bound, [pred])[0]
+
+    def body_fn(*values):
+        bound = {sw.outputs[1].ref(): v for sw, v in zip(switches, values)}
+        return run(bound, [n.inputs[0] for n in nexts])
+
+    new = _while_loop(cond_fn, body_fn, inits, shapes,
+                      ctxt.parallel_iterations)
+    for e, t in zip(exits, new):
+        mapping[e.ref()] = t
+
+
+def _is_accumulator(op, body, k):
+    """Whether loop variable k of While `op` only collects an intermediate
+    for a gradient: an empty TensorList in, one push per iteration."""
+    out = body.outputs[k]
+    return (op.inputs[k].op.type == "EmptyTensorList" and
+            out.op.type == "TensorListPushBack" and
+            out.op.inputs[0] is body.inputs[k])
+
+
+def _live_vars(body, cond, var_idx, used):
+    """The loop variables (indices) that the `used` outputs and the
+    condition depend on; the others are dead and not rebuilt (an unused
+    TensorList output would get a variant `zeros_like` gradient)."""
+    position = {body.inputs[k].ref(): k for k in var_idx}
+    live = set()
+    todo = [k for k in var_idx if k in used]
+    cond_needed = _ancestors_in([cond.outputs[0]])
+    for j, t in enumerate(cond.inputs):
+        if t.op in cond_needed and j in var_idx:
+            todo.append(j)
+    while todo:
+        k = todo.pop()
+        if k in live:
+            continue
+        live.add(k)
+        needed = _ancestors_in([body.outputs[k]])
+        for t in body.inputs:
+            if t.op in needed and t.ref() in position:
+                todo.append(position[t.ref()])
+    return [k for k in var_idx if k in live]
+
+
+def _rebuild_while(op, mapping, used):
+    """A v2 While op rebuilt as a new `tf.while_loop` whose body and cond
+    copy the original functions' ops.
+
+    Only the loop's own outputs are rebuilt, not the accumulators of
+    intermediates a gradient (or Keras) added: the new loop's gradient adds
+    the ones it needs, and pfor converts the loop built here as it would one
+    traced from Python code.
+    """
+    body, cond = _func_graph(op, "body"), _func_graph(op, "cond")
+    try:
+        n = op.get_attr("_num_original_outputs")
+    except ValueError:
+        n = len(op.outputs)
+    # A gradient built earlier may have added accumulators of intermediates
+    # (and counted them as original outputs): not rebuilt.
+    keep = [k for k in range(n) if not _is_accumulator(op, body, k)]
+    ins = [_input(t, mapping) if k in keep else None
+           for k, t in enumerate(op.inputs[:n])]
+    through = [k for k in keep if body.outputs[k] is body.inputs[k]]
+    var_idx = _live_vars(body, cond, [k for k in keep if k not in through],
+                         set(used))
+    fixed = {k: ins[k] for k in through}
+    # A loop-invariant TensorList made from batch data (Keras' unstacked
+    # inputs) is made again inside the body from its tensor: as a capture its
+    # unused loop output would get a variant `zeros_like` gradient, which
+    # pfor cannot vectorize.
+    remake = {}
+    for k in through:
+        t = op.inputs[k]
+        if t.dtype == tf.variant and t.ref() in mapping and \
+                not any(i.dtype == tf.variant for i in t.op.inputs):
+            remake[k] = t
+    shapes = [_one_row_invariant(s) for s in op.get_attr("output_shapes")]
+
+    # The body ops the rebuilt loop runs (a gradient built before may have
+    # added others that read the loop's inputs).
+    live_ops = _ancestors_in([body.outputs[k] for k in var_idx])
+
+    def bind(values):
+        bound = dict(fixed)
+        for k, t in remake.items():
+            if t.op.type == "TensorListFromTensor" and all(
+                    c.type == "TensorListGetItem" and c.inputs[0] is
+                    body.inputs[k] for c in body.inputs[k].consumers()
+                    if c in live_ops):
+                # Reads of the unstacked tensor: a gather of its rows.
+                bound[k] = _Rows(_input(t.op.inputs[0], mapping))
+            else:
+                bound[k] = _copy_op(t.op, mapping)[t.value_index]
+        bound.update(zip(var_idx, values))
+        return bound
+
+    def cond_fn(*values):
+        return _run_func_graph(cond, [cond.outputs[0]], bind(values))[0]
+
+    def body_fn(*values):
+        outs = _run_func_graph(body, [body.outputs[k] for k in var_idx],
+                               bind(values))
+        return outs
+
+    new = _while_loop(
+        cond_fn, body_fn, [ins[k] for k in var_idx],
+        [shapes[k] if k < len(shapes) else tf.TensorShape(None)
+         for k in var_idx], op.get_attr("parallel_iterations"))
+    outs = [None] * len(op.outputs)
+    for k in through:
+        outs[k] = ins[k]
+    for k, t in zip(var_idx, new):
+        outs[k] = t
+    return outs
+
+
+def _while_loop(cond_fn, body_fn, loop_vars, shapes, parallel_iterations):
+    """A new `tf.compat.v1.while_loop` (v1 or v2, as the graph builds them)
+    returning a list."""
+    return tf.compat.v1.while_loop(
+        cond_fn, body_fn, loop_vars, shape_invariants=shapes,
+        parallel_iterations=parallel_iterations, return_same_structure=True)
+
+
+def grad_dtype(t):
+    """The dtype of a gradient with respect to `t` (resource: its value's)."""
+    if t.dtype == tf.resource:
+        data = _tf_compat.resource_variable_ops.get_eager_safe_handle_data(t)
+        if data is not None and data.is_set and data.shape_and_type:
+            return tf.as_dtype(data.shape_and_type[0].dtype)
+        raise ValueError("custagg: cannot tell the value dtype of resource "
+                         "%s." % t.name)
+    return t.dtype.base_dtype
+
+
+def _dense(g):
+    if isinstance(g, indexed_slices_lib.IndexedSlices):
+        return tf.convert_to_tensor(g)
+    return g
+
+
+def _one_example(forward, tensors, zeros, i, gradients):
+    """[per-example gradient of each tensor..., the copy's loss (scalar)]."""
+    index = tf.reshape(i, [1])
+    rows = {t.ref(): tf.gather(t, index) for t in forward.inputs}
+    copy = copy_forward(forward, rows)
+    loss_i = tf.reshape(copy, [])
+    grads = gradients(loss_i, tensors,
+                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    out = [_dense(g) if g is not None else z()
+           for g, z in zip(grads, zeros)]
+    return out + [loss_i]
+
+
+def _checked(results, losses, loss):
+    """`results` once the copies' losses are seen to equal the batch's."""
+    dtype = loss.dtype
+    tol = 1e-3 if dtype in (tf.float16, tf.bfloat16, tf.float32) else 1e-7
+    scale = tf.reduce_max(tf.abs(loss)) + tf.ones([], dtype)
+    gap = tf.reduce_max(tf.abs(tf.cast(losses, dtype) - loss))
+    check = tf.debugging.Assert(
+        gap <= tol * scale,
+        ["custagg: the per-example recomputation of the forward pass gives "
+         "other losses than the batch does (largest gap, scale):", gap, scale,
+         "so examples interact somewhere between the inputs and the loss. "
+         "Use strategy='pfor' on a graph where custagg can see the coupling, "
+         "or strategy='loop'."])
+    with tf.control_dependencies([check]):
+        return [tf.identity(r) for r in results]
+
+
+def per_example_pfor(forward, tensors, zeros, dtypes, batch, chunk,
+                     gradients):
+    """`[B, *x.shape]` per tensor: pfor over per-example copies."""
+
+    @tf.autograph.experimental.do_not_convert
+    def loop_fn(i):
+        return _one_example(forward, tensors, zeros, i, gradients)
+
+    from custagg import vectorized  # pylint: disable=g-import-not-at-top
+    if has_v1_loops(forward):
+        # The gradient of a v1 loop cannot be built inside another v1 loop
+        # (the chunks' while loop): one pfor over the whole batch.
+        out = pfor_ops.pfor(loop_fn, batch)
+    else:
+        out = vectorized.chunked_pfor(loop_fn, batch, chunk,
+                                      list(dtypes) + [forward.loss.dtype])
+    return _checked(out[:-1], out[-1], forward.loss)
+
+
+def has_v1_loops(forward):
+    """Whether the forward pass holds v1 control flow (Enter/Exit frames)."""
+    return any(_tf_compat.control_flow_context(op) is not None
+               for op in forward.ops)
+
+
+def per_example_loop(forward, tensors, zeros, dtypes, shapes, batch,
+                     gradients):
+    """`[B, *x.shape]` per tensor: a `tf.while_loop` over the examples."""
+    batch = tf.convert_to_tensor(batch, tf.int32)
+    arrays = [tf.TensorArray(d, size=batch, element_shape=s)
+              for d, s in zip(list(dtypes) + [forward.loss.dtype],
+                              list(shapes) + [tf.TensorShape([])])]
+
+    def body(i, arrays):
+        outs = _one_example(forward, tensors, zeros, i, gradients)
+        return i + 1, [ta.write(i, tf.cast(o, ta.dtype))
+                       for ta, o in zip(arrays, outs)]
+
+    _, arrays = tf.while_loop(lambda i, _: i < batch, body,
+                              [tf.constant(0), arrays],
+                              parallel_iterations=1)
+    out = [ta.stack() for ta in arrays]
+    return _checked(out[:-1], out[-1], forward.loss)
+

@@ -1,0 +1,354 @@
+"""Per-example gradients through loops (RNNs) and graphs no rule covers.
+
+Every model here has a dynamic batch (`[None, T, D]` placeholders) and its
+weights inside a `while_loop` body, where no rule applies: custagg copies
+each example's forward pass and vectorizes the copies ("recompute", pfor),
+or runs them in a while loop ("recompute-loop"). Each form is compared with
+the loop reference: one `tf.compat.v1.gradients(loss[i], xs)` per example
+(TF's own traversal), at B in {1, 5, 32, 33}.
+
+The reference graph is built once per model for the largest batch (33
+examples); a batch of B is its first B examples. That is the loop reference
+of the smaller batch too because these models never mix examples (each
+example's loss depends on its own rows only).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import recompute
+
+BATCHES = (1, 5, 32, 33)
+T, D, H = 3, 2, 3
+RTOL = 1e-7
+
+
+# --------------------------------------------------------------------------
+# Models: (loss [B], xs, feed_fn(b, rng) -> feed dict). float64 throughout.
+
+
+def _inputs():
+    x = tf.compat.v1.placeholder(tf.float64, [None, T, D], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    return x, y
+
+
+def _feed(x, y, extra=None):
+    def feed(b, rng):
+        out = {x: rng.normal(size=(b, T, D)), y: rng.integers(0, 2, size=b)}
+        if extra is not None:
+            out.update(extra(b, rng))
+        return out
+    return feed
+
+
+def _head(h, y, name="readout"):
+    dense = tf.compat.v1.layers.Dense(2, name=name, dtype=tf.float64)
+    logits = dense(h)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                          logits=logits)
+    return loss, dense.trainable_weights
+
+
+def dynamic_rnn_lstm(sequence_length=False):
+    x, y = _inputs()
+    lengths = None
+    extra = None
+    if sequence_length:
+        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+        extra = (lambda b, rng: {lengths: rng.integers(1, T + 1, size=b)})
+    cell = tf.compat.v1.nn.rnn_cell.LSTMCell(H, dtype=tf.float64)
+    out, state = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float64,
+                                             sequence_length=lengths)
+    loss, head = _head(state.h, y)
+    return loss, cell.trainable_weights + head, _feed(x, y, extra)
+
+
+def keras_rnn(kind, sequences):
+    x, y = _inputs()
+    layer_type = {"lstm": tf.keras.layers.LSTM,
+                  "gru": tf.keras.layers.GRU}[kind]
+    layer = layer_type(H, return_sequences=sequences, dtype=tf.float64)
+    h = layer(x)
+    if sequences:
+        h = tf.reduce_sum(tf.tanh(h), axis=1)       # every step counts
+    loss, head = _head(h, y)
+    return loss, layer.trainable_weights + head, _feed(x, y)
+
+
+def hand_rnn(reuse_outside=False, prep=None, x=None):
+    """`tf.compat.v1.while_loop` over time; with `reuse_outside` the cell
+    weight also maps the final state to the logits; `prep(x)` is what the
+    loop reads (dropout, a reshape)."""
+    placeholder, y = _inputs()
+    x = placeholder if x is None else x
+    seen = x if prep is None else prep(x)
+    rng = np.random.default_rng(3)
+    w = tf.compat.v1.Variable(0.5 * rng.normal(size=(D + H, H)),
+                              use_resource=True, name="cell_w")
+    b = tf.compat.v1.Variable(0.1 * rng.normal(size=(H,)), use_resource=True,
+                              name="cell_b")
+    h0 = tf.zeros(tf.stack([tf.shape(seen)[0], H]), tf.float64)
+
+    def body(t, h):
+        z = tf.matmul(tf.concat([seen[:, t, :], h], axis=1), w) + b
+        return t + 1, tf.tanh(z)
+
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < T, body, [0, h0])
+    xs = [w, b]
+    if reuse_outside:
+        h = h + tf.matmul(tf.concat([seen[:, -1, :], h], axis=1), w)
+    loss, head = _head(h, y)
+    return loss, xs + head, _feed(x, y)
+
+
+def stacked_lstm():
+    x, y = _inputs()
+    first = tf.keras.layers.LSTM(H, return_sequences=True, dtype=tf.float64)
+    second = tf.keras.layers.LSTM(H, dtype=tf.float64)
+    h = second(first(x))
+    loss, head = _head(h, y)
+    return (loss, first.trainable_weights + second.trainable_weights + head,
+            _feed(x, y))
+
+
+MODELS = {
+    "dynamic_rnn_lstm": dynamic_rnn_lstm,
+    "dynamic_rnn_lstm_seqlen": lambda: dynamic_rnn_lstm(True),
+    "keras_lstm_last": lambda: keras_rnn("lstm", False),
+    "keras_lstm_sequence": lambda: keras_rnn("lstm", True),
+    "keras_gru_last": lambda: keras_rnn("gru", False),
+    "keras_gru_sequence": lambda: keras_rnn("gru", True),
+    "hand_while_rnn": hand_rnn,
+    "weight_inside_and_outside": lambda: hand_rnn(True),
+    "stacked_lstm": stacked_lstm,
+}
+
+
+# --------------------------------------------------------------------------
+# Checks
+
+
+def loop_reference(loss, xs, batch):
+    """`[batch, *x.shape]` per x: one tf.compat.v1.gradients per example."""
+    rows = [tf.compat.v1.gradients(loss[i], xs,
+                                   unconnected_gradients="zero")
+            for i in range(batch)]
+    return [tf.stack([tf.convert_to_tensor(r[j]) for r in rows])
+            for j in range(len(xs))]
+
+
+def _scopes_behind(t):
+    found, seen, stack = set(), set(), [t.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        for scope in ("recompute_form", "recompute_loop_form",
+                      "whole_pass_form", "per_example_rules"):
+            if "/%s/" % scope in "/" + op.name:
+                found.add(scope)
+        stack.extend(i.op for i in op.inputs)
+        stack.extend(op.control_inputs)
+    return found
+
+
+O_B_FORMS = {"recompute", "recompute-loop"}
+
+
+def check_model(build, forms=(None, "recompute-loop"), batches=BATCHES,
+                seed=0, sums=True):
+    """Builds the model in the default graph; per-example gradients in each
+    form (None: what auto takes, which must be O(B)), and with `sums` norms
+    and clipped sums in the first form, against the loop reference.
+    Returns the plans."""
+    loss, xs, feed = build()
+    ref = loop_reference(loss, xs, max(batches))
+    fetch, texts = {}, []
+    clip = tf.compat.v1.placeholder(tf.float64, [])
+    norms = clipped = None
+    for form in forms:
+        with _forcing(form):
+            got = custagg.per_example_gradients(loss, xs)
+            # Planned after the build: a fallback taken there is recorded.
+            plan = custagg.plan_per_example(loss, xs)
+            texts.append(plan)
+            forms_seen = set(plan.forms()) - {"rules"}
+            if form is None:
+                assert forms_seen <= O_B_FORMS and forms_seen, str(plan)
+            else:
+                assert forms_seen == {form}, str(plan)
+            for a, g in zip(plan.assignments, got):
+                scope = ("per_example_rules" if a.form == "rules"
+                         else a.form.replace("-", "_") + "_form")
+                assert _scopes_behind(g) == {scope}, (a.name, str(plan))
+            fetch[form] = got
+            if norms is None and sums:
+                clipped, norms = custagg.clipped_gradients(
+                    loss, xs, clip, return_norms=True)
+    rng = np.random.default_rng(seed)
+    big = feed(max(batches), rng)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        ref_val = sess.run(ref, big)
+        for b in batches:
+            small = {k: v[:b] for k, v in big.items()}
+            want = [r[:b] for r in ref_val]
+            for form, got in fetch.items():
+                for j, (g, w) in enumerate(zip(sess.run(got, small), want)):
+                    np.testing.assert_allclose(
+                        g, w, rtol=RTOL, atol=RTOL * np.abs(w).max(),
+                        err_msg="%s B=%d %s" % (form, b, xs[j].name))
+            if not sums:
+                continue
+            want_sums, want_norms = custagg.testing.numpy_clipped(
+                want, float(np.median(custagg.testing.numpy_norms(want))))
+            small[clip] = float(np.median(custagg.testing.numpy_norms(want)))
+            n, c = sess.run([norms, clipped], small)
+            np.testing.assert_allclose(n, want_norms, rtol=RTOL,
+                                       err_msg="norms B=%d" % b)
+            for j, (g, w) in enumerate(zip(c, want_sums)):
+                np.testing.assert_allclose(
+                    g, w, rtol=RTOL, atol=RTOL * np.abs(w).max(),
+                    err_msg="clipped B=%d %s" % (b, xs[j].name))
+    return texts
+
+
+class _forcing(object):
+    """Makes the engine take `form` for every recomputed x: "recompute-loop"
+    by making pfor fail (the fallback path auto takes when pfor cannot
+    convert an op)."""
+
+    def __init__(self, form):
+        self.form = form
+        self.saved = recompute.per_example_pfor
+
+    def __enter__(self):
+        if self.form is None:
+            return
+        if self.form == "recompute-loop":
+            def fail(*args, **kwargs):
+                raise ValueError("forced off by the test")
+            recompute.per_example_pfor = fail
+
+    def __exit__(self, *exc):
+        recompute.per_example_pfor = self.saved
+
+
+# --------------------------------------------------------------------------
+# Tests
+
+
+# Models whose copies pfor vectorizes (the others take the while loop:
+# dynamic_rnn with sequence_length runs a different number of steps per
+# example, which pfor's while-loop converter does not handle).
+PFOR_MODELS = frozenset(MODELS) - {"dynamic_rnn_lstm_seqlen"}
+# Norms and clipped sums are checked on these (the rest costs build time).
+SUMS_MODELS = frozenset(["dynamic_rnn_lstm_seqlen", "keras_lstm_last",
+                         "weight_inside_and_outside"])
+
+
+# The default run checks these (each model costs a minute of graph building
+# on a small machine); `python -m pytest -m slow tests/test_loops.py` runs
+# the others.
+DEFAULT_MODELS = frozenset(["keras_gru_sequence", "hand_while_rnn",
+                            "weight_inside_and_outside"])
+
+
+@pytest.mark.parametrize("name", [
+    n if n in DEFAULT_MODELS else pytest.param(n, marks=pytest.mark.slow)
+    for n in sorted(MODELS)])
+def test_loop_models_match_the_loop_reference(graph, name):
+    plans = check_model(MODELS[name], sums=name in SUMS_MODELS)
+    text = str(plans[0])
+    assert "O(B)" in text and "O(B^2)" not in text, text
+    assert "copies of the forward pass" in text, text
+    if name in PFOR_MODELS:
+        assert "recompute" in plans[0].forms(), text
+    assert "while loop over per-example copies" in str(plans[1]), plans[1]
+
+
+def test_plan_says_why_and_what_costs(graph):
+    loss, xs, _ = hand_rnn()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["recompute", "recompute", "rules", "rules"]
+    text = str(plan)
+    assert "per-example copies of the forward pass" in text, text
+    assert "cell_w" in text and "no boundary form" in text, text
+    assert not plan.slow()
+
+
+def test_random_ops_are_refused_with_their_name(graph):
+    """Dropout between the inputs and the loss: a copy would draw a new
+    mask, so the plan keeps the exact whole pass and says why."""
+    loss, xs, _ = hand_rnn(prep=lambda x: tf.nn.dropout(x, rate=0.5))
+    plan = custagg.plan_per_example(loss, xs[:2])
+    assert plan.forms() == ["whole-pass"] * 2, str(plan)
+    assert "random" in str(plan) and "RandomUniform" in str(plan), str(plan)
+
+
+def test_batch_coupling_is_refused(graph):
+    """A mean over the batch inside the forward pass: one example alone has
+    another loss, so no copy; the whole pass stays exact."""
+    loss, xs, feed = hand_rnn()
+    centred = loss - tf.reduce_mean(loss)
+    plan = custagg.plan_per_example(centred, xs[:2])
+    assert plan.forms() == ["whole-pass"] * 2, str(plan)
+    assert "mixes examples" in str(plan), str(plan)
+
+
+def test_unknown_rank_input_is_refused(graph):
+    x = tf.compat.v1.placeholder(tf.float64, None, name="shapeless")
+    loss, xs, _ = hand_rnn(x=x, prep=lambda x: tf.reshape(x, [-1, T, D]))
+    plan = custagg.plan_per_example(loss, xs[:2])
+    assert "shapeless" in str(plan) and "unknown rank" in str(plan), str(plan)
+
+
+def test_copies_that_disagree_with_the_batch_fail_loudly(graph):
+    """An interaction no analysis sees (a batch sum inside a loop body): the
+    run-time check names the problem instead of returning wrong
+    gradients."""
+    x, y = _inputs()
+    w = tf.compat.v1.Variable(np.ones((D, 2)), use_resource=True, name="w")
+    # A loop whose body sums over the batch: not known to the analysis.
+    _, total = tf.compat.v1.while_loop(
+        lambda i, t: i < 1,
+        lambda i, t: (i + 1, t + tf.reduce_sum(tf.matmul(x[:, 0, :], w))),
+        [0, tf.zeros([], tf.float64)])
+    z = tf.matmul(x[:, 0, :], w) * total
+    loss, _ = _head(z, y)
+    got = custagg.per_example_gradients(loss, [w])
+    rng = np.random.default_rng(1)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="examples interact"):
+            sess.run(got, _feed(x, y)(4, rng))
+
+
+V1_CODE = """
+import sys
+import numpy as np
+import tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+sys.path.insert(0, "tests")
+import test_loops
+for seqlen in (False, True):
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(0)
+        plans = test_loops.check_model(
+            lambda: test_loops.dynamic_rnn_lstm(seqlen), forms=(None,))
+        assert any(op.type == "Enter"
+                   for op in tf.compat.v1.get_default_graph().get_operations())
+        print("V1-OK", seqlen, str(plans[0]).replace(chr(10), " | "))
+"""
+
+
+@pytest.mark.slow
+def test_v1_control_flow_dynamic_rnn(run_python):
+    result = run_python(V1_CODE, timeout=900)
+    assert result.stdout.count("V1-OK") == 2, (result.stdout[-3000:] +
+                                               result.stderr[-5000:])
