@@ -393,7 +393,10 @@ def _markdown(result):
                for r in result["timing"] if r["system"] == "custagg"
                and r["model"] == "mlp" and r["batch"] == 512}
         if mlp.get(512) and mlp.get(128):
-            lines += ["", "custagg MLP B=512: M=B/4 step / M=B step = %.2fx."
+            lines += ["", "custagg MLP B=512: M=B/4 step / M=B step = %.2fx "
+                      "(timed one after the other on a shared machine; "
+                      "`python -m benchmarks.microbatches` times them "
+                      "interleaved: benchmarks/results/microbatches.md)."
                       % (mlp[128] / mlp[512])]
         lines.append("")
     if result.get("tutorial"):

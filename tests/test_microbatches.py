@@ -214,3 +214,76 @@ def test_dp_optimizer_microbatch_step_is_tf_privacy_s(m, sess):
     assert (norms > clip).any()          # some microbatch is clipped
     for j, s in enumerate(sums):
         testing.assert_close(got[j], s / m, 1e-9, "grad[%d]" % j)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_batch_matmul_einsum_and_broadcast_group_forms(static, sess):
+    """Rules the zoo reaches only in passing, strategy="rules" (no
+    fallback): BatchMatMulV2 `[B, T, D] x [D, K]`, a two-operand Einsum with
+    the parameter on the left, a broadcast Mul and Sub; B = 12 and M = 1, 3,
+    4, 12 (T = 5: (B/M) T is 60, 20, 15, 5 terms a microbatch, both sides
+    of the Gram/materialize choice for D = 6, K = 7)."""
+    rng = np.random.default_rng(11)
+    batch, t, d, k = 12, 5, 6, 7
+    x = tf.compat.v1.placeholder(tf.float64, [batch if static else None, t, d])
+    w = tf.Variable(rng.normal(size=[d, k]), dtype=tf.float64)
+    v = tf.Variable(rng.normal(size=[k, k]), dtype=tf.float64)
+    scale = tf.Variable(rng.normal(size=[k]), dtype=tf.float64)
+    shift = tf.Variable(rng.normal(size=[1, 1, k]), dtype=tf.float64)
+    h = tf.tanh(tf.matmul(x, w))                          # BatchMatMulV2
+    h = tf.einsum("jk,btk->btj", v, h)                    # Einsum, param left
+    h = h * scale - shift                                 # Mul, Sub
+    loss = tf.reduce_sum(tf.sin(h), axis=[1, 2])
+    xs = [w, v, scale, shift]
+    types = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
+    assert {"BatchMatMulV2", "Einsum", "Mul", "Sub"} <= types
+    fetch, refs = {}, {}
+    clip = tf.compat.v1.placeholder(tf.float64, [])
+    for m in (1, 3, 4, 12):
+        fetch[m] = custagg.clipped_gradients(loss, xs, clip, "rules",
+                                             return_norms=True,
+                                             num_microbatches=m)
+        refs[m] = _reference(loss, xs, batch, m)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    feed = {x: rng.normal(size=[batch, t, d]), clip: 1.0}
+    ref_v = sess.run(refs, feed)
+    for m in fetch:
+        per_unit = [np.stack(col) for col in zip(*ref_v[m])]
+        feed[clip] = float(np.median(testing.numpy_norms(per_unit)))
+        clipped, norms = sess.run(fetch[m], feed)
+        sums, ref_norms = testing.numpy_clipped(per_unit, feed[clip])
+        testing.assert_close(norms, ref_norms, 1e-9, "M=%d norms" % m)
+        for j, s in enumerate(sums):
+            testing.assert_close(clipped[j], s, 1e-9, "M=%d clipped[%d]"
+                                 % (m, j))
+
+
+def test_rnn_in_a_while_loop_falls_back_and_matches(sess):
+    """A tf.compat.v1.nn.dynamic_rnn LSTM (weights inside a while loop: the
+    materializing fallback) next to a dense head (rules): microbatch norms
+    and clipped sums at B = 6, M = 1, 2, 3, 6."""
+    rng = np.random.default_rng(2)
+    x = tf.compat.v1.placeholder(tf.float64, [None, 4, 3])
+    y = tf.compat.v1.placeholder(tf.int32, [None])
+    cell = tf.compat.v1.nn.rnn_cell.LSTMCell(5, dtype=tf.float64)
+    _, state = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float64)
+    w = tf.Variable(rng.normal(size=[5, 2]), dtype=tf.float64)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(state.h, w))
+    xs = cell.trainable_weights + [w]
+    fetch = {m: custagg.clipped_gradients(loss, xs, 0.2, return_norms=True,
+                                          num_microbatches=m)
+             for m in (1, 2, 3, 6)}
+    refs = {m: _reference(loss, xs, 6, m) for m in fetch}
+    sess.run(tf.compat.v1.global_variables_initializer())
+    values = sess.run({"got": fetch, "ref": refs},
+                      {x: rng.normal(size=[6, 4, 3]),
+                       y: rng.integers(0, 2, 6)})
+    for m in fetch:
+        per_unit = [np.stack(col) for col in zip(*values["ref"][m])]
+        sums, norms = testing.numpy_clipped(per_unit, 0.2)
+        clipped, got_norms = values["got"][m]
+        testing.assert_close(got_norms, norms, 1e-9, "M=%d norms" % m)
+        for j, s in enumerate(sums):
+            testing.assert_close(clipped[j], s, 1e-9, "M=%d clipped[%d]"
+                                 % (m, j))

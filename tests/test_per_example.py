@@ -38,6 +38,24 @@ from custagg import testing  # noqa: E402
 
 RTOL = 1e-9
 ALL_STRATEGIES = ("rules", "pfor", "loop", "auto")
+
+
+def _atan2_gradient_reduces_broadcast():
+    """False on TF 2.12 (2.15-2.21: True): its Atan2 gradient returns the
+    broadcast shape for a broadcast input, so tf.gradients itself fails."""
+    with tf.Graph().as_default():
+        y, x = tf.ones([2, 3]), tf.ones([3])
+        try:
+            g = tf.compat.v1.gradients(tf.math.atan2(y, x), [x])[0]
+        except ValueError:
+            return False
+        return g.shape.as_list() == [3]
+
+
+ATAN2_SKIP = ("TF 2.12's Atan2 gradient does not sum a broadcast input back "
+              "to its shape: tf.gradients (the reference) fails on this model")
+NEEDS_ATAN2_BROADCAST = pytest.mark.skipif(
+    not _atan2_gradient_reduces_broadcast(), reason=ATAN2_SKIP)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SESSION_CONFIG = tf.compat.v1.ConfigProto(
@@ -178,6 +196,7 @@ def _reference_checks(sess, loss, xs, feed, strategies, clip_ph, clips_ph,
                  "weighted_gradients")
 
 
+@NEEDS_ATAN2_BROADCAST
 @pytest.mark.parametrize("strategies", [("auto",), ("pfor", "loop")],
                          ids=["auto", "pfor+loop"])
 def test_reductions_match_numpy(graph, strategies):
@@ -350,6 +369,8 @@ def test_batch_free_ops_on_a_parameter_chain_into_rules(graph, op_type):
 
 @pytest.mark.parametrize("op_type", ["Atan2", "Pow"])
 def test_auto_falls_back_where_no_rule(graph, op_type):
+    if op_type == "Atan2" and not _atan2_gradient_reduces_broadcast():
+        pytest.skip(ATAN2_SKIP)
     rng = np.random.default_rng(6)
     x = tf.compat.v1.placeholder(tf.float64, [3, 3])
     w = tf.compat.v1.Variable(1.0 + 0.3 * rng.uniform(size=[3]),
@@ -601,6 +622,7 @@ def _scopes_behind(t):
     return found
 
 
+@NEEDS_ATAN2_BROADCAST
 @pytest.mark.parametrize("strategy", ["auto", "pfor", "loop", "rules"])
 def test_plan_equals_what_runs(graph, strategy):
     """Each x's per-example gradient is built by the form its plan names:
