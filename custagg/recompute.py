@@ -171,25 +171,12 @@ def _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b):
                 continue
             if not outs:
                 continue
-            for k, inp in enumerate(op.inputs):
-                if inp is not t:
-                    continue
-                out_axis = separability.propagate(op, k, axis)
-                if out_axis is None:
-                    raise Refused(
-                        "op '%s' (type %s) mixes examples (or is not known to "
-                        "keep them apart), so one example's forward pass "
-                        "alone does not give its loss" % (op.name, op.type),
-                        op)
-                for o in outs:
-                    here = (out_axis[o.value_index]
-                            if isinstance(out_axis, list) else out_axis)
-                    if here is None:
-                        raise Refused(
-                            "output %d of op '%s' (type %s) mixes examples"
-                            % (o.value_index, op.name, op.type), op)
-                    if here is not separability.NO_PATH:
-                        queue.append((o, here))
+            nexts, reason = separability.step(op, t, axis, outs)
+            if reason is not None:
+                raise Refused(
+                    "%s, so one example's forward pass alone does not give "
+                    "its loss" % reason, op)
+            queue.extend(nexts)
 
 
 def analyze(loss, loss_ancestors, static_b):

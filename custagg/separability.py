@@ -579,26 +579,40 @@ def coupling(start, batch_axis, loss, loss_ancestors):
                     "(tf.custom_gradient or gradient_override_map), which "
                     "may mix examples" % (consumer.name, consumer.type),
                     consumer)
-            for index, inp in enumerate(consumer.inputs):
-                if inp is not t:
-                    continue
-                out_axis = propagate(consumer, index, axis, shapes)
-                if out_axis is None:
-                    return Reason(
-                        "op '%s' (type %s) mixes examples or is not known "
-                        "to keep them apart" % (consumer.name, consumer.type),
-                        consumer)
-                for out in outs:
-                    here = (out_axis[out.value_index]
-                            if isinstance(out_axis, list) else out_axis)
-                    if here is None:
-                        return Reason(
-                            "output %d of op '%s' (type %s) mixes examples"
-                            % (out.value_index, consumer.name, consumer.type),
-                            consumer)
-                    if here is not NO_PATH:
-                        queue.append((out, here))
+            nexts, reason = step(consumer, t, axis, outs, shapes)
+            if reason is not None:
+                return reason
+            queue.extend(nexts)
     return None
+
+
+def step(op, t, axis, outs, shapes=None):
+    """Where the batch goes from `t` (batch at `axis`) through `op`.
+
+    Returns `(pairs, reason)`: the `(output, axis)` pairs of `outs` the
+    batch reaches (outputs it provably does not reach left out), or a
+    `Reason` naming `op` when op mixes examples or is not known to keep
+    them apart.
+    """
+    pairs = []
+    for index, inp in enumerate(op.inputs):
+        if inp is not t:
+            continue
+        out_axis = propagate(op, index, axis, shapes)
+        if out_axis is None:
+            return [], Reason(
+                "op '%s' (type %s) mixes examples or is not known to keep "
+                "them apart" % (op.name, op.type), op)
+        for out in outs:
+            here = (out_axis[out.value_index]
+                    if isinstance(out_axis, list) else out_axis)
+            if here is None:
+                return [], Reason(
+                    "output %d of op '%s' (type %s) mixes examples"
+                    % (out.value_index, op.name, op.type), op)
+            if here is not NO_PATH:
+                pairs.append((out, here))
+    return pairs, None
 
 
 def _has_replaced_gradient(op):
