@@ -199,6 +199,16 @@ def analyze(loss, loss_ancestors, static_b):
                 "can copy" % (op.name, op.type), op)
     _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b)
     if static_b is not None and static_b > 1:
+        # A static batch is folded into constants (tensordot's reshape
+        # target [B*T, D], space-to-batch paddings) that a copy of one
+        # example's ops would keep: run-time shape errors or, worse, rows of
+        # other examples. Refuse rather than guess; the planner falls back.
+        raise Refused(
+            "the batch size is static (%d), so shapes built from it are "
+            "constants the per-example copy cannot adjust; feed the batch "
+            "through a placeholder of shape [None, ...] for the O(B) form"
+            % static_b)
+    if static_b is not None and static_b > 1:
         # With a static batch, tensors made without batch data can have it
         # built in (`tf.zeros([B, H])` for an RNN's first state: tf.shape of
         # a static placeholder is a constant). Their rows are sliced too;
