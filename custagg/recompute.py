@@ -62,9 +62,6 @@ _RANDOM = frozenset([
     "StatefulTruncatedNormal", "StatefulUniformFullInt",
     "StatefulRandomBinomial", "RandomShuffleQueueV2"])
 
-_VARIABLE_OPS = frozenset(["VarHandleOp", "VariableV2", "Variable",
-                           "ReadVariableOp", "ResourceGather"])
-
 # Attrs a copy must not take: colocation with the original's neighbours.
 _DROP_ATTRS = frozenset(["_class"])
 
@@ -208,43 +205,13 @@ def analyze(loss, loss_ancestors, static_b):
             "constants the per-example copy cannot adjust; feed the batch "
             "through a placeholder of shape [None, ...] for the O(B) form"
             % static_b)
-    if static_b is not None and static_b > 1:
-        # With a static batch, tensors made without batch data can have it
-        # built in (`tf.zeros([B, H])` for an RNN's first state: tf.shape of
-        # a static placeholder is a constant). Their rows are sliced too;
-        # weights are never sliced.
-        region = set(ops)
-        seen = {t.ref() for t in inputs}
-        for op in ops:
-            for t in op.inputs:
-                if t.ref() in seen or t.op in region or not t.shape.rank:
-                    continue
-                if tf.compat.dimension_value(t.shape[0]) == static_b and \
-                        not _reads_variables(t):
-                    seen.add(t.ref())
-                    inputs.append(t)
     return Forward(inputs, ops, loss, static_b)
-
-
-def _reads_variables(t):
-    """Whether `t` depends on a variable (a weight is never a batch row)."""
-    stack, seen = [t.op], set()
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type in _VARIABLE_OPS:
-            return True
-        stack.extend(i.op for i in op.inputs)
-    return False
 
 
 def copy_forward(forward, rows):
     """Re-creates `forward.ops` on `rows` (a dict: input ref -> tensor) in the
     default graph; returns the copy of the loss."""
     mapping = dict(rows)
-    _STATIC_B[:] = [forward.static_b]
     _copy_ops(forward.ops, mapping, wanted={forward.loss.ref()})
     return mapping[forward.loss.ref()]
 
@@ -299,26 +266,19 @@ def _copy_ops(ops, mapping, frame=None, wanted=()):
 _LIST_MAKERS = {"TensorListReserve": 0, "EmptyTensorList": 0}
 
 
-# The static batch size of the forward pass being copied (a copy has 1).
-_STATIC_B = [None]
-
-
 def _is_batch_dim(d):
-    return d is None or d < 0 or (_STATIC_B[0] is not None and
-                                  _STATIC_B[0] > 1 and d == _STATIC_B[0])
+    # analyze() takes only a dynamic batch (or one of 1): the batch axis is
+    # the unknown one.
+    return d is None or d < 0
 
 
 def _one_row_invariant(shape):
     """A loop variable's shape invariant for a one-example copy: the
-    leading axis (and any axis of the static batch size) left open."""
+    leading axis left open."""
     shape = tf.TensorShape(shape)
     if shape.rank is None or shape.rank == 0:
         return shape
-    dims = shape.as_list()
-    return tf.TensorShape([None] + [None if (d is not None and _STATIC_B[0]
-                                             and _STATIC_B[0] > 1 and
-                                             d == _STATIC_B[0]) else d
-                                    for d in dims[1:]])
+    return tf.TensorShape([None] + shape.as_list()[1:])
 
 
 def _one_row_shape(op):
