@@ -1,6 +1,7 @@
 """Checks every public per-example function against one tf.gradients per example.
 
-Shared by tests/test_edge_cases.py and tests/test_randomized.py. The
+Shared by tests/test_edge_cases.py and tests/test_randomized.py (and
+`forms_behind`, by the plan == execution tests). The
 reference is TF's own traversal (`tf.compat.v1.gradients(loss[i], x)` for
 each example i, built for the batch size that is fed, so it also serves
 dynamic batches), and `None` is expected exactly where
@@ -12,6 +13,30 @@ import tensorflow as tf
 
 import custagg
 from custagg import testing
+
+# Each per-example form's name scope in custagg/per_example.py.
+FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",
+               "whole-pass": "whole_pass_form", "loop": "per_example_loop",
+               "recompute": "recompute_form",
+               "recompute-loop": "recompute_loop_form"}
+
+
+def forms_behind(t):
+    """The forms (keys of FORM_SCOPES) whose name scopes hold ops behind `t`
+    (data and control inputs)."""
+    found, seen, stack = set(), set(), [t.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        for form, scope in FORM_SCOPES.items():
+            if "/%s/" % scope in "/" + op.name:
+                found.add(form)
+        stack.extend(i.op for i in op.inputs)
+        stack.extend(op.control_inputs)
+    return found
+
 
 FUNCTIONS = ("per_example_gradients", "per_example_norms",
              "clipped_gradients", "clipped_per_x", "weighted_gradients",

@@ -150,6 +150,30 @@ def _sync_task(a):
     print("task done", flush=True)
 
 
+def _replicated_dp_step(strategy, kind, a, local):
+    """One DP step under `strategy`, each replica on its own `local`
+    examples: (train op, [(replica id, x, y)] per replica, {"vars": the
+    model's variables})."""
+    replicas, holder = [], {}
+    with strategy.scope():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = distributed.DistributedDPOptimizer(
+            _dp_optimizer(kind, a.noise, a.lr))
+
+        def replica_fn():
+            ctx = tf.distribute.get_replica_context()
+            r = tf.get_static_value(ctx.replica_id_in_sync_group)
+            x, y = _placeholders(local)
+            replicas.append((r, x, y))
+            loss, variables = _model(x, y)
+            holder["vars"] = variables
+            return opt.minimize(loss, global_step=step, var_list=variables)
+
+        train = strategy.group(
+            strategy.extended.call_for_each_replica(replica_fn))
+    return train, replicas, holder
+
+
 def _mwms_task(a):
     """One worker of MultiWorkerMirroredStrategy in graph mode (TF_CONFIG)."""
     tf.compat.v1.disable_eager_execution()
@@ -163,28 +187,15 @@ def _mwms_task(a):
         config=strategy.update_config_proto(tf.compat.v1.ConfigProto()))
     local = a.global_batch // workers
     with tf.Graph().as_default() as g:
+        train, replicas, holder = _replicated_dp_step(strategy, a.kind, a,
+                                                      local)
         with strategy.scope():
-            step = tf.compat.v1.train.get_or_create_global_step()
-            opt = distributed.DistributedDPOptimizer(
-                _dp_optimizer(a.kind, a.noise, a.lr))
-            holder = {}
-
-            def replica_fn():
-                x, y = _placeholders(local)
-                holder["xy"] = (x, y)
-                loss, variables = _model(x, y)
-                holder["vars"] = variables
-                return opt.minimize(loss, global_step=step,
-                                    var_list=variables)
-
-            train = strategy.group(
-                strategy.extended.call_for_each_replica(replica_fn))
             init = tf.compat.v1.global_variables_initializer()
         config = strategy.update_config_proto(tf.compat.v1.ConfigProto())
         with tf.compat.v1.Session(server.target, config=config,
                                   graph=g) as sess:
             sess.run(init)
-            x, y = holder["xy"]
+            (_, x, y), = replicas
             for t in range(a.steps):
                 xb, yb = _global_batch(t, a.global_batch)
                 part = slice(task * local, (task + 1) * local)
@@ -217,25 +228,7 @@ def _mirrored_run(kind, devices, a):
     with tf.Graph().as_default() as g:
         strategy = tf.distribute.MirroredStrategy(devices)
         local = a.global_batch // len(devices)
-        xs = []
-        with strategy.scope():
-            step = tf.compat.v1.train.get_or_create_global_step()
-            opt = distributed.DistributedDPOptimizer(
-                _dp_optimizer(kind, a.noise, a.lr))
-            holder = {}
-
-            def replica_fn():
-                ctx = tf.distribute.get_replica_context()
-                r = tf.get_static_value(ctx.replica_id_in_sync_group)
-                x, y = _placeholders(local)
-                xs.append((r, x, y))
-                loss, variables = _model(x, y)
-                holder["vars"] = variables
-                return opt.minimize(loss, global_step=step,
-                                    var_list=variables)
-
-            train = strategy.group(
-                strategy.extended.call_for_each_replica(replica_fn))
+        train, xs, holder = _replicated_dp_step(strategy, kind, a, local)
         with tf.compat.v1.Session(graph=g) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for t in range(a.steps):

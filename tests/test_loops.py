@@ -20,6 +20,8 @@ import tensorflow as tf
 import custagg
 from custagg import recompute
 
+import per_example_reference
+
 BATCHES = (1, 5, 32, 33)
 T, D, H = 3, 2, 3
 RTOL = 1e-7
@@ -140,22 +142,6 @@ def loop_reference(loss, xs, batch):
             for j in range(len(xs))]
 
 
-def _scopes_behind(t):
-    found, seen, stack = set(), set(), [t.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        for scope in ("recompute_form", "recompute_loop_form",
-                      "whole_pass_form", "per_example_rules"):
-            if "/%s/" % scope in "/" + op.name:
-                found.add(scope)
-        stack.extend(i.op for i in op.inputs)
-        stack.extend(op.control_inputs)
-    return found
-
-
 O_B_FORMS = {"recompute", "recompute-loop"}
 
 
@@ -182,9 +168,8 @@ def check_model(build, forms=(None, "recompute-loop"), batches=BATCHES,
             else:
                 assert forms_seen == {form}, str(plan)
             for a, g in zip(plan.assignments, got):
-                scope = ("per_example_rules" if a.form == "rules"
-                         else a.form.replace("-", "_") + "_form")
-                assert _scopes_behind(g) == {scope}, (a.name, str(plan))
+                assert per_example_reference.forms_behind(g) == {a.form}, (
+                    a.name, str(plan))
             fetch[form] = got
             if norms is None and sums:
                 clipped, norms = custagg.clipped_gradients(

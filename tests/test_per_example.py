@@ -36,6 +36,8 @@ from tensorflow.core.protobuf import rewriter_config_pb2  # noqa: E402
 import custagg  # noqa: E402
 from custagg import testing  # noqa: E402
 
+import per_example_reference as ref  # noqa: E402
+
 RTOL = 1e-9
 ALL_STRATEGIES = ("rules", "pfor", "loop", "auto")
 
@@ -602,26 +604,6 @@ def test_eager_inputs_are_rejected():
 # The plan is what runs
 
 
-_FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",
-                "whole-pass": "whole_pass_form", "loop": "per_example_loop"}
-
-
-def _scopes_behind(t):
-    """Which forms' name scopes the ops behind `t` were built in."""
-    found, seen, stack = set(), set(), [t.op]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        for form, scope in _FORM_SCOPES.items():
-            if "/%s/" % scope in "/" + op.name:
-                found.add(form)
-        stack.extend(i.op for i in op.inputs)
-        stack.extend(op.control_inputs)
-    return found
-
-
 @NEEDS_ATAN2_BROADCAST
 @pytest.mark.parametrize("strategy", ["auto", "pfor", "loop", "rules"])
 def test_plan_equals_what_runs(graph, strategy):
@@ -641,8 +623,8 @@ def test_plan_equals_what_runs(graph, strategy):
     plan = custagg.plan_per_example(loss, xs, strategy=strategy)
     got = custagg.per_example_gradients(loss, xs, strategy=strategy)
     for a, g in zip(plan.assignments, got):
-        assert _scopes_behind(g) == {a.form}, (a.name, a.form,
-                                               _scopes_behind(g), str(plan))
+        assert ref.forms_behind(g) == {a.form}, (a.name, a.form,
+                                               ref.forms_behind(g), str(plan))
     expected = {"auto": ["whole-pass"] * 4, "pfor": ["whole-pass"] * 4,
                 "loop": ["loop"] * 4, "rules": ["rules"] * 3}[strategy]
     assert plan.forms() == expected, str(plan)
@@ -654,7 +636,7 @@ def test_plan_equals_what_runs(graph, strategy):
         assert free.forms() == ["rules", "rules", "rules", "boundary"]
         for a, g in zip(free.assignments,
                         custagg.per_example_gradients(plain, xs)):
-            assert _scopes_behind(g) == {a.form}, (a.name, a.form)
+            assert ref.forms_behind(g) == {a.form}, (a.name, a.form)
         assert "O(B)" in str(free) and "O(B^2)" in str(plan)
 
 

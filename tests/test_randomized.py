@@ -283,16 +283,23 @@ def _drop_op(prog, k):
                 stop=[remap(i) for i in prog["stop"]])
 
 
-def _graph_cases(seeds):
+def _cases(seeds, make, check, shrink, what):
+    """Failure reports for the cases `make(seed)` that `check` rejects, each
+    with the smallest failing case `shrink` finds."""
     failures = []
     for seed in seeds:
-        prog = random_program(seed)
-        why = check_program(prog)
+        case = make(seed)
+        why = check(case)
         if why is not None:
-            small, why = _shrink_program(prog, why)
-            failures.append("seed %d: %s\n  smallest failing program: %s" % (
-                seed, why, small))
+            small, why = shrink(case, why)
+            failures.append("seed %d: %s\n  smallest failing %s: %s" % (
+                seed, why, what, small))
     return failures
+
+
+def _graph_cases(seeds):
+    return _cases(seeds, random_program, check_program, _shrink_program,
+                  "program")
 
 
 @pytest.mark.parametrize("seed", range(FAST_CASES))
@@ -441,15 +448,7 @@ def _shrink_model(spec, why):
 
 
 def _model_cases(seeds):
-    failures = []
-    for seed in seeds:
-        spec = random_model(seed)
-        why = check_model(spec)
-        if why is not None:
-            small, why = _shrink_model(spec, why)
-            failures.append("seed %d: %s\n  smallest failing model: %s" % (
-                seed, why, small))
-    return failures
+    return _cases(seeds, random_model, check_model, _shrink_model, "model")
 
 
 @pytest.mark.parametrize("seed", range(FAST_CASES))
