@@ -364,3 +364,23 @@ FLOAT32_ONLY = {
     "keras_batch_norm_training": "TF's FusedBatchNorm kernels take float32 "
                                  "(not float64)",
 }
+
+
+def has_keras_layers():
+    """Whether this TF has the Keras 2 layers the zoo uses (tf-keras, or TF's
+    own Keras 2 up to 2.15) and `tf.compat.v1.layers`."""
+    try:
+        return hasattr(tf.keras.layers, "MultiHeadAttention") and callable(
+            tf.compat.v1.layers.dense)
+    except (ImportError, AttributeError):
+        return False
+
+
+def attention_keeps_dtype():
+    """False on TF 2.12's Keras, whose MultiHeadAttention makes float32
+    weights whatever `dtype=` says (2.15-2.21 with tf-keras: True)."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float64, [None, 2, 4])
+        attention = tf.keras.layers.MultiHeadAttention(
+            num_heads=1, key_dim=2, dtype="float64")
+        return attention(x, x).dtype == tf.float64
