@@ -38,15 +38,6 @@ def _has_keras_layers():
         return False
 
 
-def _attention_keeps_dtype():
-    """False on TF 2.12's Keras (2.15-2.21 with tf-keras: True)."""
-    with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float64, [None, 2, 4])
-        attention = tf.keras.layers.MultiHeadAttention(
-            num_heads=1, key_dim=2, dtype="float64")
-        return attention(x, x).dtype == tf.float64
-
-
 def _cases():
     cases = []
     for name in zoo.ZOO:
@@ -114,10 +105,6 @@ def _check(got, per_example, clip_value, weights_value, rtol, label):
                            "tf-keras package on this TensorFlow")
 @pytest.mark.parametrize("name, dtype, strategies", _cases())
 def test_zoo_matches_loop(name, dtype, strategies):
-    if (name == "keras_transformer" and dtype == tf.float64
-            and not _attention_keeps_dtype()):
-        pytest.skip("Keras 2.12's MultiHeadAttention makes float32 weights "
-                    "whatever dtype= says: the float64 block fails in Keras")
     rng = np.random.default_rng(sum(map(ord, name)))
     graph = tf.Graph()
     with graph.as_default():
