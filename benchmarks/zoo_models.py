@@ -385,3 +385,13 @@ FLOAT32_ONLY = {
     "keras_batch_norm_training": "TF's FusedBatchNorm kernels take float32 "
                                  "(not float64)",
 }
+
+
+def has_keras_layers():
+    """Whether this TF has the Keras 2 layers the zoo uses (tf-keras, or TF's
+    own Keras 2 up to 2.15) and `tf.compat.v1.layers`."""
+    try:
+        return hasattr(tf.keras.layers, "MultiHeadAttention") and callable(
+            tf.compat.v1.layers.dense)
+    except (ImportError, AttributeError):
+        return False

@@ -29,14 +29,6 @@ MICROBATCHES = (1, 2, 4, 12)
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 
 
-def _has_keras_layers():
-    try:
-        return hasattr(tf.keras.layers, "MultiHeadAttention") and callable(
-            tf.compat.v1.layers.dense)
-    except (ImportError, AttributeError):
-        return False
-
-
 def _cases():
     out = []
     for name in zoo.ZOO:
@@ -61,7 +53,7 @@ def _scale(arrays):
     return max(float(np.max(np.abs(a))) if a.size else 0.0 for a in arrays)
 
 
-@pytest.mark.skipif(not _has_keras_layers(),
+@pytest.mark.skipif(not zoo.has_keras_layers(),
                     reason="tf.compat.v1.layers / Keras 2 layers need the "
                            "tf-keras package on this TensorFlow")
 @pytest.mark.parametrize("name, dtype", _cases())

@@ -29,15 +29,6 @@ RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 STRATEGIES = ("auto", "rules", "pfor", "loop")
 
 
-def _has_keras_layers():
-    try:
-        return hasattr(tf.keras.layers, "MultiHeadAttention") and hasattr(
-            tf.compat.v1.layers, "dense") and callable(
-            tf.compat.v1.layers.dense)
-    except (ImportError, AttributeError):
-        return False
-
-
 def _cases():
     cases = []
     for name in zoo.ZOO:
@@ -100,7 +91,7 @@ def _check(got, per_example, clip_value, weights_value, rtol, label):
                              "%s moments[%d]" % (label, j), _scale(moments))
 
 
-@pytest.mark.skipif(not _has_keras_layers(),
+@pytest.mark.skipif(not zoo.has_keras_layers(),
                     reason="tf.compat.v1.layers / Keras 2 layers need the "
                            "tf-keras package on this TensorFlow")
 @pytest.mark.parametrize("name, dtype, strategies", _cases())

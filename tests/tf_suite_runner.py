@@ -23,7 +23,8 @@ moved are set back as aliases before the file is loaded, in every
 implementation alike (`_old_names`): `ops.Tensor` (now `tensor.Tensor`),
 `variables.VariableV1` and `variable_scope.variable` (now
 `variable_v1.VariableV1`), `variables.RefVariable` (now
-`ref_variable.RefVariable`), `control_flow_ops.cond` (now `cond.cond`).
+`ref_variable.RefVariable`), `control_flow_ops.cond` (now `cond.cond`),
+`array_ops.stack` (now `array_ops_stack.stack`).
 
 The last line of output is JSON: counts and the ids of failed tests.
 """
@@ -69,6 +70,10 @@ def _old_names(tf):
     if not hasattr(control_flow_ops, "cond"):
         from tensorflow.python.ops import cond
         control_flow_ops.cond = cond.cond
+    from tensorflow.python.ops import array_ops
+    if not hasattr(array_ops, "stack"):
+        from tensorflow.python.ops import array_ops_stack
+        array_ops.stack = array_ops_stack.stack
 
 
 def main(argv=None):

@@ -1,0 +1,93 @@
+"""Embedding norms: each of GatherRule's norm forms against the loop.
+
+`per_example_norms(strategy="rules")` on an embedding table takes one of
+three forms by the graph (custagg/rules/gather.py): the pooled form when the
+lookups' output gradient is one row per example broadcast along them (mean
+or sum pooling), the masked Gram for at most `_MASKED_GRAM_MAX_LOOKUPS`
+lookups per example, the per-example sort above that; the pooled form counts
+repeated ids by comparison or, for many lookups, by a sort. Ids are drawn
+from a few rows so repeats within an example are the rule, not the
+exception; clipped sums (which use the norms) are checked too.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import testing
+from custagg.rules import gather
+
+tf1 = tf.compat.v1
+VOCAB, DIM = 30, 3
+
+
+def _model(dtype, lookups, pooling, dynamic_t):
+    ids = tf1.placeholder(tf.int32, [None, None if dynamic_t else lookups])
+    table = tf.Variable(np.random.default_rng(1).normal(
+        size=(VOCAB, DIM)), dtype=dtype)
+    w = tf.Variable(np.random.default_rng(2).normal(size=(DIM, 2)),
+                    dtype=dtype)
+    e = tf.nn.embedding_lookup(table, ids)                     # [B, T, D]
+    if pooling == "mean":
+        h = tf.reduce_mean(e, axis=1)
+    elif pooling == "sum":
+        h = tf.reduce_sum(e, axis=1)
+    else:   # no pooling: each lookup gets its own output gradient
+        h = tf.reduce_sum(tf.tanh(e) * tf.cos(tf.cast(
+            tf.range(tf.shape(e)[1]), dtype))[None, :, None], axis=1)
+    loss = tf.reduce_sum(tf.square(tf.matmul(h, w)), axis=1)  # [B]
+    return ids, loss, [table, w]
+
+
+def _reference(loss, xs, batch):
+    """`[B, *x.shape]` per x from one tf.gradients per example (built for
+    one batch size: the dynamic batch leaves `loss`'s B open)."""
+    return [tf.stack(col) for col in zip(*[
+        [tf.convert_to_tensor(g) for g in tf1.gradients(
+            loss[i], xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)]
+        for i in range(batch)])]
+
+
+_SHAPES = [(1, False), (5, False), (32, False), (33, False), (140, False),
+           (7, True)]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype, lookups, dynamic_t", [
+    (tf.float64,) + shape for shape in _SHAPES] + [
+    (tf.float32, 33, False), (tf.float32, 7, True)])
+def test_norms_match_loop(dtype, pooling, lookups, dynamic_t):
+    rtol = 1e-9 if dtype == tf.float64 else 1e-4
+    with tf.Graph().as_default():
+        ids, loss, xs = _model(dtype, lookups, pooling, dynamic_t)
+        norms = custagg.per_example_norms(loss, xs, strategy="rules")
+        clipped = custagg.clipped_gradients(loss, xs, 0.5, strategy="rules")
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            for batch in (1, 4, 33):
+                reference = _reference(loss, xs, batch)
+                rng = np.random.default_rng(batch + lookups)
+                feed = {ids: rng.choice([0, 3, 7, 29], (batch, lookups))}
+                got, clip, per_example = sess.run(
+                    [norms, clipped, reference], feed)
+                per_example = [testing.to_numpy(p) for p in per_example]
+                testing.assert_close(got, testing.numpy_norms(per_example),
+                                     rtol, "norms B=%d" % batch)
+                sums, _ = testing.numpy_clipped(per_example, 0.5)
+                for g, want in zip(clip, sums):
+                    testing.assert_close(testing.to_numpy(g), want, rtol,
+                                         "clipped B=%d" % batch)
+
+
+def test_pooled_form_is_recognized_only_for_a_broadcast_row():
+    """The pooled form reads no rows: only a broadcast along T qualifies."""
+    with tf.Graph().as_default():
+        for pooling, expected in (("mean", True), ("sum", True),
+                                  ("none", False)):
+            ids, loss, xs = _model(tf.float64, 5, pooling, False)
+            e = [op for op in loss.graph.get_operations()
+                 if op.type == "ResourceGather"][-1].outputs[0]
+            grad, = tf1.gradients(loss, e)
+            assert (gather._broadcast_row(grad) is not None) is expected, \
+                pooling
