@@ -34,6 +34,9 @@ from custagg import _tf_compat
 from custagg import registry
 from custagg.rules import _outer
 
+# `_window_patches` not yet asked for in a context.
+_NOT_BUILT = object()
+
 
 def _nhwc(t, data_format):
     return tf.transpose(t, [0, 2, 3, 1]) if data_format == "NCHW" else t
@@ -262,18 +265,31 @@ class Conv2DRule(_ConvBase):
     # 185 ms clipped-sum step).
     _WINDOWS_CHANNELS_FIRST_MAX = 7
 
-    def _window_patches(self, ctx):
+    def _window_patches(self, ctx, any_filter=False):
         """(patches, g, channels_first) from the offset windows side by side,
         or None (no static spatial dims, or patches too big): patches are
         `[B, P, kh*kw*Cin]` in the filter's (i, j, c) order, or
         `[B, kh*kw*Cin, P]` when `channels_first`; g is `[B, P, Cout]`.
-        Built once per context (norms and the weighted sum share them)."""
-        if ctx.cache is not None and "windows" in ctx.cache:
-            return ctx.cache["windows"]
-        found = self._build_window_patches(ctx)
+        `any_filter`: where the windows decline (strided or large filters),
+        the patches from `extract_patches` in one op instead (channels last).
+        Built once per context (norms and the weighted sum share them); this
+        is the only place that reads or writes the context's "windows"."""
+        found = self._built_window_patches(ctx)
+        if found is _NOT_BUILT:
+            found = self._build_window_patches(ctx)
+        if found is None and any_filter:
+            patches, g = self._patches(ctx)
+            found = (patches, g, False)
         if ctx.cache is not None:
             ctx.cache["windows"] = found
         return found
+
+    def _built_window_patches(self, ctx):
+        """What `_window_patches` built for this context (None included), or
+        `_NOT_BUILT`: the weighted sum reuses patches, never builds them."""
+        if ctx.cache is None or "windows" not in ctx.cache:
+            return _NOT_BUILT
+        return ctx.cache["windows"]
 
     def _build_window_patches(self, ctx):
         kh, kw, cin, cout = _outer.static_dims(ctx.param)
@@ -317,10 +333,9 @@ class Conv2DRule(_ConvBase):
         """`sum_b c_b G_b`: with NHWC window patches one matmul over all B*P
         rows, `patches^T (c dz)`; else the backprop-filter kernel."""
         found = None
-        if not self.has_per_example(ctx) and ctx.cache is not None and \
-                "windows" in ctx.cache:
-            found = ctx.cache["windows"]
-        if found is None or found[2]:
+        if not self.has_per_example(ctx):
+            found = self._built_window_patches(ctx)
+        if found is None or found is _NOT_BUILT or found[2]:
             return super(Conv2DRule, self).weighted_sum(ctx, weights)
         patches, g, _ = found
         c = tf.cast(weights, g.dtype)[:, None, None]
@@ -346,14 +361,8 @@ class Conv2DRule(_ConvBase):
         if positions is None or self._GRAM_FACTOR * positions * (
                 width + cout) >= width * cout:
             return None
-        found = self._window_patches(ctx)
-        if found is None:
-            # Strided or large filters: the patches in one op.
-            patches, g = self._patches(ctx)
-            found = (patches, g, False)
-            if ctx.cache is not None:
-                ctx.cache["windows"] = found
-        patches, g, channels_first = found
+        patches, g, channels_first = self._window_patches(ctx,
+                                                          any_filter=True)
         gram_a = tf.matmul(patches, patches, transpose_a=channels_first,
                            transpose_b=not channels_first)    # [B, P, P]
         gram_g = tf.matmul(g, g, transpose_b=True)

@@ -33,11 +33,17 @@ CASES = [
     (3, 9, 2, 3, 3, [1, 1], "SAME", [2, 2], True),
     (2, 8, 1, 5, 5, [1, 1], [[0, 0], [1, 2], [2, 0], [0, 0]], [1, 1], True),
     (3, 9, 2, 3, 3, [2, 2], "SAME", [1, 1], False),
+    # Batches at and off a multiple of pfor's chunk (32).
+    (32, 6, 2, 2, 3, [1, 1], "SAME", [1, 1], True),
+    (33, 6, 1, 2, 3, [2, 2], "VALID", [1, 1], False),
 ]
+DTYPES = [tf.float32, tf.float64]
 
 
-def _problem(case, rng, depthwise=False):
+def _problem(case, rng, depthwise=False, dtype=tf.float32):
     batch, hw, cin, cout, k, strides, padding, dilations, static = case
+    if max(dilations) > 1 and dtype == tf.float64:
+        pytest.skip("no float64 CPU kernel for the dilated reference gradient")
     if max(dilations) > 1 and not _onednn():
         # The loop reference needs a dilated backprop-filter kernel: TF's
         # own CPU kernels have none (oneDNN's float32 ones do).
@@ -45,9 +51,10 @@ def _problem(case, rng, depthwise=False):
     if depthwise and strides[0] != strides[1] and not _onednn():
         pytest.skip("TF's own CPU depthwise kernel needs equal strides")
     shape = [None, hw, hw, cin] if static else [None, None, None, cin]
-    x = tf.compat.v1.placeholder(tf.float32, shape)
-    feed = {x: rng.randn(batch, hw, hw, cin).astype(np.float32)}
-    w = tf.Variable(rng.randn(k, k, cin, cout).astype(np.float32))
+    np_dtype = dtype.as_numpy_dtype
+    x = tf.compat.v1.placeholder(dtype, shape)
+    feed = {x: rng.randn(batch, hw, hw, cin).astype(np_dtype)}
+    w = tf.Variable(rng.randn(k, k, cin, cout).astype(np_dtype))
     explicit = []
     if not isinstance(padding, str):
         explicit = [p for pair in padding for p in pair]
@@ -74,6 +81,10 @@ def _problem(case, rng, depthwise=False):
     return w, loss, ctx, feed
 
 
+def _rtol(w):
+    return 1e-9 if w.dtype.base_dtype == tf.float64 else 1e-4
+
+
 def _check(per, loss, w, feed):
     batch = next(iter(feed.values())).shape[0]
     # The loop reference needs a static B: the fed batch's.
@@ -82,8 +93,8 @@ def _check(per, loss, w, feed):
         sess.run(tf.compat.v1.global_variables_initializer())
         got, want = sess.run([per, ref], feed)
     assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-4,
-                               atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=_rtol(w),
+                               atol=_rtol(w) * np.abs(want).max())
 
 
 def _with(rule, name, value):
@@ -111,13 +122,17 @@ CONV2D_FORMS = {
 }
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("form", sorted(CONV2D_FORMS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_conv2d_form_matches_loop(graph, form, case):
+def test_conv2d_form_matches_loop(graph, form, case, dtype):
     rng = np.random.RandomState(7)
-    w, loss, ctx, feed = _problem(case, rng)
+    w, loss, ctx, feed = _problem(case, rng, dtype=dtype)
     per = CONV2D_FORMS[form](conv.Conv2DRule(), ctx)
     if per is None:
+        if form == "grouped" and dtype == tf.float64:
+            # TF's float64 CPU kernels have no grouped convolution.
+            pytest.skip("no float64 grouped convolution kernel")
         if form in ("offsets", "windows", "windows_nhwc"):
             assert not case[-1], form + " form refused static spatial dims"
             pytest.skip("the %s form needs static spatial dims" % form)
@@ -188,13 +203,14 @@ def test_grouped_form_skips_float64(graph):
 @pytest.mark.parametrize("channels_first", [True, False])
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1]],
                          ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_conv2d_gram_norms_and_window_sum_match_loop(graph, case,
-                                                     channels_first,
+                                                     channels_first, dtype,
                                                      monkeypatch):
     """The Gram norms over positions and the weighted sum from the window
     patches (one matmul over B*P rows), forced on every static case."""
     rng = np.random.RandomState(5)
-    w, loss, ctx, feed = _problem(case, rng)
+    w, loss, ctx, feed = _problem(case, rng, dtype=dtype)
     rule = conv.Conv2DRule()
     monkeypatch.setattr(rule, "_GRAM_FACTOR", 0)
     monkeypatch.setattr(rule, "_WINDOWS_CHANNELS_FIRST_MAX",
@@ -203,7 +219,7 @@ def test_conv2d_gram_norms_and_window_sum_match_loop(graph, case,
     norms = rule.squared_norms(ctx)
     assert not rule.has_per_example(ctx), "the Gram form was not taken"
     batch = next(iter(feed.values())).shape[0]
-    weights = tf.constant(rng.randn(batch).astype(np.float32))
+    weights = tf.constant(rng.randn(batch).astype(dtype.as_numpy_dtype))
     total = rule.weighted_sum(ctx, weights)
     ref, = testing.loop_per_example(tf.reshape(loss, [batch]), [w])
     want_norms = tf.reduce_sum(tf.square(ref), axis=[1, 2, 3, 4])
@@ -212,8 +228,8 @@ def test_conv2d_gram_norms_and_window_sum_match_loop(graph, case,
         sess.run(tf.compat.v1.global_variables_initializer())
         got = sess.run([norms, total, want_norms, want_total], feed)
     for g, want in ((got[0], got[2]), (got[1], got[3])):
-        np.testing.assert_allclose(g, want, rtol=1e-4,
-                                   atol=1e-4 * np.abs(want).max())
+        np.testing.assert_allclose(g, want, rtol=_rtol(w),
+                                   atol=_rtol(w) * np.abs(want).max())
 
 
 def test_windows_form_left_to_grouped_for_strided_or_large_filters(graph):
