@@ -22,6 +22,7 @@ an unshaped `keep_prob`, `tf.reshape(x, [-1, 28, 28, 1])` -- on 8x8 images
 """
 
 import collections
+import contextlib
 
 import numpy as np
 import tensorflow as tf
@@ -49,6 +50,24 @@ def _keras():
     # tf.keras is Keras 2 (tf-keras) under TF_USE_LEGACY_KERAS=1; graph-mode
     # layers on placeholders need it.
     return tf.keras
+
+
+@contextlib.contextmanager
+def _keras_floatx(dtype):
+    """Keras' default float type is `dtype` within the block.
+
+    Keras 2.12's MultiHeadAttention does not pass its `dtype=` on to the
+    EinsumDense sublayers it builds at the first call, which take the default
+    (float32): a float64 block then fails adding float32 to float64. Later
+    Keras releases pass it on, so there this changes nothing.
+    """
+    keras = _keras()
+    saved = keras.backend.floatx()
+    keras.backend.set_floatx(tf.as_dtype(dtype).name)
+    try:
+        yield
+    finally:
+        keras.backend.set_floatx(saved)
 
 
 # --------------------------------------------------------------------------
@@ -292,7 +311,9 @@ def keras_transformer(dtype, rng, full=False):
     norm2 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
                                  beta_initializer=_init(rng))
     head = k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))
-    h = norm1(x + attention(x, x))
+    with _keras_floatx(dtype):  # builds the sublayers (Keras 2.12)
+        attended = attention(x, x)
+    h = norm1(x + attended)
     h = norm2(h + ff2(ff1(h)))
     logits = head(tf.reduce_mean(h, axis=1))
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
@@ -374,13 +395,3 @@ def has_keras_layers():
             tf.compat.v1.layers.dense)
     except (ImportError, AttributeError):
         return False
-
-
-def attention_keeps_dtype():
-    """False on TF 2.12's Keras, whose MultiHeadAttention makes float32
-    weights whatever `dtype=` says (2.15-2.21 with tf-keras: True)."""
-    with tf.Graph().as_default():
-        x = tf1.placeholder(tf.float64, [None, 2, 4])
-        attention = tf.keras.layers.MultiHeadAttention(
-            num_heads=1, key_dim=2, dtype="float64")
-        return attention(x, x).dtype == tf.float64

@@ -14,7 +14,9 @@ from custagg.app import cli
 from custagg.app import quiet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TF_LOG_LINE = re.compile(r"^[IWEF]\d{4} |absl::InitializeLog|cuInit", re.M)
+TF_LOG_LINE = re.compile(
+    r"^[IWEF]\d{4} |^\d{4}-\d\d-\d\d [\d:.]+: [IWEF] |absl::InitializeLog|cuInit",
+    re.M)
 
 TINY = ["--epochs", "1", "--train-limit", "128", "--batch-size", "32",
         "--check-batch-size", "4"]
@@ -231,6 +233,12 @@ def test_drop_tf_log_lines():
         "  warnings.warn('keep me')\n"
         "E0000 00:00:1796320888.431889    5780 cuda_platform.cc:52] failed "
         "call to cuInit: INTERNAL\n"
+        # TF 2.15-2.18's format before absl is set up (errors, so
+        # TF_CPP_MIN_LOG_LEVEL=2 does not hide them).
+        "2026-12-03 23:06:05.390410: E external/local_xla/xla/stream_executor"
+        "/cuda/cuda_dnn.cc:9261] Unable to register cuDNN factory\n"
+        "2026-12-03 23:06:20.060188: E external/local_xla/xla/stream_executor"
+        "/cuda/cuda_driver.cc:152] failed call to cuInit: INTERNAL\n"
         "something else\n")
     assert quiet.drop_tf_log_lines(text) == "/x/y.py:3: UserWarning: keep me" \
         "\n  warnings.warn('keep me')\nsomething else\n"

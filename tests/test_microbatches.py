@@ -29,7 +29,6 @@ MICROBATCHES = (1, 2, 4, 12)
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 
 
-
 def _cases():
     out = []
     for name in zoo.ZOO:
@@ -59,10 +58,6 @@ def _scale(arrays):
                            "tf-keras package on this TensorFlow")
 @pytest.mark.parametrize("name, dtype", _cases())
 def test_zoo_microbatches_match_per_microbatch_gradients(name, dtype):
-    if (name == "keras_transformer" and dtype == tf.float64
-            and not zoo.attention_keeps_dtype()):
-        pytest.skip("Keras 2.12's MultiHeadAttention makes float32 weights "
-                    "whatever dtype= says: the float64 block fails in Keras")
     rng = np.random.default_rng(sum(map(ord, name)) + 5)
     graph = tf.Graph()
     with graph.as_default():

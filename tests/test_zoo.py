@@ -96,10 +96,6 @@ def _check(got, per_example, clip_value, weights_value, rtol, label):
                            "tf-keras package on this TensorFlow")
 @pytest.mark.parametrize("name, dtype, strategies", _cases())
 def test_zoo_matches_loop(name, dtype, strategies):
-    if (name == "keras_transformer" and dtype == tf.float64
-            and not zoo.attention_keeps_dtype()):
-        pytest.skip("Keras 2.12's MultiHeadAttention makes float32 weights "
-                    "whatever dtype= says: the float64 block fails in Keras")
     rng = np.random.default_rng(sum(map(ord, name)))
     graph = tf.Graph()
     with graph.as_default():

@@ -17,8 +17,16 @@ import re
 import sys
 import tempfile
 
-# glog/absl format: severity letter, MMDD, time, thread id, file:line].
-_LOG_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ \S+:\d+\]")
+# Two formats: absl's (severity letter, MMDD, time, thread id, file:line]),
+# e.g. `E0000 00:00:1796320888.431889    5780 cuda_platform.cc:52]`, and
+# TensorFlow's own logger of 2.15-2.18 before absl is set up (date, time,
+# severity, file:line]), e.g. `2026-12-03 23:06:05.390410: E
+# external/local_xla/xla/stream_executor/cuda/cuda_dnn.cc:9261]` (the
+# cuDNN/cuFFT/cuBLAS "Unable to register" and cuInit lines there are errors,
+# so TF_CPP_MIN_LOG_LEVEL=2 does not hide them).
+_LOG_LINE = re.compile(
+    r"^(?:[IWE]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+"
+    r"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE]) \S+:\d+\]")
 _ABSL_PREAMBLE = "WARNING: All log messages before absl::InitializeLog()"
 
 
