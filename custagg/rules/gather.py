@@ -112,7 +112,8 @@ def _squared_id_counts(ids, dtype):
 
 
 def _broadcast_row(grad):
-    """`(u, scale)` when `grad [B, T, *D]` is `u [B|1, 1, *D]` broadcast along T.
+    """`(u, scale, spread)` when `grad [B, T, *D]` is `u [B|1, 1, *D]` spread
+    along T (`spread`: the `BroadcastTo` or `Tile` op) times `scale`.
 
     Every lookup of an example then has the same output gradient
     `u[b, 0] * scale`. Recognized: `BroadcastTo` or `Tile` of a tensor of
@@ -141,7 +142,7 @@ def _broadcast_row(grad):
             u.shape.rank < 2 or u.shape[1] not in (1, None) or
             grad.shape[1] == 1):
         return None
-    return u, scale
+    return u, scale, t.op
 
 
 def _pooled_squared_norms(ids, u, scale, row_shape):
@@ -221,16 +222,28 @@ class GatherRule(registry.Rule):
         pooled = _broadcast_row(grad) if ids.shape.rank == 2 else None
         if pooled is None:
             return self._row_squared_norms(ctx)
-        u, scale = pooled
-        shape = tf.concat([tf.shape(ids)[:1], [1], tf.shape(grad)[2:]], 0)
+        u, scale, spread = pooled
+        shape = tf.concat([tf.shape(ids)[:1], [1], spread.inputs[1][2:]]
+                          if spread.type == "BroadcastTo" else
+                          [tf.shape(ids)[:1], [1], tf.shape(grad)[2:]], 0)
         if u.shape[1] == 1:
             return _pooled_squared_norms(ids, u, scale, shape)
+
+        def rows():
+            # The rows again from u, inside the branch, so the pooled
+            # branch never makes TF compute the [B, T, Dp] gradient.
+            g = tf.raw_ops.BroadcastTo(input=u, shape=spread.inputs[1]) \
+                if spread.type == "BroadcastTo" else \
+                tf.tile(u, spread.inputs[1])
+            if scale is not None:
+                g = g * tf.cast(scale, g.dtype)
+            return self._row_squared_norms(ctx._replace(grad=g))
+
         # Axis 1 of u is known only at run time: the pooled form where it
         # is 1, the rows otherwise (never a guess).
         return tf.cond(
             tf.equal(tf.shape(u)[1], 1),
-            lambda: _pooled_squared_norms(ids, u, scale, shape),
-            lambda: self._row_squared_norms(ctx))
+            lambda: _pooled_squared_norms(ids, u, scale, shape), rows)
 
     def _row_squared_norms(self, ctx):
         """`[B]` squared norms from the `[B, T, Dp]` rows (any gradient)."""
@@ -251,10 +264,23 @@ class GatherRule(registry.Rule):
 
     def weighted_sum(self, ctx, weights):
         rows = _Rows(ctx)
-        _, values = rows.per_example_rows()                       # [B, T, Dp]
-        c = tf.cast(weights, values.dtype)[:, None, None]
+        pooled = _broadcast_row(ctx.grad)
+        if pooled is not None and pooled[2].type == "BroadcastTo":
+            # c_b (scale u_b) broadcast as TF broadcast u: the same rows
+            # times c_b, one pass over [B, T, Dp] instead of three. (Exact
+            # whatever u's axis 1 is at run time: broadcasting commutes
+            # with a per-example factor.)
+            u, scale, spread = pooled
+            c = tf.reshape(tf.cast(weights, u.dtype),
+                           [-1] + [1] * (u.shape.rank - 1))
+            if scale is not None:
+                c = c * tf.cast(scale, u.dtype)
+            values = tf.broadcast_to(u * c, spread.inputs[1])
+        else:
+            _, values = rows.per_example_rows()                   # [B, T, Dp]
+            values = values * tf.cast(weights, values.dtype)[:, None, None]
         return tf.IndexedSlices(
-            tf.reshape(values * c, [-1] + rows.row_dims),
+            tf.reshape(values, [-1] + rows.row_dims),
             rows.ids, tf.constant([rows.vocab] + rows.row_dims, tf.int64))
 
     def squared_sum(self, ctx):
