@@ -99,6 +99,9 @@ def import_tensorflow(verbose=False):
             tf.get_logger().setLevel("ERROR")
             from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
             absl_logging.set_verbosity(absl_logging.ERROR)
+            # One run, too: TF 2.18 logs "MLIR V1 optimization pass is not
+            # enabled" at the first Session.run, before absl is set up.
             with tf.Graph().as_default():
-                tf.compat.v1.Session().close()
+                with tf.compat.v1.Session() as session:
+                    session.run(tf.constant(0.0) + 1.0)
     return tf
