@@ -85,8 +85,12 @@ def _masked_gram_squared_norms(ids, rows):
       rows: `[B, T, Dp]` output gradients, one row per lookup.
     """
     gram = tf.linalg.matmul(rows, rows, transpose_b=True)          # [B, T, T]
-    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), rows.dtype)
-    return tf.reduce_sum(gram * same, axis=[1, 2])
+    return tf.reduce_sum(gram * _same_id(ids, rows.dtype), axis=[1, 2])
+
+
+def _same_id(ids, dtype):
+    """`[B, T, T]`: 1 where lookups t and s of an example read the same row."""
+    return tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), dtype)
 
 
 def _squared_id_counts(ids, dtype):
@@ -97,18 +101,10 @@ def _squared_id_counts(ids, dtype):
     """
     if ids.shape[1] is not None and ids.shape[1] <= 4 * _MASKED_GRAM_MAX_LOOKUPS:
         # A [B, T, T] comparison: no sort, and cheap at this size.
-        return tf.reduce_sum(tf.cast(
-            tf.equal(ids[:, :, None], ids[:, None, :]), dtype), axis=[1, 2])
-    ids = tf.sort(ids, axis=1)
-    batch = tf.shape(ids)[0]
-    new = tf.concat([tf.ones([batch, 1], tf.bool),
-                     tf.not_equal(ids[:, 1:], ids[:, :-1])], axis=1)
-    segment = tf.cumsum(tf.reshape(tf.cast(new, tf.int32), [-1])) - 1
-    counts = tf.math.segment_sum(tf.ones_like(segment, dtype=dtype), segment)
-    example = tf.math.segment_max(
-        tf.reshape(tf.tile(tf.range(batch)[:, None], [1, tf.shape(ids)[1]]),
-                   [-1]), segment)
-    return tf.math.unsorted_segment_sum(tf.square(counts), example, batch)
+        return tf.reduce_sum(_same_id(ids, dtype), axis=[1, 2])
+    # Rows of ones: the merged rows are the counts.
+    return _sorted_squared_norms(
+        ids, tf.ones(tf.concat([tf.shape(ids), [1]], 0), dtype))
 
 
 def _broadcast_row(grad):
@@ -143,6 +139,14 @@ def _broadcast_row(grad):
             grad.shape[1] == 1):
         return None
     return u, scale, t.op
+
+
+def _spread_shape(u, spread):
+    """`[B, T, *D]`, the shape `spread` (`BroadcastTo` or `Tile` of u)
+    makes, from its inputs (not from its output, which TF would compute)."""
+    if spread.type == "BroadcastTo":
+        return tf.cast(spread.inputs[1], tf.int32)
+    return tf.shape(u) * tf.cast(spread.inputs[1], tf.int32)
 
 
 def _pooled_squared_norms(ids, u, scale, row_shape):
@@ -218,23 +222,20 @@ class GatherRule(registry.Rule):
 
     def squared_norms(self, ctx):
         ids = ctx.op.inputs[1]
-        grad = ctx.grad
-        pooled = _broadcast_row(grad) if ids.shape.rank == 2 else None
+        pooled = _broadcast_row(ctx.grad) if ids.shape.rank == 2 else None
         if pooled is None:
             return self._row_squared_norms(ctx)
         u, scale, spread = pooled
-        shape = tf.concat([tf.shape(ids)[:1], [1], spread.inputs[1][2:]]
-                          if spread.type == "BroadcastTo" else
-                          [tf.shape(ids)[:1], [1], tf.shape(grad)[2:]], 0)
+        full = _spread_shape(u, spread)
+        shape = tf.concat([tf.shape(ids)[:1], [1], full[2:]], 0)
         if u.shape[1] == 1:
             return _pooled_squared_norms(ids, u, scale, shape)
 
         def rows():
             # The rows again from u, inside the branch, so the pooled
             # branch never makes TF compute the [B, T, Dp] gradient.
-            g = tf.raw_ops.BroadcastTo(input=u, shape=spread.inputs[1]) \
-                if spread.type == "BroadcastTo" else \
-                tf.tile(u, spread.inputs[1])
+            g = tf.broadcast_to(u, full) if spread.type == "BroadcastTo" \
+                else tf.tile(u, spread.inputs[1])
             if scale is not None:
                 g = g * tf.cast(scale, g.dtype)
             return self._row_squared_norms(ctx._replace(grad=g))
@@ -275,7 +276,7 @@ class GatherRule(registry.Rule):
                            [-1] + [1] * (u.shape.rank - 1))
             if scale is not None:
                 c = c * tf.cast(scale, u.dtype)
-            values = tf.broadcast_to(u * c, spread.inputs[1])
+            values = tf.broadcast_to(u * c, _spread_shape(u, spread))
         else:
             _, values = rows.per_example_rows()                   # [B, T, Dp]
             values = values * tf.cast(weights, values.dtype)[:, None, None]
