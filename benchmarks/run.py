@@ -35,7 +35,8 @@ QUICK = dict(models=["mlp", "text"], batch_sizes=[32], repeats=3,
              timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
 # Issue 11's table: the loop models against tf.vectorized_map and the vmap
 # peers (docs/control-flow.md, "Measured").
-CONTROL_FLOW = dict(models=["lstm", "gru", "norule_rnn"], batch_sizes=[32, 128, 512],
+CONTROL_FLOW = dict(models=["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"],
+                    batch_sizes=[32, 128, 512],
                     tasks=["norms", "clip", "dpsgd"],
                     systems=["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"],
                     repeats=5, timeout=600.0, budget=2.0, slow_limit=30.0,
@@ -43,7 +44,7 @@ CONTROL_FLOW = dict(models=["lstm", "gru", "norule_rnn"], batch_sizes=[32, 128, 
 
 # Relative wall time of each model's configurations in a full run (measured
 # 2026-12-03), used to deal the costliest models out first with --jobs.
-_MODEL_COST = {"lstm": 6, "gru": 6, "norule_rnn": 4, "cnn": 5, "text": 4, "transformer": 4, "mlp": 3, "softmax": 1}
+_MODEL_COST = {"lstm": 6, "gru": 6, "keras_lstm": 6, "keras_gru": 6, "norule_rnn": 4, "cnn": 5, "text": 4, "transformer": 4, "mlp": 3, "softmax": 1}
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
                "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
@@ -73,7 +74,7 @@ def parse_args(argv=None):
                    help="small run (MLP and text, B=32, 3 repeats; < 3 min on an idle machine); "
                         "writes to benchmarks/results/quick")
     p.add_argument("--control-flow", action="store_true",
-                   help="issue 11's table: lstm, gru, norule_rnn at B=32,128,512; norms, clip, "
+                   help="issue 11's table: lstm, gru, keras_lstm, keras_gru, norule_rnn at B=32,128,512; norms, clip, "
                         "dpsgd; custagg_auto, tf_vmap, jax_vmap, torch_func; 5 repeats, 600 s "
                         "timeout; writes to benchmarks/results/control_flow (pass the peers' "
                         "--python)")

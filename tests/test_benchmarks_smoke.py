@@ -169,7 +169,8 @@ def test_skip_estimate_for_linear_systems_does_not_scale_the_build():
 def test_control_flow_preset():
     from benchmarks import run
     args = run.parse_args(["--control-flow", "--batch-sizes", "32"])
-    assert args.models == ["lstm", "gru", "norule_rnn"] and args.batch_sizes == [32]
+    assert args.models == ["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"]
+    assert args.batch_sizes == [32]
     assert args.tasks == ["norms", "clip", "dpsgd"]
     assert args.systems == ["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"]
     assert args.out.endswith(os.path.join("results", "control_flow"))
