@@ -380,6 +380,41 @@ class Folded(collections.namedtuple("Folded", ["middle", "axis"])):
         return super(Folded, cls).__new__(cls, tuple(middle), axis)
 
 
+class ListOf(collections.namedtuple("ListOf", ["axis"])):
+    """A TensorList (variant) whose items hold the batch at `axis` (an RNN's
+    unstacked inputs `[T, B, D]` -> items `[B, D]`, its output sequence)."""
+
+
+def _tensor_list(op, index, batch):
+    """TensorList ops: items keep their batch axis; anything else a list
+    reaches mixes (None)."""
+    kind = op.type
+    if isinstance(batch, ListOf):
+        if kind == "Identity":
+            return batch
+        if kind in ("TensorListSetItem", "TensorListPushBack") and index == 0:
+            return batch
+        if kind == "TensorListGetItem" and index == 0:
+            return batch.axis
+        if kind in ("TensorListStack", "TensorListGather") and index == 0:
+            return batch.axis + 1
+        if kind == "TensorListPopBack" and index == 0:
+            return [batch, batch.axis]
+        return None
+    if isinstance(batch, Folded) or batch < 0:
+        return None
+    if kind == "TensorListFromTensor" and index == 0:
+        return ListOf(batch - 1) if batch >= 1 else None
+    if (kind, index) in (("TensorListSetItem", 2), ("TensorListPushBack", 1)):
+        return ListOf(batch)
+    return None
+
+
+_LIST_OPS = frozenset(["TensorListSetItem", "TensorListPushBack",
+                       "TensorListGetItem", "TensorListStack",
+                       "TensorListGather", "TensorListPopBack",
+                       "TensorListFromTensor"])
+
 # An output that does not depend on the tracked input (not followed).
 NO_PATH = "no path"
 
@@ -445,7 +480,7 @@ def _fold(op, x, z):
 def _normalize(t, axis):
     """A negative (from the end) position made positive where t's rank is known."""
     rank = _rank(t)
-    if rank is None:
+    if rank is None or isinstance(axis, ListOf):
         return axis
     if isinstance(axis, Folded):
         return axis if axis.axis >= 0 else Folded(axis.middle,
@@ -471,6 +506,8 @@ def propagate(op, index, axis, shapes=None):
     shapes = shapes if shapes is not None else symbolic_shapes.ShapeCache()
     axis = _normalize(op.inputs[index], axis)
     try:
+        if isinstance(axis, ListOf) or op.type in _LIST_OPS:
+            return _tensor_list(op, index, axis)
         if op.type in _FOLD_AWARE:
             out = _FOLD_AWARE[op.type](op, index, axis, shapes)
             if out is None and op.type == "Reshape" and axis == 0 and \
