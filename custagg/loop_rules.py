@@ -47,7 +47,7 @@ from custagg import registry as registry_lib
 from custagg import separability
 from custagg.rules import _outer
 
-LOOP_TYPES = frozenset(["While", "StatelessWhile"])
+LOOP_TYPES = separability.LOOP_TYPES
 
 # Ops between the loop's input and the value a tap reads.
 _READS = frozenset(["ReadVariableOp", "Identity"])
@@ -200,38 +200,15 @@ def _coupling(op, body, start, live, loss, loss_ancestors):
     """None if row b of `start` (a body tensor, batch on axis 0) reaches
     only loss[b]: through the body, the next iterations and out of the
     loop; else a reason."""
-    positions = collections.defaultdict(list)
-    for k, out in enumerate(body.outputs):
-        positions[out.ref()].append(k)
-    seen = set()
-    queue = collections.deque([(start, 0)])
-    while queue:
-        t, axis = queue.popleft()
-        if (t.ref(), axis) in seen:
-            continue
-        seen.add((t.ref(), axis))
-        for k in positions.get(t.ref(), ()):
-            # Carried into the next iteration, and out of the loop.
-            queue.append((body.inputs[k], axis))
+    reached, why = separability.walk_body(body, [(start, 0)], live)
+    if why:
+        return why
+    for k, axes in sorted(reached.items()):
+        for axis in axes:
             why = separability.coupling(op.outputs[k], axis, loss,
                                         loss_ancestors)
             if why:
                 return why
-        for c in t.consumers():
-            if c not in live or separability._blocks_gradient(c):  # pylint: disable=protected-access
-                continue
-            if separability._has_replaced_gradient(c):  # pylint: disable=protected-access
-                return separability.Reason(
-                    "op '%s' (type %s) has a replaced gradient function"
-                    % (c.name, c.type), c)
-            outs = [o for o in c.outputs
-                    if o.dtype.is_floating or o.dtype == tf.variant]
-            if not outs:
-                continue
-            nexts, why = separability.step(c, t, axis, outs)
-            if why:
-                return why
-            queue.extend(nexts)
     return None
 
 

@@ -506,6 +506,8 @@ def propagate(op, index, axis, shapes=None):
     shapes = shapes if shapes is not None else symbolic_shapes.ShapeCache()
     axis = _normalize(op.inputs[index], axis)
     try:
+        if op.type in LOOP_TYPES:
+            return _while(op, index, axis)
         if isinstance(axis, ListOf) or op.type in _LIST_OPS:
             return _tensor_list(op, index, axis)
         if op.type in _FOLD_AWARE:
@@ -526,6 +528,79 @@ def propagate(op, index, axis, shapes=None):
         return fn(op, index, axis)
     except (ValueError, TypeError, IndexError):
         return None
+
+
+LOOP_TYPES = frozenset(["While", "StatelessWhile"])
+
+
+def _while(op, index, batch):
+    """A v2 loop: the batch followed through its body (every iteration) to
+    each output, one descriptor per output (None if an output would get
+    two, or the body mixes examples)."""
+    from custagg import recompute  # pylint: disable=g-import-not-at-top
+    try:
+        body = recompute._func_graph(op, "body")  # pylint: disable=protected-access
+    except recompute.Refused:
+        return None
+    if len(body.inputs) != len(op.inputs) or \
+            len(body.outputs) != len(op.outputs):
+        return None
+    # Not the accumulators a gradient (or Keras) added: they collect
+    # intermediates, nested lists included, for a gradient of the loop.
+    live = recompute._ancestors_in([  # pylint: disable=protected-access
+        out for k, out in enumerate(body.outputs)
+        if not recompute._is_accumulator(op, body, k)])  # pylint: disable=protected-access
+    reached, reason = walk_body(body, [(body.inputs[index], batch)], live)
+    if reason is not None:
+        return None
+    out = []
+    for k in range(len(op.outputs)):
+        got = reached.get(k, set())
+        if len(got) > 1:
+            return None
+        out.append(got.pop() if got else NO_PATH)
+    return out
+
+
+def walk_body(body, starts, live):
+    """Follows the batch from `starts` ((body tensor, descriptor) pairs)
+    through a loop body's ops in `live`, into the next iterations (an
+    output is the next iteration's input at the same position).
+
+    Returns `({output position: {descriptors}}, None)`, or `(None, Reason)`
+    naming the op that mixes examples or is not known to keep them apart.
+    """
+    positions = collections.defaultdict(list)
+    for k, out in enumerate(body.outputs):
+        positions[out.ref()].append(k)
+    reached = collections.defaultdict(set)
+    shapes = symbolic_shapes.ShapeCache()
+    seen = set()
+    queue = collections.deque(starts)
+    while queue:
+        t, axis = queue.popleft()
+        if (t.ref(), axis) in seen:
+            continue
+        seen.add((t.ref(), axis))
+        for k in positions.get(t.ref(), ()):
+            reached[k].add(axis)
+            queue.append((body.inputs[k], axis))
+        for c in t.consumers():
+            if c not in live or _blocks_gradient(c):
+                continue
+            if _has_replaced_gradient(c):
+                return None, Reason(
+                    "op '%s' (type %s) has a replaced gradient function"
+                    % (c.name, c.type), c)
+            outs = [o for o in c.outputs
+                    if o.dtype.is_floating or o.dtype == tf.variant]
+            if not outs:
+                continue
+            nexts, reason = step(c, t, axis, outs, shapes)
+            if reason is not None:
+                return None, reason
+            queue.extend(nexts)
+    return reached, None
 
 
 def ancestors(t):
