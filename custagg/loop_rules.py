@@ -93,6 +93,15 @@ def find(op, index, loss, loss_ancestors):
         return None, ("x enters loop '%s' as a loop variable that the body "
                       "changes" % op.name)
     live = _live_body_ops(op, body, loss_ancestors)
+    for c in live:
+        if c.type in recompute.RANDOM or (
+                _stateful(c) and c.type not in _STATEFUL_OK):
+            # The rebuilt loop would draw new numbers (or act twice).
+            return None, separability.Reason(
+                "op '%s' (type %s) inside loop '%s' %s, and the loop rules "
+                "run the loop once more" % (
+                    c.name, c.type, op.name, "draws random numbers"
+                    if c.type in recompute.RANDOM else "has side effects"), c)
     taps, value = [], None
     for t, slot in _values(body.inputs[index], live):
         value = t if slot is None else t.op.inputs[0]
@@ -120,6 +129,15 @@ def find(op, index, loss, loss_ancestors):
                 getattr(why, "op", None) or op)
     return LoopUse(op, index, taps, value,
                    tuple(_used_outputs(op, loss_ancestors))), None
+
+
+# Stateful ops a second run of the loop may repeat: reads.
+_STATEFUL_OK = frozenset(["ReadVariableOp", "VarHandleOp", "ResourceGather",
+                          "Placeholder"])
+
+
+def _stateful(op):
+    return getattr(op.op_def, "is_stateful", False)
 
 
 def _counted(op, body):
@@ -306,25 +324,29 @@ def build(uses, loss, cotangent_of, batch):
     for use in uses:
         by_loop.setdefault(use.op, []).append(use)
     result = {}
-    for op, group in by_loop.items():
-        taps = [tap for use in group for tap in use.taps]
-        # The number of iterations the loop ran (its counter, from 0).
-        steps = op.outputs[0] - op.inputs[0]
-        with tf.name_scope("loop_rules_form"):
-            hook = _Hook(taps, steps, batch)
-            used = [k for k in range(len(op.outputs))
-                    if cotangent_of.get(op.outputs[k].ref()) is not None]
-            with recompute.whole_batch({op: hook}):
-                outs = recompute._rebuild_while(op, {}, used)  # pylint: disable=protected-access
-            ys = [outs[k] for k in used if outs[k] is not None]
-            seeds = [cotangent_of[op.outputs[k].ref()] for k in used
-                     if outs[k] is not None]
-            dz = tf.compat.v1.gradients(
-                ys, hook.eps, grad_ys=seeds,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            for use in group:
-                result[(use.op, use.index)] = _outer_of(use, hook, dz)
+    with tf.name_scope("loop_rules_form"):
+        for op, group in by_loop.items():
+            result.update(_build_loop(op, group, cotangent_of, batch))
     return result
+
+
+def _build_loop(op, group, cotangent_of, batch):
+    """`build` for the uses of one While op."""
+    taps = [tap for use in group for tap in use.taps]
+    # The number of iterations the loop ran (its counter, from 0).
+    steps = op.outputs[0] - op.inputs[0]
+    hook = _Hook(taps, steps, batch)
+    used = [k for k in range(len(op.outputs))
+            if cotangent_of.get(op.outputs[k].ref()) is not None]
+    with recompute.whole_batch({op: hook}):
+        outs = recompute._rebuild_while(op, {}, used)  # pylint: disable=protected-access
+    ys = [outs[k] for k in used if outs[k] is not None]
+    seeds = [cotangent_of[op.outputs[k].ref()] for k in used
+             if outs[k] is not None]
+    dz = tf.compat.v1.gradients(
+        ys, hook.eps, grad_ys=seeds,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return {(use.op, use.index): _outer_of(use, hook, dz) for use in group}
 
 
 def _outer_of(use, hook, dz):

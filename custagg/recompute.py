@@ -54,7 +54,7 @@ BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
                            "OptionalGetValue"])
 
 # Ops whose copy would draw new random numbers.
-_RANDOM = frozenset([
+RANDOM = frozenset([
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
     "TruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
     "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
@@ -180,7 +180,7 @@ def _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b):
         for op in t.consumers():
             if op not in in_region:
                 continue
-            if op.type in _RANDOM:
+            if op.type in RANDOM:
                 raise Refused(
                     "op '%s' (type %s) draws random numbers between the "
                     "inputs and the loss, and a per-example copy would draw "
