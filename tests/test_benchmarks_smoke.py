@@ -150,3 +150,28 @@ def test_skip_estimate_for_quadratic_systems():
     assert "timed out" in run.predict_skip(cfg2, [timed_out], args)
     # Linear systems are never skipped by the estimate.
     assert run.predict_skip(dict(cfg, system="tf_vmap"), [dict(prev, system="tf_vmap")], args) is None
+
+
+def test_skip_estimate_for_linear_systems_does_not_scale_the_build():
+    # The while-loop LSTM's rows on a loaded machine: a 34 s build and a 17 s
+    # first run at B=32 are one-off costs, so B=512 fits a 600 s timeout.
+    from benchmarks import run
+    args = run.parse_args(["--timeout", "600"])
+    prev = {"model": "lstm", "batch_size": 32, "task": "norms", "system": "custagg_auto",
+            "status": "ok", "build_s": 34.0, "first_run_ms": 16800.0, "median_ms": 70.0}
+    cfg = {"model": "lstm", "batch_size": 512, "task": "norms", "system": "custagg_auto"}
+    assert run.predict_skip(cfg, [prev], args) is None
+    # Runs still scale with B: 10 s per run at B=32 is 160 s per run at B=512.
+    slow = dict(prev, median_ms=10000.0, first_run_ms=20000.0)
+    assert run.predict_skip(cfg, [slow], args).startswith("skipped (too slow: est")
+
+
+def test_control_flow_preset():
+    from benchmarks import run
+    args = run.parse_args(["--control-flow", "--batch-sizes", "32"])
+    assert args.models == ["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"]
+    assert args.batch_sizes == [32]
+    assert args.tasks == ["norms", "clip", "dpsgd"]
+    assert args.systems == ["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"]
+    assert args.out.endswith(os.path.join("results", "control_flow"))
+    assert run.parse_args(["--control-flow"]).batch_sizes == [32, 128, 512]

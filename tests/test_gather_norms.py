@@ -56,7 +56,7 @@ def test_norms_match_loop(dtype, pooling, lookups, dynamic_t):
         clipped = custagg.clipped_gradients(loss, xs, 0.5, strategy="rules")
         with tf1.Session() as sess:
             sess.run(tf1.global_variables_initializer())
-            for batch in (1, 4, 33):
+            for batch in (1, 4, 32, 33):
                 # The loop reference needs a static B: the fed one.
                 reference = testing.loop_per_example(
                     tf.reshape(loss, [batch]), xs)

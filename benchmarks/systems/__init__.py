@@ -22,8 +22,8 @@ TASK_ALIASES = {"a": "grads", "b": "norms", "b2": "clip", "c": "dpsgd", "d": "cu
 System = collections.namedtuple("System", "name framework tasks quadratic description")
 
 _ABC = ("grads", "norms", "dpsgd")
-# The clipped sum alone, for custagg and the TF vectorized baseline (the
-# issue-3 comparison); peers are compared on dpsgd.
+# The clipped sum alone, for custagg, the TF vectorized baseline (the
+# issue-3 comparison) and the vmap peers (issue 11); Opacus on dpsgd only.
 _ABC_CLIP = ("grads", "norms", "clip", "dpsgd")
 
 SYSTEMS = collections.OrderedDict((s.name, s) for s in [
@@ -49,8 +49,8 @@ SYSTEMS = collections.OrderedDict((s.name, s) for s in [
            "tensorflow.python.ops.parallel_for.gradients.jacobian(loss, xs)"),
     System("tfp_vectorized", "tf", ("dpsgd",), True,
            "TF Privacy VectorizedDPSGDOptimizer.compute_gradients (module loaded alone)"),
-    System("jax_vmap", "jax", _ABC, False, "JAX jit(vmap(grad)) on the same weights"),
-    System("torch_func", "torch", _ABC, False,
+    System("jax_vmap", "jax", _ABC_CLIP, False, "JAX jit(vmap(grad)) on the same weights"),
+    System("torch_func", "torch", _ABC_CLIP, False,
            "torch.func vmap(grad) with functional_call on the same weights"),
     System("opacus", "torch", _ABC, False,
            "Opacus GradSampleModule (hooks; functorch fallback for custom modules); "

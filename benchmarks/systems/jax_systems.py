@@ -45,6 +45,49 @@ def _forward(jnp, lax, model, p, x):
         h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
         (h, _), _ = lax.scan(step, (h0, h0), jnp.transpose(x, (1, 0, 2)))
         return _dense(h, p["dense_w"], p["dense_b"])
+    if model == "gru":
+        def gru_step(h, xt):
+            xz, xr, xn = jnp.split(xt @ p["kernel"] + p["bias"], 3, axis=1)
+            hz, hr, hn = jnp.split(h @ p["recurrent"], 3, axis=1)
+            z = _sigmoid(jnp, xz + hz)
+            r = _sigmoid(jnp, xr + hr)
+            n = jnp.tanh(xn + r * hn)
+            return (1.0 - z) * n + z * h, None
+        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
+        h, _ = lax.scan(gru_step, h0, jnp.transpose(x, (1, 0, 2)))
+        return _dense(h, p["dense_w"], p["dense_b"])
+    if model == "keras_lstm":
+        def keras_lstm_step(carry, xt):
+            h, c = carry
+            z = xt @ p["kernel"] + h @ p["recurrent_kernel"] + p["bias"]
+            i, f, g, o = jnp.split(z, 4, axis=1)
+            c = _sigmoid(jnp, f) * c + _sigmoid(jnp, i) * jnp.tanh(g)
+            return (_sigmoid(jnp, o) * jnp.tanh(c), c), None
+        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
+        (h, _), _ = lax.scan(keras_lstm_step, (h0, h0), jnp.transpose(x, (1, 0, 2)))
+        return _dense(h, p["dense_w"], p["dense_b"])
+    if model == "keras_gru":
+        def keras_gru_step(h, xt):      # reset_after=True: bias [input, recurrent]
+            xz, xr, xh = jnp.split(xt @ p["kernel"] + p["bias"][0], 3, axis=1)
+            rz, rr, rh = jnp.split(h @ p["recurrent_kernel"] + p["bias"][1], 3, axis=1)
+            z = _sigmoid(jnp, xz + rz)
+            r = _sigmoid(jnp, xr + rr)
+            return z * h + (1.0 - z) * jnp.tanh(xh + r * rh), None
+        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
+        h, _ = lax.scan(keras_gru_step, h0, jnp.transpose(x, (1, 0, 2)))
+        return _dense(h, p["dense_w"], p["dense_b"])
+    if model == "norule_rnn":
+        def norule_step(carry, xt):
+            h, acc = carry
+            k = (1.0 / (1.0 + jnp.square(xt - p["center"]))) ** p["power"]
+            h = 0.5 * h + 0.5 * jnp.tanh(k - 0.5)
+            acc = acc - jnp.sum(jnp.square(h[:, None, :] - p["protos"]), axis=2)
+            return (h, acc), None
+        n = x.shape[0]
+        init = (jnp.zeros((n, models.LSTM_IN), x.dtype),
+                jnp.zeros((n, models.NUM_CLASSES), x.dtype))
+        (_, acc), _ = lax.scan(norule_step, init, jnp.transpose(x, (1, 0, 2)))
+        return acc * (1.0 / models.LSTM_STEPS)
     if model == "transformer":
         return _transformer(jnp, p, x)
     raise ValueError(model)
@@ -113,6 +156,11 @@ def run(cfg):
     def norms_task(p, xb, yb):
         return jnp.sqrt(sumsq(per_example(p, xb, yb)))
 
+    def clip_task(p, xb, yb):
+        g = per_example(p, xb, yb)
+        scale = clip / jnp.maximum(jnp.sqrt(sumsq(g)), clip)
+        return {n: jnp.tensordot(scale, g[n], axes=1) for n in names}
+
     def dpsgd_task(p, xb, yb, key, noise_multiplier):
         g = per_example(p, xb, yb)
         scale = clip / jnp.maximum(jnp.sqrt(sumsq(g)), clip)
@@ -126,6 +174,8 @@ def run(cfg):
         fn, args = grads_task, (params, x, y)
     elif task == "norms":
         fn, args = norms_task, (params, x, y)
+    elif task == "clip":
+        fn, args = clip_task, (params, x, y)
     elif task == "dpsgd":
         fn, args = dpsgd_task, (params, x, y, key, jnp.float32(common.NOISE_MULTIPLIER))
     else:
@@ -151,7 +201,8 @@ def run(cfg):
     elif task == "norms":
         values = {"norms": np.asarray(compiled(*args))}
     else:
-        out = compiled(params, x, y, key, jnp.float32(0.0))
+        out = (compiled(*args) if task == "clip"
+               else compiled(params, x, y, key, jnp.float32(0.0)))
         values = {"csum/" + n: np.asarray(out[n]) for n in names}
     check, check_err, check_key = common.compare(values, sig)
 

@@ -310,17 +310,29 @@ def _count_ops(graph):
     return len(graph.get_operations())
 
 
+# Systems that index the batch in Python (loss[i] for i in range(B)) or take
+# it from static shapes: they keep static placeholders on every model.
+STATIC_BATCH_SYSTEMS = ("tf_loop", "tf_jacobian", "custagg_loop", "custagg_custom_slices")
+
+
+def dynamic_batch(model, system):
+    """Whether `system` on `model` is built on `[None, ...]` placeholders."""
+    return model in models.DYNAMIC_BATCH_MODELS and system not in STATIC_BATCH_SYSTEMS
+
+
 def run(cfg):
     tf = _tf()
     model, batch_size, task = cfg["model"], cfg["batch_size"], cfg["task"]
     sig = common.load_signature(cfg["ref_path"])
     x_np, y_np = models.make_batch(model, batch_size)
+    dynamic = dynamic_batch(model, cfg["system"])
     graph = tf.Graph()
     with graph.as_default():
         variables, var_list = models.tf_variables(model)
-        x, y = models.tf_placeholders(model, batch_size)
+        x, y = models.tf_placeholders(model, batch_size, dynamic=dynamic)
         loss = models.tf_loss(model, variables, x, y)
-        f = tf.compat.v1.placeholder(tf.float32, [batch_size], name="factors")
+        f = tf.compat.v1.placeholder(tf.float32, [None if dynamic else batch_size],
+                                     name="factors")
         noise_scale = tf.compat.v1.placeholder_with_default(
             tf.constant(common.NOISE_MULTIPLIER, tf.float32), [], name="noise_multiplier")
         ctx = Ctx(tf, model, batch_size, variables, var_list, list(variables), x, y, loss,
@@ -367,4 +379,5 @@ def run(cfg):
         "repeats": repeats, "floor_build_s": floor_build_s, "floor_n_ops": floor_n_ops,
         "floor_first_run_ms": floor_first_ms, "floor_system": "tf.compat.v1.gradients(sum(loss))",
         "framework_version": "tensorflow " + tf.__version__,
+        "batch_axis": "dynamic" if dynamic else "static",
     }

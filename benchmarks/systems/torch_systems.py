@@ -1,9 +1,10 @@
 """PyTorch peers: torch.func vmap(grad) and Opacus, on the same weights and data.
 
 The models are nn.Modules built from standard layers where Opacus has a
-per-sample rule (Linear, Conv2d, Embedding, LayerNorm); the LSTM cell and the
-positional embedding are small custom modules (Opacus falls back to its
-functorch path for them). Weights are copied from the TF-layout numpy arrays
+per-sample rule (Linear, Conv2d, Embedding, LayerNorm); the LSTM cell, the
+GRU's two kernels (the whole recurrence, one module), the Keras LSTM/GRU,
+norule_rnn and the positional embedding are small custom modules (Opacus falls back to its functorch path
+for them). Weights are copied from the TF-layout numpy arrays
 (`models.init_params`) and per-example gradients are mapped back to TF layout
 before the check.
 
@@ -34,6 +35,78 @@ def _build_module(torch, model):
         def forward(self, xh):
             return xh @ self.kernel + self.bias
 
+    class GRUKernels(nn.Module):
+        """The GRU's affine maps in TF layout (`models._tf_gru`): x_t @ kernel
+        [D, 3H] + bias and h @ recurrent [H, 3H], split into z, r, n."""
+
+        def __init__(self):
+            super().__init__()
+            h = models.LSTM_HIDDEN
+            self.kernel = nn.Parameter(torch.zeros(models.LSTM_IN, 3 * h))
+            self.recurrent = nn.Parameter(torch.zeros(h, 3 * h))
+            self.bias = nn.Parameter(torch.zeros(3 * h))
+
+        def forward(self, x):
+            h = x.new_zeros(x.shape[0], models.LSTM_HIDDEN)
+            for t in range(models.LSTM_STEPS):
+                xz, xr, xn = (x[:, t] @ self.kernel + self.bias).chunk(3, dim=1)
+                hz, hr, hn = (h @ self.recurrent).chunk(3, dim=1)
+                z = torch.sigmoid(xz + hz)
+                r = torch.sigmoid(xr + hr)
+                n = torch.tanh(xn + r * hn)
+                h = (1.0 - z) * n + z * h
+            return h
+
+    class KerasRNN(nn.Module):
+        """tf.keras LSTM / GRU(reset_after=True) in Keras's layout: kernel
+        [D, kH], recurrent_kernel [H, kH], bias [kH] (GRU: [2, 3H])."""
+
+        def __init__(self, kind):
+            super().__init__()
+            self.kind = kind
+            h = models.LSTM_HIDDEN
+            k = 4 if kind == "lstm" else 3
+            self.kernel = nn.Parameter(torch.zeros(models.LSTM_IN, k * h))
+            self.recurrent_kernel = nn.Parameter(torch.zeros(h, k * h))
+            self.bias = nn.Parameter(torch.zeros(k * h) if kind == "lstm"
+                                     else torch.zeros(2, k * h))
+
+        def forward(self, x):
+            h = x.new_zeros(x.shape[0], models.LSTM_HIDDEN)
+            c = h
+            for t in range(models.LSTM_STEPS):
+                if self.kind == "lstm":
+                    z = x[:, t] @ self.kernel + h @ self.recurrent_kernel + self.bias
+                    i, f, g, o = z.chunk(4, dim=1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                else:
+                    xz, xr, xh = (x[:, t] @ self.kernel + self.bias[0]).chunk(3, dim=1)
+                    rz, rr, rh = (h @ self.recurrent_kernel + self.bias[1]).chunk(3, dim=1)
+                    z = torch.sigmoid(xz + rz)
+                    r = torch.sigmoid(xr + rr)
+                    h = z * h + (1.0 - z) * torch.tanh(xh + r * rh)
+            return h
+
+    class NoRuleRNN(nn.Module):
+        """`models._tf_norule_rnn`: elementwise kernel, leaky state and
+        prototype readout, all inside the step loop."""
+
+        def __init__(self):
+            super().__init__()
+            self.center = nn.Parameter(torch.zeros(models.LSTM_IN))
+            self.power = nn.Parameter(torch.zeros(models.LSTM_IN))
+            self.protos = nn.Parameter(torch.zeros(models.NUM_CLASSES, models.LSTM_IN))
+
+        def forward(self, x):
+            h = x.new_zeros(x.shape[0], models.LSTM_IN)
+            acc = x.new_zeros(x.shape[0], models.NUM_CLASSES)
+            for t in range(models.LSTM_STEPS):
+                k = (1.0 / (1.0 + (x[:, t] - self.center) ** 2)) ** self.power
+                h = 0.5 * h + 0.5 * torch.tanh(k - 0.5)
+                acc = acc - ((h[:, None, :] - self.protos) ** 2).sum(dim=2)
+            return acc * (1.0 / models.LSTM_STEPS)
+
     class PositionalEmbedding(nn.Module):
         def __init__(self):
             super().__init__()
@@ -58,6 +131,14 @@ def _build_module(torch, model):
                 self.dense = nn.Linear(models.TEXT_DIM, 10)
             elif model == "lstm":
                 self.cell = LSTMKernel()
+                self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
+            elif model == "gru":
+                self.cell = GRUKernels()
+                self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
+            elif model == "norule_rnn":
+                self.net = NoRuleRNN()
+            elif model in ("keras_lstm", "keras_gru"):
+                self.cell = KerasRNN(model[len("keras_"):])
                 self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
             elif model == "transformer":
                 d = models.TR_DIM
@@ -96,6 +177,10 @@ def _build_module(torch, model):
                     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
                     h = torch.sigmoid(o) * torch.tanh(c)
                 return self.dense(h)
+            if model in ("gru", "keras_lstm", "keras_gru"):
+                return self.dense(self.cell(x))
+            if model == "norule_rnn":
+                return self.net(x)
             return self._transformer(x)
 
         def _transformer(self, x):
@@ -125,6 +210,17 @@ _MAPPING = {
              "dense_b": ("dense.bias", "")},
     "lstm": {"kernel": ("cell.kernel", ""), "bias": ("cell.bias", ""),
              "dense_w": ("dense.weight", "T"), "dense_b": ("dense.bias", "")},
+    "gru": {"kernel": ("cell.kernel", ""), "recurrent": ("cell.recurrent", ""),
+            "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
+            "dense_b": ("dense.bias", "")},
+    "keras_lstm": {"kernel": ("cell.kernel", ""), "recurrent_kernel": ("cell.recurrent_kernel", ""),
+                   "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
+                   "dense_b": ("dense.bias", "")},
+    "keras_gru": {"kernel": ("cell.kernel", ""), "recurrent_kernel": ("cell.recurrent_kernel", ""),
+                  "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
+                  "dense_b": ("dense.bias", "")},
+    "norule_rnn": {"center": ("net.center", ""), "power": ("net.power", ""),
+                   "protos": ("net.protos", "")},
     "transformer": {"tok_emb": ("tok.weight", ""), "pos_emb": ("pos.weight", ""),
                     "ln1_g": ("ln1.weight", ""), "ln1_b": ("ln1.bias", ""),
                     "wq": ("q.weight", "T"), "wk": ("k.weight", "T"), "wv": ("v.weight", "T"),
@@ -243,6 +339,9 @@ def _torch_func(torch, model, task, module, x, y, clip, batch_size):
             state["out"] = sq
         elif task == "norms":
             state["out"] = sq.sqrt()
+        elif task == "clip":
+            scale = clip / sq.sqrt().clamp(min=clip)
+            state["out"] = {k: torch.tensordot(scale, v, dims=1) for k, v in g.items()}
         else:
             scale = clip / sq.sqrt().clamp(min=clip)
             noise = state.get("noise", common.NOISE_MULTIPLIER) * clip

@@ -14,6 +14,7 @@ the rule declines (the planner falls back to an exact strategy).
 import tensorflow as tf
 
 from custagg import registry
+from custagg.rules import _reduce
 
 
 # V3 is what tf.nn / Keras build on every supported TF release.
@@ -40,14 +41,13 @@ class FusedBatchNormRule(registry.Rule):
         op, dy = ctx.op, ctx.grad
         rank = dy.shape.rank
         channel = self._channel_axis(ctx)
-        axes = [i for i in range(1, rank) if i != channel]
         if ctx.input_index == 1:
             shape = [1] * rank
             shape[channel] = -1
             x = tf.cast(op.inputs[0], dy.dtype)
             mean = tf.reshape(tf.cast(op.inputs[3], dy.dtype), shape)
             dy = dy * (x - mean)
-        out = tf.reduce_sum(dy, axis=axes) if axes else dy      # [B, C]
+        out = _reduce.per_example_channel_sums(dy, channel)     # [B, C]
         if ctx.input_index == 1:
             # The per-channel 1/sqrt(var + eps) after the reduction: one
             # pass over the activations fewer.

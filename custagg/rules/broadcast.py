@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from custagg import registry
 from custagg.rules import _outer
+from custagg.rules import _reduce
 
 
 def _sum_to_param(u, p_dims):
@@ -78,5 +79,4 @@ class BiasAddRule(registry.Rule):
         fmt = (ctx.op.get_attr("data_format").decode()
                if ctx.op.type == "BiasAdd" else "NHWC")
         channel = 1 if fmt.startswith("NC") else rank - 1
-        axes = [i for i in range(1, rank) if i != channel]
-        return tf.reduce_sum(g, axis=axes) if axes else g
+        return _reduce.per_example_channel_sums(g, channel)

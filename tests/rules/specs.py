@@ -436,6 +436,25 @@ def embedding(resource, id_tail, how="embedding_lookup"):
     return build
 
 
+def embedding_pooled(pooling, lookups, resource=True):
+    """A `[V, D]` table looked up by ids `[B, T]`, then mean or sum pooled
+    over T: the lookups' output gradient is one row per example broadcast
+    along T, which GatherRule's pooled norm form reads (ids repeat; counted
+    by comparison for small T, by a sort for T above
+    4 * `gather._MASKED_GRAM_MAX_LOOKUPS`)."""
+    vocab = 5
+    pool = {"mean": tf.reduce_mean, "sum": tf.reduce_sum}[pooling]
+
+    def build(dtype, rng):
+        table = var(rng, [vocab, 3], dtype, resource=resource)
+
+        def loss(i):
+            return head(pool(tf.nn.embedding_lookup(table, i), axis=1))
+        return Problem([table], [ids(vocab, lookups)], loss)
+
+    return build
+
+
 def fused_batch_norm(training, data_format="NHWC"):
     """`tf.compat.v1.nn.fused_batch_norm` on a conv output, scale and offset
     as the parameters (inference mode: fixed mean and variance)."""
@@ -575,6 +594,12 @@ SPECS = (
           embedding(True, (4,), how="cast")),
      Spec("embedding_ref_gatherv2_ids_B", "GatherV2",
           embedding(False, (), how="gather")),
+     Spec("embedding_resource_mean_pooled", "ResourceGather",
+          embedding_pooled("mean", 4)),
+     Spec("embedding_ref_gatherv2_sum_pooled", "GatherV2",
+          embedding_pooled("sum", 4, resource=False)),
+     Spec("embedding_resource_mean_pooled_counts_by_sort", "ResourceGather",
+          embedding_pooled("mean", 130)),
      Spec("fused_batch_norm_inference", "FusedBatchNormV3",
           fused_batch_norm(False), skip=BN_FLOAT64_SKIP),
      Spec("fused_batch_norm_inference_nchw", "FusedBatchNormV3",
