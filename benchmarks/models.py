@@ -92,9 +92,27 @@ _SPECS = {
         ParamSpec("power", (LSTM_IN,), "gamma"),
         ParamSpec("protos", (NUM_CLASSES, LSTM_IN), "emb"),
     ],
+    # tf.keras LSTM / GRU layers (Keras 2, graph mode) on the same sizes as
+    # lstm / gru, in Keras's weight layout; the dense head as above.
+    "keras_lstm": [
+        ParamSpec("kernel", (LSTM_IN, 4 * LSTM_HIDDEN), "w"),
+        ParamSpec("recurrent_kernel", (LSTM_HIDDEN, 4 * LSTM_HIDDEN), "w"),
+        ParamSpec("bias", (4 * LSTM_HIDDEN,), "b"),
+        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
+        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
+    ],
+    "keras_gru": [
+        ParamSpec("kernel", (LSTM_IN, 3 * LSTM_HIDDEN), "w"),
+        ParamSpec("recurrent_kernel", (LSTM_HIDDEN, 3 * LSTM_HIDDEN), "w"),
+        ParamSpec("bias", (2, 3 * LSTM_HIDDEN), "b"),     # reset_after: input, recurrent
+        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
+        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
+    ],
 }
 
 MODELS = tuple(_SPECS)
+# The models whose TF graph comes from a tf.keras recurrent layer.
+KERAS_RNN = {"keras_lstm": "LSTM", "keras_gru": "GRU"}
 
 DESCRIPTIONS = {
     "softmax": "softmax regression 784-10",
@@ -110,6 +128,10 @@ DESCRIPTIONS = {
                    "(1 + (x_t - center)^2)^-power, leaky state, prototype readout "
                    "-sum (h - protos_k)^2 averaged over the steps, all inside the "
                    "tf.compat.v1.while_loop" % (LSTM_STEPS, LSTM_IN)),
+    "keras_lstm": "tf.keras.layers.LSTM(%d) over %d steps, in %d (graph mode), dense 10"
+                  % (LSTM_HIDDEN, LSTM_STEPS, LSTM_IN),
+    "keras_gru": "tf.keras.layers.GRU(%d) over %d steps, in %d (graph mode), dense 10"
+                 % (LSTM_HIDDEN, LSTM_STEPS, LSTM_IN),
     "transformer": ("transformer block: tokens %d x len %d, d=%d, %d heads (Einsum), "
                     "LayerNorm as Mul/Add, FF %d, mean-pool, dense 10"
                     % (TR_VOCAB, TR_LEN, TR_DIM, TR_HEADS, TR_FF)),
@@ -159,6 +181,8 @@ def input_spec(model):
         "lstm": ((LSTM_STEPS, LSTM_IN), "float32"),
         "gru": ((LSTM_STEPS, LSTM_IN), "float32"),
         "norule_rnn": ((LSTM_STEPS, LSTM_IN), "float32"),
+        "keras_lstm": ((LSTM_STEPS, LSTM_IN), "float32"),
+        "keras_gru": ((LSTM_STEPS, LSTM_IN), "float32"),
         "transformer": ((TR_LEN,), "int32"),
     }[model]
 
@@ -271,6 +295,22 @@ def _tf_norule_rnn(tf, p, x):
     return acc * (1.0 / LSTM_STEPS)
 
 
+def _tf_keras_rnn(tf, p, x):
+    # The layer of `tf_variables` (its variables are p's), called again on
+    # every x: inside tf.vectorized_map too.
+    return _tf_dense(tf, p.keras_layer(x), p["dense_w"], p["dense_b"])
+
+
+def _keras(tf):
+    """Keras 2: tf_keras where TF's own tf.keras is Keras 3 (TF >= 2.16),
+    which has no graph mode."""
+    try:
+        import tf_keras
+        return tf_keras
+    except ImportError:
+        return tf.keras
+
+
 def _tf_layer_norm(tf, h, gamma, beta):
     # Written with Mul/Add (no fused op) so per-example rules can see through it.
     mu = tf.reduce_mean(h, axis=-1, keepdims=True)
@@ -302,6 +342,7 @@ _TF_FORWARD = {
     "softmax": _tf_softmax, "mlp": _tf_mlp, "cnn": _tf_cnn, "text": _tf_text,
     "lstm": _tf_lstm, "gru": _tf_gru, "transformer": _tf_transformer,
     "norule_rnn": _tf_norule_rnn,
+    "keras_lstm": _tf_keras_rnn, "keras_gru": _tf_keras_rnn,
 }
 
 
@@ -309,7 +350,7 @@ _TF_FORWARD = {
 # `tf_placeholders`): loop models, as users feed them. custagg's per-example
 # copy of the forward pass ("recompute", the O(B) form for variables inside a
 # while loop) refuses a static batch > 1, whose size TF folds into constants.
-DYNAMIC_BATCH_MODELS = ("lstm", "gru", "norule_rnn")
+DYNAMIC_BATCH_MODELS = ("lstm", "gru", "norule_rnn", "keras_lstm", "keras_gru")
 
 
 def tf_placeholders(model, batch_size, dynamic=False):
@@ -328,10 +369,32 @@ def tf_placeholders(model, batch_size, dynamic=False):
     return x, y
 
 
+class Variables(collections.OrderedDict):
+    """name -> tf.Variable; `keras_layer`: the Keras layer that owns some of
+    them (KERAS_RNN models), else None."""
+    keras_layer = None
+
+
 def tf_variables(model, seed=0):
-    """Resource variables initialised from `init_params` (ordered dict, list)."""
+    """Resource variables initialised from `init_params` (Variables, list)."""
     import tensorflow as tf
     params = init_params(model, seed)
-    variables = collections.OrderedDict(
-        (name, tf.Variable(value, name=name)) for name, value in params.items())
+    variables = Variables()
+    if model in KERAS_RNN:
+        keras = _keras(tf)
+        cls = getattr(keras.layers, KERAS_RNN[model])
+        extra = {"unit_forget_bias": False} if cls is keras.layers.LSTM else {}
+        layer = cls(LSTM_HIDDEN, name=model,
+                    kernel_initializer=keras.initializers.Constant(params["kernel"]),
+                    recurrent_initializer=keras.initializers.Constant(
+                        params["recurrent_kernel"]),
+                    bias_initializer=keras.initializers.Constant(params["bias"]), **extra)
+        layer.build((None, LSTM_STEPS, LSTM_IN))
+        cell = layer.cell
+        variables.update(kernel=cell.kernel, recurrent_kernel=cell.recurrent_kernel,
+                         bias=cell.bias)
+        variables.keras_layer = layer
+    for name, value in params.items():
+        if name not in variables:
+            variables[name] = tf.Variable(value, name=name)
     return variables, list(variables.values())

@@ -33,10 +33,18 @@ FULL = dict(models=list(models.MODELS), batch_sizes=[32, 128, 512], repeats=10,
             timeout=120.0, budget=2.0, slow_limit=30.0, out=os.path.join(HERE, "results"))
 QUICK = dict(models=["mlp", "text"], batch_sizes=[32], repeats=3,
              timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
+# Issue 11's table: the loop models against tf.vectorized_map and the vmap
+# peers (docs/control-flow.md, "Measured").
+CONTROL_FLOW = dict(models=["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"],
+                    batch_sizes=[32, 128, 512],
+                    tasks=["norms", "clip", "dpsgd"],
+                    systems=["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"],
+                    repeats=5, timeout=600.0, budget=2.0, slow_limit=30.0,
+                    out=os.path.join(HERE, "results", "control_flow"))
 
 # Relative wall time of each model's configurations in a full run (measured
 # 2026-12-03), used to deal the costliest models out first with --jobs.
-_MODEL_COST = {"lstm": 6, "gru": 6, "norule_rnn": 4, "cnn": 5, "text": 4, "transformer": 4, "mlp": 3, "softmax": 1}
+_MODEL_COST = {"lstm": 6, "gru": 6, "keras_lstm": 6, "keras_gru": 6, "norule_rnn": 4, "cnn": 5, "text": 4, "transformer": 4, "mlp": 3, "softmax": 1}
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
                "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
@@ -65,6 +73,11 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="small run (MLP and text, B=32, 3 repeats; < 3 min on an idle machine); "
                         "writes to benchmarks/results/quick")
+    p.add_argument("--control-flow", action="store_true",
+                   help="issue 11's table: lstm, gru, keras_lstm, keras_gru, norule_rnn at B=32,128,512; norms, clip, "
+                        "dpsgd; custagg_auto, tf_vmap, jax_vmap, torch_func; 5 repeats, 600 s "
+                        "timeout; writes to benchmarks/results/control_flow (pass the peers' "
+                        "--python)")
     p.add_argument("--models", type=lambda s: _csv(s, models.MODELS, kind="model"),
                    help="comma list of %s" % ",".join(models.MODELS))
     p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in _csv(s)],
@@ -103,10 +116,12 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true",
                    help="only rewrite results.md and results.png from --out/results.json")
     args = p.parse_args(argv)
-    defaults = QUICK if args.quick else FULL
+    if args.quick and args.control_flow:
+        p.error("--quick and --control-flow are two presets; choose one")
+    defaults = QUICK if args.quick else CONTROL_FLOW if args.control_flow else FULL
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
-            setattr(args, key, value)
+            setattr(args, key, list(value) if isinstance(value, list) else value)
     args.tasks = args.tasks or list(TASKS)
     if args.jobs is None:
         args.jobs = 2 if (os.cpu_count() or 1) >= 2 else 1

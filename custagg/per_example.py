@@ -43,6 +43,7 @@ import tensorflow as tf
 
 from custagg import _walk
 from custagg import errors
+from custagg import loop_rules
 from custagg import recompute
 from custagg import registry as registry_lib
 from custagg import separability
@@ -71,6 +72,8 @@ _Chain = collections.namedtuple("_Chain", ["op", "indices", "inner"])
 # backward passes over the batch (B examples).
 FORMS = {
     "rules": ("rules", "about 1 backward pass"),
+    "loop-rules": ("rules, inside loop bodies too (the loop run once more "
+                   "on the whole batch)", "about 2 backward passes"),
     "boundary": ("pfor at the ops where x meets batch data", "O(B)"),
     "recompute": ("pfor over per-example copies of the forward pass",
                   "O(B)"),
@@ -172,9 +175,13 @@ class Plan(object):
         for a in self.assignments:
             if a.strategy is None:
                 what = "unconnected (None)"
-            elif a.form == "rules":
+            elif a.form in ("rules", "loop-rules"):
                 what = "rules via " + ", ".join(sorted(set(
-                    c.op.type for c in _rule_consumers(a.consumers))))
+                    c.op.type for c in _rule_consumers(a.consumers)
+                    if isinstance(c, _Consumer)) | set(
+                    "%s in loop '%s'" % (t.op.type, c.op.name)
+                    for c in _rule_consumers(a.consumers)
+                    if isinstance(c, loop_rules.LoopUse) for t in c.taps)))
                 through = sorted(set(c.op.type for c in a.consumers
                                      if isinstance(c, _Chain)))
                 if through:
@@ -269,6 +276,14 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
             if chain is None:
                 return None, why
             consumers.append(chain)
+            continue
+        if op.type in loop_rules.LOOP_TYPES:
+            use, why = loop_rules.find(op, k, loss, loss_ancestors)
+            if use is None:
+                return None, separability.Reason(
+                    "no per-example rule for op type '%s' (op '%s'): %s"
+                    % (op.type, op.name, why), getattr(why, "op", None) or op)
+            consumers.append(use)
             continue
         rule = registry.lookup(op.type)
         if rule is None:
@@ -412,8 +427,11 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
             consumers, reason = _rules_reason(t, loss, ancestors, registry,
                                               batch_size, region)
             if consumers is not None:
-                assignments.append(Assignment(x, t, "rules", None,
-                                              consumers))
+                in_loops = any(isinstance(c, loop_rules.LoopUse)
+                               for c in _rule_consumers(consumers))
+                assignments.append(Assignment(
+                    x, t, "rules", None, consumers,
+                    form="loop-rules" if in_loops else "rules"))
                 continue
             if strategy == "rules":
                 raise ValueError(
@@ -499,18 +517,36 @@ class _Engine(object):
         """RuleContexts (grads included) for an x planned as "rules"."""
         if self._contexts is None:
             self._contexts = {}
-            consumers = list(_rule_consumers(
+            found = list(_rule_consumers(
                 c for x in self.plan.assignments if x.strategy == "rules"
                 for c in x.consumers))
+            consumers = [c for c in found if isinstance(c, _Consumer)]
+            uses = [c for c in found if isinstance(c, loop_rules.LoopUse)]
             outs = [c.op.outputs[0] for c in consumers]
+            # The loop rules' rebuilt loops are seeded with the loss's
+            # gradient at the loops' outputs: the same backward pass.
+            targets = loop_rules.cotangent_targets(uses)
             with tf.name_scope("per_example_rules"):
-                grads = gradients(self.loss, outs) if outs else []
+                grads = gradients(self.loss, outs + targets) \
+                    if outs or targets else []
             for c, g in zip(consumers, grads):
                 ctx = None if g is None else registry_lib.RuleContext(
                     c.op, c.index, sparse.dense(g), self.plan.batch_size, {})
                 self._contexts[(c.op, c.index)] = ctx
-        return [(c.rule, self._contexts[(c.op, c.index)])
-                for c in a.consumers if isinstance(c, _Consumer)
+            if uses:
+                seeds = {t.ref(): g if g is None or t.dtype == tf.variant
+                         else sparse.dense(g)
+                         for t, g in zip(targets, grads[len(outs):])}
+                outers = loop_rules.build(uses, self.loss, seeds,
+                                          self.plan.batch_size)
+                for u in uses:
+                    self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
+                        u.op, u.index, None, self.plan.batch_size,
+                        {"outer": outers[(u.op, u.index)], "param": u.value})
+        return [(loop_rules.RULE if isinstance(c, loop_rules.LoopUse)
+                 else c.rule, self._contexts[(c.op, c.index)])
+                for c in a.consumers
+                if isinstance(c, (_Consumer, loop_rules.LoopUse))
                 and self._contexts[(c.op, c.index)] is not None]
 
     def chains(self, a):

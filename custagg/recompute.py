@@ -54,7 +54,7 @@ BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
                            "OptionalGetValue"])
 
 # Ops whose copy would draw new random numbers.
-_RANDOM = frozenset([
+RANDOM = frozenset([
     "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
     "TruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
     "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
@@ -64,6 +64,32 @@ _RANDOM = frozenset([
 
 # Attrs a copy must not take: colocation with the original's neighbours.
 _DROP_ATTRS = frozenset(["_class"])
+
+# Copies run one example (TensorList element shapes get a batch of 1)
+# unless `whole_batch()` is active: the loop rules rebuild a loop on the
+# whole batch with this machinery.
+_STATE = {"one_row": True}
+# While op -> the hook that taps its rebuilt body (`loop_rules`): extra
+# loop variables, and ops whose copies it replaces.
+_HOOKS = {}
+_ACTIVE = []        # the hooks of the bodies being copied, innermost last
+
+
+class whole_batch(object):
+    """Within it, copies keep the batch as it is (no one-row shapes) and
+    the While ops in `hooks` (While op -> hook) are rebuilt with them."""
+
+    def __init__(self, hooks):
+        self.hooks = hooks
+
+    def __enter__(self):
+        _STATE["one_row"] = False
+        _HOOKS.update(self.hooks)
+
+    def __exit__(self, *exc):
+        _STATE["one_row"] = True
+        for op in self.hooks:
+            _HOOKS.pop(op, None)
 
 class Forward(collections.namedtuple("Forward", ["inputs", "ops", "loss",
                                                  "static_b"])):
@@ -154,7 +180,7 @@ def _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b):
         for op in t.consumers():
             if op not in in_region:
                 continue
-            if op.type in _RANDOM:
+            if op.type in RANDOM:
                 raise Refused(
                     "op '%s' (type %s) draws random numbers between the "
                     "inputs and the loss, and a per-example copy would draw "
@@ -257,6 +283,8 @@ def _copy_ops(ops, mapping, frame=None, wanted=()):
                 k for k, o in enumerate(op.outputs) if o.ref() in read])
         else:
             outs = _copy_op(op, mapping)
+            if _ACTIVE and op in _ACTIVE[-1].ops:
+                outs = _ACTIVE[-1].tap(op, outs, mapping)
         for old, out in zip(op.outputs, outs):
             if out is not None:
                 mapping[old.ref()] = out
@@ -287,7 +315,7 @@ def _one_row_shape(op):
     example: pfor and the gradients read unset elements, which needs the
     whole shape); else None."""
     k = _LIST_MAKERS.get(op.type)
-    if k is None:
+    if k is None or not _STATE["one_row"]:
         return None
     shape = tf.get_static_value(op.inputs[k])
     if shape is None or np.ndim(shape) != 1 or len(shape) < 1 or \
@@ -530,18 +558,35 @@ def _rebuild_while(op, mapping, used):
         bound.update(zip(var_idx, values))
         return bound
 
+    hook = _HOOKS.get(op)
+    extra = hook.initial() if hook is not None else []
+    n_vars = len(var_idx)
+
     def cond_fn(*values):
-        return _run_func_graph(cond, [cond.outputs[0]], bind(values))[0]
+        return _run_func_graph(cond, [cond.outputs[0]],
+                               bind(values[:n_vars]))[0]
 
     def body_fn(*values):
-        outs = _run_func_graph(body, [body.outputs[k] for k in var_idx],
-                               bind(values))
-        return outs
+        if hook is None:
+            return _run_func_graph(body, [body.outputs[k] for k in var_idx],
+                                   bind(values))
+        hook.enter(values[n_vars:])
+        _ACTIVE.append(hook)
+        try:
+            outs = _run_func_graph(body, [body.outputs[k] for k in var_idx],
+                                   bind(values[:n_vars]))
+        finally:
+            _ACTIVE.pop()
+        return list(outs) + hook.leave()
 
     new = _while_loop(
-        cond_fn, body_fn, [ins[k] for k in var_idx],
+        cond_fn, body_fn, [ins[k] for k in var_idx] + list(extra),
         [shapes[k] if k < len(shapes) else tf.TensorShape(None)
-         for k in var_idx], op.get_attr("parallel_iterations"))
+         for k in var_idx] + [hook.invariant(t) for t in extra],
+        op.get_attr("parallel_iterations"))
+    if hook is not None:
+        hook.done(new[n_vars:])
+        new = new[:n_vars]
     outs = [None] * len(op.outputs)
     for k in through:
         outs[k] = ins[k]

@@ -380,6 +380,41 @@ class Folded(collections.namedtuple("Folded", ["middle", "axis"])):
         return super(Folded, cls).__new__(cls, tuple(middle), axis)
 
 
+class ListOf(collections.namedtuple("ListOf", ["axis"])):
+    """A TensorList (variant) whose items hold the batch at `axis` (an RNN's
+    unstacked inputs `[T, B, D]` -> items `[B, D]`, its output sequence)."""
+
+
+def _tensor_list(op, index, batch):
+    """TensorList ops: items keep their batch axis; anything else a list
+    reaches mixes (None)."""
+    kind = op.type
+    if isinstance(batch, ListOf):
+        if kind == "Identity":
+            return batch
+        if kind in ("TensorListSetItem", "TensorListPushBack") and index == 0:
+            return batch
+        if kind == "TensorListGetItem" and index == 0:
+            return batch.axis
+        if kind in ("TensorListStack", "TensorListGather") and index == 0:
+            return batch.axis + 1
+        if kind == "TensorListPopBack" and index == 0:
+            return [batch, batch.axis]
+        return None
+    if isinstance(batch, Folded) or batch < 0:
+        return None
+    if kind == "TensorListFromTensor" and index == 0:
+        return ListOf(batch - 1) if batch >= 1 else None
+    if (kind, index) in (("TensorListSetItem", 2), ("TensorListPushBack", 1)):
+        return ListOf(batch)
+    return None
+
+
+_LIST_OPS = frozenset(["TensorListSetItem", "TensorListPushBack",
+                       "TensorListGetItem", "TensorListStack",
+                       "TensorListGather", "TensorListPopBack",
+                       "TensorListFromTensor"])
+
 # An output that does not depend on the tracked input (not followed).
 NO_PATH = "no path"
 
@@ -445,7 +480,7 @@ def _fold(op, x, z):
 def _normalize(t, axis):
     """A negative (from the end) position made positive where t's rank is known."""
     rank = _rank(t)
-    if rank is None:
+    if rank is None or isinstance(axis, ListOf):
         return axis
     if isinstance(axis, Folded):
         return axis if axis.axis >= 0 else Folded(axis.middle,
@@ -471,6 +506,10 @@ def propagate(op, index, axis, shapes=None):
     shapes = shapes if shapes is not None else symbolic_shapes.ShapeCache()
     axis = _normalize(op.inputs[index], axis)
     try:
+        if op.type in LOOP_TYPES:
+            return _while(op, index, axis)
+        if isinstance(axis, ListOf) or op.type in _LIST_OPS:
+            return _tensor_list(op, index, axis)
         if op.type in _FOLD_AWARE:
             out = _FOLD_AWARE[op.type](op, index, axis, shapes)
             if out is None and op.type == "Reshape" and axis == 0 and \
@@ -489,6 +528,79 @@ def propagate(op, index, axis, shapes=None):
         return fn(op, index, axis)
     except (ValueError, TypeError, IndexError):
         return None
+
+
+LOOP_TYPES = frozenset(["While", "StatelessWhile"])
+
+
+def _while(op, index, batch):
+    """A v2 loop: the batch followed through its body (every iteration) to
+    each output, one descriptor per output (None if an output would get
+    two, or the body mixes examples)."""
+    from custagg import recompute  # pylint: disable=g-import-not-at-top
+    try:
+        body = recompute._func_graph(op, "body")  # pylint: disable=protected-access
+    except recompute.Refused:
+        return None
+    if len(body.inputs) != len(op.inputs) or \
+            len(body.outputs) != len(op.outputs):
+        return None
+    # Not the accumulators a gradient (or Keras) added: they collect
+    # intermediates, nested lists included, for a gradient of the loop.
+    live = recompute._ancestors_in([  # pylint: disable=protected-access
+        out for k, out in enumerate(body.outputs)
+        if not recompute._is_accumulator(op, body, k)])  # pylint: disable=protected-access
+    reached, reason = walk_body(body, [(body.inputs[index], batch)], live)
+    if reason is not None:
+        return None
+    out = []
+    for k in range(len(op.outputs)):
+        got = reached.get(k, set())
+        if len(got) > 1:
+            return None
+        out.append(got.pop() if got else NO_PATH)
+    return out
+
+
+def walk_body(body, starts, live):
+    """Follows the batch from `starts` ((body tensor, descriptor) pairs)
+    through a loop body's ops in `live`, into the next iterations (an
+    output is the next iteration's input at the same position).
+
+    Returns `({output position: {descriptors}}, None)`, or `(None, Reason)`
+    naming the op that mixes examples or is not known to keep them apart.
+    """
+    positions = collections.defaultdict(list)
+    for k, out in enumerate(body.outputs):
+        positions[out.ref()].append(k)
+    reached = collections.defaultdict(set)
+    shapes = symbolic_shapes.ShapeCache()
+    seen = set()
+    queue = collections.deque(starts)
+    while queue:
+        t, axis = queue.popleft()
+        if (t.ref(), axis) in seen:
+            continue
+        seen.add((t.ref(), axis))
+        for k in positions.get(t.ref(), ()):
+            reached[k].add(axis)
+            queue.append((body.inputs[k], axis))
+        for c in t.consumers():
+            if c not in live or _blocks_gradient(c):
+                continue
+            if _has_replaced_gradient(c):
+                return None, Reason(
+                    "op '%s' (type %s) has a replaced gradient function"
+                    % (c.name, c.type), c)
+            outs = [o for o in c.outputs
+                    if o.dtype.is_floating or o.dtype == tf.variant]
+            if not outs:
+                continue
+            nexts, reason = step(c, t, axis, outs, shapes)
+            if reason is not None:
+                return None, reason
+            queue.extend(nexts)
+    return reached, None
 
 
 def ancestors(t):

@@ -14,7 +14,11 @@ Two forms, tried in order for each x:
 2. Whole backward pass (exact for any graph): the loss's backward pass
    seeded with `one_hot(i)`, vectorized over i. Each example's pass goes
    through the whole batch, so cost grows with B^2; chunks of
-   `parallel_iterations` examples bound the memory.
+   `chunk` examples bound the memory.
+
+Both run in passes (`chunked_pfor`): `chunk` examples first, then as many as
+keep a pass's outputs under `PASS_BYTES` (never fewer than `chunk`; the whole
+pass always `chunk`).
 """
 
 from __future__ import annotations
@@ -148,22 +152,38 @@ def _copy_on_rows(op, batch_inputs, i):
     return new, [inputs[k] for k in batch_inputs]
 
 
-def chunked_pfor(loop_fn, n, chunk, dtypes):
-    """`pfor(loop_fn, n)` over chunks of at most `chunk` iterations.
+# The most bytes of outputs one pass of `chunked_pfor` may produce when it
+# grows past `chunk` examples. Each pass has a fixed cost, the vectorized
+# graph's op count (a converted while loop runs all its ops at every step
+# whatever the pass size), which at 32 examples a pass is most of the time of
+# small layers: the while-loop LSTM's per-example norms at B=512 took 232 ms
+# in passes of 32 and 155 ms in one pass (tf.vectorized_map, one pass: 147).
+# 64 MiB of outputs is 677 examples of that LSTM's cell gradients.
+PASS_BYTES = 64 * 2 ** 20
+
+
+def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
+    """`pfor(loop_fn, n)` in passes: `chunk` iterations first, then more.
 
     TF's own `parallel_iterations` always builds a leftover pass of
     `n % chunk` iterations, and with 0 of them (n a multiple of the chunk)
     several converters (ReluGrad, max-pool and while-loop gradients) build
     wrongly shaped results that fail at run time; TF 2.12 also fails for
-    `n < chunk`. Here every pass vectorizes between 1 and `chunk`
-    iterations: one pass when `n <= chunk` is known statically, else a
-    `tf.while_loop` over ceil(n / chunk) chunks of `min(chunk, n - start)`.
+    `n < chunk`. Here every pass vectorizes at least 1 iteration: one pass
+    when `n <= chunk` is known statically, else a `tf.while_loop` whose first
+    pass takes `min(chunk, n)` iterations and whose later passes take
+    `max(chunk, max_pass_bytes // b)`, `b` the bytes of one iteration's
+    outputs (known once the first pass is traced; `chunk` if a shape is not
+    static), so that small outputs take few passes.
 
     Args:
       loop_fn: `i -> list of tensors` (scalar int32 i), one per `dtypes`.
       n: number of iterations (int or scalar int32 tensor; >= 0).
-      chunk: the most iterations vectorized at once (memory bound).
+      chunk: iterations of the first pass, and the fewest of the others.
       dtypes: the dtypes `loop_fn` returns, in order.
+      max_pass_bytes: the outputs' bytes a later pass may reach (None:
+        `PASS_BYTES`; 0: every pass `chunk`, for loop functions whose memory
+        is not in their outputs, such as a whole backward pass).
 
     Returns:
       List of `[n, ...]` tensors, row i from iteration i.
@@ -171,13 +191,13 @@ def chunked_pfor(loop_fn, n, chunk, dtypes):
     static_n = n if isinstance(n, int) else tf.get_static_value(n)
     if static_n is not None and static_n <= chunk:
         return pfor_ops.pfor(loop_fn, int(static_n))
+    if max_pass_bytes is None:
+        max_pass_bytes = PASS_BYTES
     n = tf.convert_to_tensor(n, tf.int32)
-    num_chunks = (n + chunk - 1) // chunk
     shapes = []
 
-    def body(j, arrays):
-        start = j * chunk
-        size = tf.minimum(chunk, n - start)
+    def body(j, start, size, arrays):
+        size = tf.minimum(size, n - start)
 
         @tf.autograph.experimental.do_not_convert
         def offset_fn(i):
@@ -186,20 +206,43 @@ def chunked_pfor(loop_fn, n, chunk, dtypes):
         outs = pfor_ops.pfor(offset_fn, size)
         del shapes[:]
         shapes.extend(o.shape[1:] for o in outs)
-        return j + 1, [ta.write(j, tf.cast(o, ta.dtype))
-                       for ta, o in zip(arrays, outs)]
+        later = later_pass_size(shapes, dtypes, chunk, max_pass_bytes)
+        return (j + 1, start + size, tf.constant(later),
+                [ta.write(j, tf.cast(o, ta.dtype)) for ta, o in zip(arrays, outs)])
 
-    arrays = [tf.TensorArray(dtype, size=num_chunks, infer_shape=False)
+    arrays = [tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False)
               for dtype in dtypes]
-    _, arrays = tf.while_loop(lambda j, _: j < num_chunks, body,
-                              [tf.constant(0), arrays],
-                              parallel_iterations=1)
+    _, _, _, arrays = tf.while_loop(
+        lambda j, start, size, _: start < n, body,
+        [tf.constant(0), tf.constant(0), tf.constant(chunk), arrays],
+        parallel_iterations=1)
     results = []
     for ta, shape in zip(arrays, shapes):
         out = ta.concat()
         out.set_shape(tf.TensorShape([static_n]).concatenate(shape))
         results.append(out)
     return results
+
+
+def later_pass_size(shapes, dtypes, chunk, max_pass_bytes):
+    """Iterations of `chunked_pfor`'s passes after the first.
+
+    Args:
+      shapes: one iteration's output shapes (`TensorShape`s, no leading axis).
+      dtypes: their dtypes.
+      chunk: the fewest iterations a pass takes.
+      max_pass_bytes: the most bytes of outputs a pass grows to.
+
+    Returns:
+      int: `max(chunk, max_pass_bytes // bytes of one iteration)`, `chunk`
+      when a shape is not fully known.
+    """
+    if not all(s.is_fully_defined() for s in shapes):
+        return chunk
+    per_iteration = sum(max(1, s.num_elements()) * tf.as_dtype(d).size
+                        for s, d in zip(shapes, dtypes))
+    grown = max_pass_bytes // max(1, per_iteration)
+    return int(max(chunk, min(grown, 2 ** 31 - 1)))
 
 
 def _grad_dtype(t):
@@ -303,4 +346,6 @@ def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
     dtypes = [_grad_dtype(t) for t in tensors]
     if not _pfor_safe(loss, tensors):
         return _loop_per_example(loop_fn, batch, dtypes)
-    return chunked_pfor(loop_fn, batch, chunk, dtypes)
+    # Each iteration holds a backward pass through the whole batch, which its
+    # [*x.shape] outputs do not show: passes stay at `chunk`.
+    return chunked_pfor(loop_fn, batch, chunk, dtypes, max_pass_bytes=0)

@@ -18,7 +18,8 @@ from custagg import testing
 FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",
                "whole-pass": "whole_pass_form", "loop": "per_example_loop",
                "recompute": "recompute_form",
-               "recompute-loop": "recompute_loop_form"}
+               "recompute-loop": "recompute_loop_form",
+               "loop-rules": "loop_rules_form"}
 
 
 def forms_behind(t):

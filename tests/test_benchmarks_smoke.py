@@ -164,3 +164,14 @@ def test_skip_estimate_for_linear_systems_does_not_scale_the_build():
     # Runs still scale with B: 10 s per run at B=32 is 160 s per run at B=512.
     slow = dict(prev, median_ms=10000.0, first_run_ms=20000.0)
     assert run.predict_skip(cfg, [slow], args).startswith("skipped (too slow: est")
+
+
+def test_control_flow_preset():
+    from benchmarks import run
+    args = run.parse_args(["--control-flow", "--batch-sizes", "32"])
+    assert args.models == ["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"]
+    assert args.batch_sizes == [32]
+    assert args.tasks == ["norms", "clip", "dpsgd"]
+    assert args.systems == ["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"]
+    assert args.out.endswith(os.path.join("results", "control_flow"))
+    assert run.parse_args(["--control-flow"]).batch_sizes == [32, 128, 512]

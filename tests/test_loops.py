@@ -1,7 +1,9 @@
-"""Per-example gradients through loops (RNNs) and graphs no rule covers.
+"""Per-example gradients through loops (RNNs): the per-example copies.
 
 Every model here has a dynamic batch (`[None, T, D]` placeholders) and its
-weights inside a `while_loop` body, where no rule applies: custagg copies
+weights inside a `while_loop` body. Auto takes the loop rules there
+(tests/test_loop_rules.py); these tests turn them off, as for a loop they
+cannot read (v1 control flow, an op they do not know), so custagg copies
 each example's forward pass and vectorizes the copies ("recompute", pfor),
 or runs them in a while loop ("recompute-loop"). Each form is compared with
 the loop reference: one `tf.compat.v1.gradients(loss[i], xs)` per example
@@ -18,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
+from custagg import loop_rules
 from custagg import recompute
 
 import per_example_reference
@@ -142,11 +145,11 @@ def loop_reference(loss, xs, batch):
             for j in range(len(xs))]
 
 
-O_B_FORMS = {"recompute", "recompute-loop"}
+O_B_FORMS = {"recompute", "recompute-loop", "loop-rules"}
 
 
-def check_model(build, forms=(None, "recompute-loop"), batches=BATCHES,
-                seed=0, sums=True):
+def check_model(build, forms=("recompute", "recompute-loop"),
+                batches=BATCHES, seed=0, sums=True):
     """Builds the model in the default graph; per-example gradients in each
     form (None: what auto takes, which must be O(B)), and with `sums` norms
     and clipped sums in the first form, against the loop reference.
@@ -168,12 +171,19 @@ def check_model(build, forms=(None, "recompute-loop"), batches=BATCHES,
             else:
                 assert forms_seen == {form}, str(plan)
             for a, g in zip(plan.assignments, got):
-                assert per_example_reference.forms_behind(g) == {a.form}, (
-                    a.name, str(plan))
+                behind = per_example_reference.forms_behind(g)
+                if a.form == "loop-rules":
+                    behind -= {"rules"}     # the rules' shared pass
+                assert behind == {a.form}, (a.name, str(plan))
             fetch[form] = got
             if norms is None and sums:
                 clipped, norms = custagg.clipped_gradients(
                     loss, xs, clip, return_norms=True)
+    for form, got in fetch.items():
+        for g in got:
+            # Each form's graph holds only its own ops (and the rules').
+            assert per_example_reference.forms_behind(g) - {"rules"} <= (
+                {form} if form else O_B_FORMS), form
     rng = np.random.default_rng(seed)
     big = feed(max(batches), rng)
     with tf.compat.v1.Session() as sess:
@@ -203,24 +213,26 @@ def check_model(build, forms=(None, "recompute-loop"), batches=BATCHES,
 
 
 class _forcing(object):
-    """Makes the engine take `form` for every recomputed x: "recompute-loop"
-    by making pfor fail (the fallback path auto takes when pfor cannot
-    convert an op)."""
+    """Makes the engine take `form` for every loop weight: "recompute" by
+    turning the loop rules off (what a loop they cannot read gets),
+    "recompute-loop" by also making pfor fail (the fallback path auto
+    takes when pfor cannot convert an op)."""
 
     def __init__(self, form):
         self.form = form
-        self.saved = recompute.per_example_pfor
+        self.saved = recompute.per_example_pfor, loop_rules.find
 
     def __enter__(self):
         if self.form is None:
             return
+        loop_rules.find = lambda *args: (None, "loop rules off (test)")
         if self.form == "recompute-loop":
             def fail(*args, **kwargs):
                 raise ValueError("forced off by the test")
             recompute.per_example_pfor = fail
 
     def __exit__(self, *exc):
-        recompute.per_example_pfor = self.saved
+        recompute.per_example_pfor, loop_rules.find = self.saved
 
 
 # --------------------------------------------------------------------------
@@ -258,7 +270,10 @@ def test_loop_models_match_the_loop_reference(graph, name):
 
 def test_plan_says_why_and_what_costs(graph):
     loss, xs, _ = hand_rnn()
-    plan = custagg.plan_per_example(loss, xs)
+    assert custagg.plan_per_example(loss, xs).forms() == [
+        "loop-rules", "loop-rules", "rules", "rules"]
+    with _forcing("recompute"):
+        plan = custagg.plan_per_example(loss, xs)
     assert plan.forms() == ["recompute", "recompute", "rules", "rules"]
     text = str(plan)
     assert "per-example copies of the forward pass" in text, text
@@ -270,7 +285,8 @@ def test_random_ops_are_refused_with_their_name(graph):
     """Dropout between the inputs and the loss: a copy would draw a new
     mask, so the plan keeps the exact whole pass and says why."""
     loss, xs, _ = hand_rnn(prep=lambda x: tf.nn.dropout(x, rate=0.5))
-    plan = custagg.plan_per_example(loss, xs[:2])
+    with _forcing("recompute"):
+        plan = custagg.plan_per_example(loss, xs[:2])
     assert plan.forms() == ["whole-pass"] * 2, str(plan)
     assert "random" in str(plan) and "RandomUniform" in str(plan), str(plan)
 
@@ -288,7 +304,8 @@ def test_batch_coupling_is_refused(graph):
 def test_unknown_rank_input_is_refused(graph):
     x = tf.compat.v1.placeholder(tf.float64, None, name="shapeless")
     loss, xs, _ = hand_rnn(x=x, prep=lambda x: tf.reshape(x, [-1, T, D]))
-    plan = custagg.plan_per_example(loss, xs[:2])
+    with _forcing("recompute"):
+        plan = custagg.plan_per_example(loss, xs[:2])
     assert "shapeless" in str(plan) and "unknown rank" in str(plan), str(plan)
 
 

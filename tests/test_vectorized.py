@@ -52,6 +52,44 @@ def test_chunked_pfor_matches_a_loop(sess, n, chunk):
         np.testing.assert_array_equal(got[1], want_i)
 
 
+@pytest.mark.parametrize("n, chunk, max_pass_bytes", [
+    (11, 2, 3 * 32), (11, 2, None), (7, 3, 0), (9, 4, 1), (2, 1, 2 ** 40)])
+def test_passes_that_grow_match_a_loop(sess, n, chunk, max_pass_bytes):
+    """Passes after the first take max(chunk, max_pass_bytes // 32) here
+    (32 bytes of outputs per iteration): 2 then 3s, all at once, chunk."""
+    n_fed = tf.compat.v1.placeholder(tf.int32, [])
+
+    def loop_fn(i):
+        f = tf.cast(i, tf.float64)
+        return [tf.stack([f, f * f, -f]), tf.reshape(i, [1]) * 3, i + 1]
+
+    dtypes = [tf.float64, tf.int32, tf.int32]
+    static = vectorized.chunked_pfor(loop_fn, n, chunk, dtypes,
+                                     max_pass_bytes=max_pass_bytes)
+    dynamic = vectorized.chunked_pfor(loop_fn, n_fed, chunk, dtypes,
+                                      max_pass_bytes=max_pass_bytes)
+    assert static[0].shape.as_list() == [n, 3]
+    assert dynamic[0].shape.as_list() == [None, 3]
+    i = np.arange(n)
+    for got in sess.run([static, dynamic], {n_fed: n}):
+        np.testing.assert_array_equal(got[0], np.stack([i, i * i, -i], 1))
+        np.testing.assert_array_equal(got[1], 3 * i[:, None])
+        np.testing.assert_array_equal(got[2], i + 1)
+
+
+def test_later_pass_size():
+    f64, i32 = tf.float64, tf.int32
+    shapes = [tf.TensorShape([3]), tf.TensorShape([1]), tf.TensorShape([])]
+    # 3 * 8 + 4 + 4 = 32 bytes per iteration.
+    assert vectorized.later_pass_size(shapes, [f64, i32, i32], 2, 96) == 3
+    assert vectorized.later_pass_size(shapes, [f64, i32, i32], 5, 96) == 5
+    assert vectorized.later_pass_size(shapes, [f64, i32, i32], 2, 0) == 2
+    assert vectorized.later_pass_size(
+        [tf.TensorShape([None, 2])], [f64], 4, 2 ** 30) == 4
+    assert vectorized.later_pass_size(
+        [tf.TensorShape([0])], [f64], 1, 2 ** 40) == 2 ** 31 - 1
+
+
 def test_batch_region_and_boundary(rng):
     x, w1, w2, loss = mlp(rng, 5)
     anc = ancestors(loss)

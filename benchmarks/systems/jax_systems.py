@@ -56,6 +56,26 @@ def _forward(jnp, lax, model, p, x):
         h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
         h, _ = lax.scan(gru_step, h0, jnp.transpose(x, (1, 0, 2)))
         return _dense(h, p["dense_w"], p["dense_b"])
+    if model == "keras_lstm":
+        def keras_lstm_step(carry, xt):
+            h, c = carry
+            z = xt @ p["kernel"] + h @ p["recurrent_kernel"] + p["bias"]
+            i, f, g, o = jnp.split(z, 4, axis=1)
+            c = _sigmoid(jnp, f) * c + _sigmoid(jnp, i) * jnp.tanh(g)
+            return (_sigmoid(jnp, o) * jnp.tanh(c), c), None
+        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
+        (h, _), _ = lax.scan(keras_lstm_step, (h0, h0), jnp.transpose(x, (1, 0, 2)))
+        return _dense(h, p["dense_w"], p["dense_b"])
+    if model == "keras_gru":
+        def keras_gru_step(h, xt):      # reset_after=True: bias [input, recurrent]
+            xz, xr, xh = jnp.split(xt @ p["kernel"] + p["bias"][0], 3, axis=1)
+            rz, rr, rh = jnp.split(h @ p["recurrent_kernel"] + p["bias"][1], 3, axis=1)
+            z = _sigmoid(jnp, xz + rz)
+            r = _sigmoid(jnp, xr + rr)
+            return z * h + (1.0 - z) * jnp.tanh(xh + r * rh), None
+        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
+        h, _ = lax.scan(keras_gru_step, h0, jnp.transpose(x, (1, 0, 2)))
+        return _dense(h, p["dense_w"], p["dense_b"])
     if model == "norule_rnn":
         def norule_step(carry, xt):
             h, acc = carry

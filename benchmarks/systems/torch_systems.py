@@ -2,8 +2,8 @@
 
 The models are nn.Modules built from standard layers where Opacus has a
 per-sample rule (Linear, Conv2d, Embedding, LayerNorm); the LSTM cell, the
-GRU's two kernels (the whole recurrence, one module), norule_rnn and the
-positional embedding are small custom modules (Opacus falls back to its functorch path
+GRU's two kernels (the whole recurrence, one module), the Keras LSTM/GRU,
+norule_rnn and the positional embedding are small custom modules (Opacus falls back to its functorch path
 for them). Weights are copied from the TF-layout numpy arrays
 (`models.init_params`) and per-example gradients are mapped back to TF layout
 before the check.
@@ -57,6 +57,37 @@ def _build_module(torch, model):
                 h = (1.0 - z) * n + z * h
             return h
 
+    class KerasRNN(nn.Module):
+        """tf.keras LSTM / GRU(reset_after=True) in Keras's layout: kernel
+        [D, kH], recurrent_kernel [H, kH], bias [kH] (GRU: [2, 3H])."""
+
+        def __init__(self, kind):
+            super().__init__()
+            self.kind = kind
+            h = models.LSTM_HIDDEN
+            k = 4 if kind == "lstm" else 3
+            self.kernel = nn.Parameter(torch.zeros(models.LSTM_IN, k * h))
+            self.recurrent_kernel = nn.Parameter(torch.zeros(h, k * h))
+            self.bias = nn.Parameter(torch.zeros(k * h) if kind == "lstm"
+                                     else torch.zeros(2, k * h))
+
+        def forward(self, x):
+            h = x.new_zeros(x.shape[0], models.LSTM_HIDDEN)
+            c = h
+            for t in range(models.LSTM_STEPS):
+                if self.kind == "lstm":
+                    z = x[:, t] @ self.kernel + h @ self.recurrent_kernel + self.bias
+                    i, f, g, o = z.chunk(4, dim=1)
+                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                    h = torch.sigmoid(o) * torch.tanh(c)
+                else:
+                    xz, xr, xh = (x[:, t] @ self.kernel + self.bias[0]).chunk(3, dim=1)
+                    rz, rr, rh = (h @ self.recurrent_kernel + self.bias[1]).chunk(3, dim=1)
+                    z = torch.sigmoid(xz + rz)
+                    r = torch.sigmoid(xr + rr)
+                    h = z * h + (1.0 - z) * torch.tanh(xh + r * rh)
+            return h
+
     class NoRuleRNN(nn.Module):
         """`models._tf_norule_rnn`: elementwise kernel, leaky state and
         prototype readout, all inside the step loop."""
@@ -106,6 +137,9 @@ def _build_module(torch, model):
                 self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
             elif model == "norule_rnn":
                 self.net = NoRuleRNN()
+            elif model in ("keras_lstm", "keras_gru"):
+                self.cell = KerasRNN(model[len("keras_"):])
+                self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
             elif model == "transformer":
                 d = models.TR_DIM
                 self.tok = nn.Embedding(models.TR_VOCAB, d)
@@ -143,7 +177,7 @@ def _build_module(torch, model):
                     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
                     h = torch.sigmoid(o) * torch.tanh(c)
                 return self.dense(h)
-            if model == "gru":
+            if model in ("gru", "keras_lstm", "keras_gru"):
                 return self.dense(self.cell(x))
             if model == "norule_rnn":
                 return self.net(x)
@@ -179,6 +213,12 @@ _MAPPING = {
     "gru": {"kernel": ("cell.kernel", ""), "recurrent": ("cell.recurrent", ""),
             "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
             "dense_b": ("dense.bias", "")},
+    "keras_lstm": {"kernel": ("cell.kernel", ""), "recurrent_kernel": ("cell.recurrent_kernel", ""),
+                   "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
+                   "dense_b": ("dense.bias", "")},
+    "keras_gru": {"kernel": ("cell.kernel", ""), "recurrent_kernel": ("cell.recurrent_kernel", ""),
+                  "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
+                  "dense_b": ("dense.bias", "")},
     "norule_rnn": {"center": ("net.center", ""), "power": ("net.power", ""),
                    "protos": ("net.protos", "")},
     "transformer": {"tok_emb": ("tok.weight", ""), "pos_emb": ("pos.weight", ""),

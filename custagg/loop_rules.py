@@ -1,0 +1,416 @@
+"""Per-example rules inside while-loop bodies: the RNN cell's MatMul/BiasAdd.
+
+A weight `w` used inside a v2 `While` body (Keras LSTM/GRU, `dynamic_rnn`,
+a hand-written `tf.while_loop` cell) enters the loop as a captured input;
+the body's op `z_t = a_t w` (or `z_t = z + w`, a bias) runs once per
+iteration t. Example b's gradient is
+
+    G_b = sum_t a_bt (x) dz_bt,     dz_bt = d loss_b / d z_bt
+
+an outer product summed over the iterations: `_outer.Outer` with the
+iterations as its T axis, so norms, clipped and weighted sums take the same
+identities as a Dense layer on a sequence (Gram form, `A^T diag(c) G`).
+
+TF's gradient of the loop sums `a_t^T dz_t` over the batch inside the
+gradient loop, where no one can reach it. So the loop is **rebuilt once on
+the whole batch** (`recompute`'s copy machinery, the batch kept whole) with
+each tapped op's output perturbed by a zero tensor, `z_t + eps[t]`, with
+`eps` `[T, B, N]` read from a TensorList, and each `a_t` pushed to an extra
+TensorList. One backward pass of the rebuilt loop, seeded with the loss's
+gradient at the original loop's outputs (from the rules' shared backward
+pass), gives `d/d eps = dz` `[T, B, N]`: row b of it is `d loss_b / d z_bt`
+because examples stay apart downstream of every tap.
+
+That last condition is checked statically, never assumed: from each tap's
+output, through the rest of the body, into the next iterations (loop
+variables) and out of the loop to the loss, every op must be known to keep
+the batch axis (`separability`), TensorLists included (items keep their
+batch axis). Anything unknown refuses the tap, and the planner takes an
+exact form instead (per-example copies, `custagg.recompute`).
+
+Handled: `While`/`StatelessWhile` at the top level of the loss's graph, x
+entering as a loop-invariant input (a resource handle read inside, or a
+value), consumed inside by `MatMul` (x on the right, `a_t` `[B, K]`),
+`BiasAdd`, or `AddV2`/`Add` of a `[N]` bias to `[B, N]`, directly or through
+`Unpack` along axis 0 (the Keras GRU's `[2, 3H]` bias). v1 loops
+(Enter/Exit frames) are not tapped.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+
+from custagg import recompute
+from custagg import registry as registry_lib
+from custagg import separability
+from custagg.rules import _outer
+
+LOOP_TYPES = separability.LOOP_TYPES
+
+# Ops between the loop's input and the value a tap reads.
+_READS = frozenset(["ReadVariableOp", "Identity"])
+
+
+class Tap(collections.namedtuple("Tap", ["op", "kind", "slot"])):
+    """One body op that consumes x.
+
+    op: the body op (`MatMul`: output `[B, N]` = `a [B, K]` x `w [K, N]`;
+      `BiasAdd`/`AddV2`: `[B, N]` + `[N]`).
+    kind: "matmul" (a_t is op.inputs[0]) or "bias" (a_t is 1).
+    slot: (j, J) when the op reads `unstack(x)[j]` of J slices, else None.
+    """
+
+    @property
+    def width(self):
+        """N, the static size of the op's output rows."""
+        return tf.compat.dimension_value(self.op.outputs[0].shape[-1])
+
+
+class LoopUse(collections.namedtuple("LoopUse", ["op", "index", "taps",
+                                                 "value", "used"])):
+    """x's uses inside While `op`, entering at `op.inputs[index]`; `value`:
+    x's value inside the body (x's shape); `used`: the indices of the
+    While's outputs the loss reads."""
+
+
+def find(op, index, loss, loss_ancestors):
+    """`(LoopUse, None)` when every use of `op.inputs[index]` in the loop
+    body is a tap that keeps examples apart to the loss, else
+    `(None, reason)`."""
+    if op.type not in LOOP_TYPES:
+        return None, "not a v2 while loop"
+    try:
+        body = recompute._func_graph(op, "body")  # pylint: disable=protected-access
+    except recompute.Refused as e:
+        return None, str(e)
+    why = _counted(op, body)
+    if why:
+        return None, why
+    if index >= len(body.outputs) or \
+            body.outputs[index] is not body.inputs[index]:
+        return None, ("x enters loop '%s' as a loop variable that the body "
+                      "changes" % op.name)
+    live = _live_body_ops(op, body, loss_ancestors)
+    for c in live:
+        if c.type in recompute.RANDOM or (
+                _stateful(c) and c.type not in _STATEFUL_OK):
+            # The rebuilt loop would draw new numbers (or act twice).
+            return None, separability.Reason(
+                "op '%s' (type %s) inside loop '%s' %s, and the loop rules "
+                "run the loop once more" % (
+                    c.name, c.type, op.name, "draws random numbers"
+                    if c.type in recompute.RANDOM else "has side effects"), c)
+    taps, value = [], None
+    for t, slot in _values(body.inputs[index], live):
+        value = t if slot is None else t.op.inputs[0]
+        for c in t.consumers():
+            if c not in live:
+                continue
+            kind, why = _tap_kind(c, t, slot)
+            if kind == "read":
+                continue
+            if kind is None:
+                return None, separability.Reason(
+                    "op '%s' (type %s) uses x inside loop '%s' in a way the "
+                    "loop rules do not handle (%s)" % (
+                        c.name, c.type, op.name, why), c)
+            taps.append(Tap(c, kind, slot))
+    if not taps:
+        return None, "x reaches the loss through no op of loop '%s'" % op.name
+    for tap in taps:
+        why = _coupling(op, body, tap.op.outputs[0], live, loss,
+                        loss_ancestors)
+        if why:
+            return None, separability.Reason(
+                "batch coupling between op '%s' inside loop '%s' and the "
+                "loss: %s" % (tap.op.name, op.name, why),
+                getattr(why, "op", None) or op)
+    return LoopUse(op, index, taps, value,
+                   tuple(_used_outputs(op, loss_ancestors))), None
+
+
+# Stateful ops a second run of the loop may repeat: reads.
+_STATEFUL_OK = frozenset(["ReadVariableOp", "VarHandleOp", "ResourceGather",
+                          "Placeholder"])
+
+
+def _stateful(op):
+    return getattr(op.op_def, "is_stateful", False)
+
+
+def _counted(op, body):
+    """Why loop var 0 may not be the iteration count (None if it is:
+    while_v2 puts a counter there, `i + 1` each iteration)."""
+    out = body.outputs[0] if body.outputs else None
+    if out is None or out.dtype != tf.int32 or \
+            out.op.type not in ("AddV2", "Add"):
+        return "loop '%s' has no iteration counter" % op.name
+    ins = list(out.op.inputs)
+    if body.inputs[0] not in ins or not any(
+            tf.get_static_value(i) == 1 for i in ins):
+        return "loop '%s' has no iteration counter" % op.name
+    return None
+
+
+def _live_body_ops(op, body, loss_ancestors):
+    """Body ops behind the loop variables whose outputs the loss reads."""
+    used = _used_outputs(op, loss_ancestors)
+    return recompute._ancestors_in([body.outputs[k] for k in used])  # pylint: disable=protected-access
+
+
+def _used_outputs(op, loss_ancestors):
+    """Indices of the While's outputs the loss reads (through a gradient)."""
+    return [k for k, out in enumerate(op.outputs)
+            if (out.dtype.is_floating or out.dtype == tf.variant) and
+            any(c in loss_ancestors for c in out.consumers())]
+
+
+def _values(t, live):
+    """(tensor, slot) pairs: x's value inside the body, through reads, and
+    its `Unpack` slices (slot (j, J))."""
+    stack, found = [t], []
+    while stack:
+        t = stack.pop()
+        for c in t.consumers():
+            if c not in live:
+                continue
+            if c.type in _READS:
+                stack.append(c.outputs[0])
+        if t.dtype != tf.resource:
+            found.append((t, None))
+        for c in t.consumers():
+            if c in live and c.type == "Unpack" and c.get_attr("axis") == 0 \
+                    and t.dtype != tf.resource:
+                n = len(c.outputs)
+                found.extend((o, (j, n)) for j, o in enumerate(c.outputs))
+    return found
+
+
+def _tap_kind(c, t, slot):
+    """("matmul" | "bias", None) for an op a tap can read, or (None, why)."""
+    if c.type in _READS or (c.type == "Unpack" and slot is None):
+        return "read", None
+    out = c.outputs[0]
+    if out.shape.rank != 2 or tf.compat.dimension_value(out.shape[1]) is None:
+        return None, "its output is not [B, N] with N known"
+    if c.type == "MatMul":
+        if c.inputs[1] is not t or c.inputs[0] is t or \
+                c.get_attr("transpose_a") or c.get_attr("transpose_b"):
+            return None, "x is not the right operand of a plain a x w"
+        if c.inputs[0].shape.rank != 2 or tf.compat.dimension_value(
+                c.inputs[0].shape[1]) is None:
+            return None, "the activation is not [B, K] with K known"
+        return "matmul", None
+    if c.type in ("BiasAdd", "AddV2", "Add"):
+        k = list(c.inputs).index(t)
+        if c.type == "BiasAdd" and k != 1:
+            return None, "x is the value, not the bias"
+        other = c.inputs[1 - k]
+        if t.shape.rank != 1 or other.shape.rank != 2 or other is t:
+            return None, "not a [B, N] + [N] bias"
+        return "bias", None
+    return None, "no loop rule for op type %s" % c.type
+
+
+def _coupling(op, body, start, live, loss, loss_ancestors):
+    """None if row b of `start` (a body tensor, batch on axis 0) reaches
+    only loss[b]: through the body, the next iterations and out of the
+    loop; else a reason."""
+    reached, why = separability.walk_body(body, [(start, 0)], live)
+    if why:
+        return why
+    for k, axes in sorted(reached.items()):
+        for axis in axes:
+            why = separability.coupling(op.outputs[k], axis, loss,
+                                        loss_ancestors)
+            if why:
+                return why
+    return None
+
+
+# --------------------------------------------------------------------------
+# Building
+
+
+class _Hook(object):
+    """Taps one rebuilt While body (see `recompute.whole_batch`)."""
+
+    def __init__(self, taps, steps, batch):
+        self.taps = list(taps)
+        self.ops = {tap.op: i for i, tap in enumerate(self.taps)}
+        self.eps = []
+        for tap in self.taps:
+            dtype = tap.op.outputs[0].dtype
+            self.eps.append(tf.zeros(tf.stack([steps, batch, tap.width]),
+                                     dtype))
+        self._lists = [tf.raw_ops.TensorListFromTensor(
+            tensor=e, element_shape=tf.constant([-1, e.shape[2]], tf.int32))
+            for e in self.eps]
+        self.activations = {}
+        self.fired = set()      # the taps the rebuilt body copied
+
+    def _matmuls(self):
+        return [i for i, tap in enumerate(self.taps) if tap.kind == "matmul"]
+
+    def initial(self):
+        """Extra loop variables: the step, one list of a_t per MatMul tap."""
+        out = [tf.constant(0, tf.int32)]
+        for i in self._matmuls():
+            a = self.taps[i].op.inputs[0]
+            out.append(tf.raw_ops.EmptyTensorList(
+                element_shape=tf.constant(
+                    [-1, tf.compat.dimension_value(a.shape[1])], tf.int32),
+                max_num_elements=-1, element_dtype=a.dtype))
+        return out
+
+    def invariant(self, t):
+        del t
+        return tf.TensorShape([])     # a scalar step, or a TensorList
+
+    def enter(self, values):
+        self.step = values[0]
+        self.lists = dict(zip(self._matmuls(), values[1:]))
+
+    def tap(self, op, outs, mapping):
+        i = self.ops[op]
+        self.fired.add(i)
+        tap = self.taps[i]
+        width = tap.width
+        item = tf.raw_ops.TensorListGetItem(
+            input_handle=self._lists[i], index=self.step,
+            element_shape=tf.constant([-1, width], tf.int32),
+            element_dtype=self.eps[i].dtype)
+        if tap.kind == "matmul":
+            a = recompute._input(op.inputs[0], mapping)  # pylint: disable=protected-access
+            self.lists[i] = tf.raw_ops.TensorListPushBack(
+                input_handle=self.lists[i], tensor=a)
+        return [outs[0] + item] + list(outs[1:])
+
+    def leave(self):
+        return [self.step + 1] + [self.lists[i] for i in self._matmuls()]
+
+    def done(self, values):
+        for i, lst in zip(self._matmuls(), values[1:]):
+            a = self.taps[i].op.inputs[0]
+            self.activations[i] = tf.raw_ops.TensorListStack(
+                input_handle=lst, element_shape=tf.constant(
+                    [-1, tf.compat.dimension_value(a.shape[1])], tf.int32),
+                element_dtype=a.dtype)
+
+
+def cotangent_targets(uses):
+    """The While outputs whose gradients `build` needs, in a fixed order."""
+    out = []
+    for use in uses:
+        for k in use.used:
+            if not any(t is use.op.outputs[k] for t in out):
+                out.append(use.op.outputs[k])
+    return out
+
+
+def build(uses, loss, cotangent_of, batch):
+    """The Outer of each use: `{(while op, index): Outer}`.
+
+    Args:
+      uses: `LoopUse`s (several per loop share one rebuild).
+      loss: the `[B]` per-example loss.
+      cotangent_of: maps a While output's ref to d(sum loss)/d output
+        (missing or None: no gradient).
+      batch: B (int or scalar tensor).
+    """
+    by_loop = collections.OrderedDict()
+    for use in uses:
+        by_loop.setdefault(use.op, []).append(use)
+    result = {}
+    with tf.name_scope("loop_rules_form"):
+        for op, group in by_loop.items():
+            result.update(_build_loop(op, group, cotangent_of, batch))
+    return result
+
+
+def _build_loop(op, group, cotangent_of, batch):
+    """`build` for the uses of one While op."""
+    taps = [tap for use in group for tap in use.taps]
+    # The number of iterations the loop ran (its counter, from 0).
+    steps = op.outputs[0] - op.inputs[0]
+    hook = _Hook(taps, steps, batch)
+    used = [k for k in range(len(op.outputs))
+            if cotangent_of.get(op.outputs[k].ref()) is not None]
+    with recompute.whole_batch({op: hook}):
+        outs = recompute._rebuild_while(op, {}, used)  # pylint: disable=protected-access
+    ys = [outs[k] for k in used if outs[k] is not None]
+    seeds = [cotangent_of[op.outputs[k].ref()] for k in used
+             if outs[k] is not None]
+    dz = tf.compat.v1.gradients(
+        ys, hook.eps, grad_ys=seeds,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return {(use.op, use.index): _outer_of(use, hook, dz) for use in group}
+
+
+def _outer_of(use, hook, dz):
+    """One Outer for all taps of `use`: the taps' (a, g) pairs side by side
+    along T (G_b is the sum over taps and iterations)."""
+    shape = _outer.static_dims(use.value)
+    a_parts, g_parts = [], []
+    for tap in use.taps:
+        i = hook.taps.index(tap)
+        if i not in hook.fired:
+            continue        # not on a path to the loss: contributes 0
+        g = tf.transpose(tf.convert_to_tensor(dz[i]), [1, 0, 2])  # [B, T, N]
+        if tap.kind == "matmul":
+            a = tf.transpose(hook.activations[i], [1, 0, 2])       # [B, T, K]
+        else:
+            a = tf.ones(tf.concat([tf.shape(g)[:2], [1]], 0), g.dtype)
+        if tap.slot is not None:
+            j, n = tap.slot
+            width = tf.compat.dimension_value(a.shape[2])
+            a = tf.pad(a, [[0, 0], [0, 0], [j * width, (n - j - 1) * width]])
+        a_parts.append(a)
+        g_parts.append(g)
+    d_dims, k_dims = shape[:-1], shape[-1:]
+    if not a_parts:
+        batch = tf.shape(hook.eps[0])[1]
+        a_parts = [tf.zeros(tf.stack([batch, 1, _outer.prod(d_dims)]),
+                            hook.eps[0].dtype)]
+        g_parts = [tf.zeros(tf.stack([batch, 1, k_dims[0]]),
+                            hook.eps[0].dtype)]
+    a = a_parts[0] if len(a_parts) == 1 else tf.concat(a_parts, axis=1)
+    g = g_parts[0] if len(g_parts) == 1 else tf.concat(g_parts, axis=1)
+    outer = _outer.Outer(a, g, _outer.layout(d_dims or [], k_dims, None))
+    outer._choose_at_run_time = True  # pylint: disable=protected-access
+    return outer
+
+
+class LoopRule(registry_lib.Rule):
+    """The rule of a loop use: every reduction from its Outer (`ctx.cache`)."""
+
+    def per_example(self, ctx):
+        return ctx.cache["outer"].per_example()
+
+    def outer(self, ctx):
+        return ctx.cache["outer"]
+
+    def squared_norms(self, ctx):
+        return ctx.cache["outer"].squared_norms()
+
+    def group_squared_norms(self, ctx, num_groups):
+        return ctx.cache["outer"].grouped(num_groups).squared_norms()
+
+    def weighted_sum(self, ctx, weights):
+        return ctx.cache["outer"].weighted_sum(weights)
+
+    def squared_sum(self, ctx):
+        return ctx.cache["outer"].squared_sum()
+
+
+class LoopContext(registry_lib.RuleContext):
+    """A RuleContext whose parameter is x's value inside the body."""
+
+    @property
+    def param(self):
+        return self.cache["param"]
+
+
+RULE = LoopRule()

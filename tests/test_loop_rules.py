@@ -1,0 +1,265 @@
+"""Per-example rules inside while-loop bodies (custagg/loop_rules.py).
+
+Every RNN of tests/test_loops.py (dynamic batch, float64) takes the loop
+rules for its cell weights, and every public function (per-example
+gradients, norms, clipped sums global and per x, weighted sums, second
+moments) matches one `tf.compat.v1.gradients(loss[i], xs)` per example at
+B in {1, 5, 32, 33}. Loops that mix examples, or that the rules cannot
+read, are refused with the op's name and take an exact form instead.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import separability
+
+import per_example_reference
+import test_loops
+
+BATCHES = (1, 5, 32, 33)
+RTOL = 1e-7
+# The dense head outside the loop has ordinary rules.
+HEAD = ("readout/",)
+
+# dynamic_rnn with sequence_length: padding steps contribute nothing (TF's
+# Select keeps the state, and the taps' dz there is 0). The default run
+# checks these (one of each kind: hand-written with AddV2 bias and a weight
+# also used outside, Keras LSTM, Keras GRU with its Unpack bias, dynamic_rnn
+# with sequence_length); `python -m pytest -m slow tests/test_loop_rules.py`
+# the others (the loop reference at B=33 costs most of each test).
+DEFAULT_MODELS = frozenset(["hand_while_rnn", "weight_inside_and_outside",
+                            "keras_lstm_last", "keras_gru_sequence",
+                            "dynamic_rnn_lstm_seqlen"])
+V2_MODELS = [n if n in DEFAULT_MODELS else
+             pytest.param(n, marks=pytest.mark.slow)
+             for n in sorted(test_loops.MODELS)]
+
+
+def _check_all(loss, xs, feed, batches=BATCHES, seed=0, rtol=RTOL,
+               coupled=False):
+    """Every public function against the loop reference: one graph of
+    reference gradients built for the largest batch and sliced (the first
+    b examples' gradients are those of a batch of b, as the models keep
+    examples apart), or with `coupled` built for each batch."""
+    built, weights = per_example_reference.build_functions(loss, xs, "auto")
+    ref = test_loops.loop_reference(loss, xs, max(batches))
+    rng = np.random.default_rng(seed)
+    big = feed(max(batches), rng)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        ref_val = sess.run(ref, big)
+        for b in batches:
+            small = {k: v[:b] for k, v in big.items()}
+            refs = None if coupled else ([True] * len(xs),
+                                         [r[:b] for r in ref_val])
+            msg = per_example_reference.check(
+                sess, loss, xs, small, built, weights, rtol=rtol,
+                label="B=%d" % b, refs=refs)
+            assert msg is None, msg
+    return built
+
+
+@pytest.mark.parametrize("name", V2_MODELS)
+def test_rnn_weights_take_loop_rules_and_match_the_loop(graph, name):
+    loss, xs, feed = test_loops.MODELS[name]()
+    plan = custagg.plan_per_example(loss, xs)
+    for a in plan.assignments:
+        want = "rules" if a.name.startswith(HEAD) else "loop-rules"
+        assert a.form == want, str(plan)
+    assert not plan.slow(), str(plan)
+    assert "in loop '" in str(plan), str(plan)
+    built = _check_all(loss, xs, feed)
+    # Plan == execution: the per-example graph is the loop rules' (with the
+    # shared backward pass of the rules), never a recompute or whole pass.
+    for a, g in zip(plan.assignments, built["per_example_gradients"]):
+        behind = per_example_reference.forms_behind(g)
+        if a.form == "loop-rules":
+            assert behind == {"loop-rules", "rules"}, (a.name, behind)
+        else:
+            assert behind == {"rules"}, (a.name, behind)
+
+
+def test_microbatch_norms_and_strategy_rules(graph):
+    """num_microbatches (the group Gram form of the loop's Outer) and
+    strategy='rules', which loop rules satisfy."""
+    loss, xs, feed = test_loops.MODELS["keras_gru_sequence"]()
+    norms = custagg.per_example_norms(loss, xs, strategy="rules",
+                                      num_microbatches=2)
+    ref = test_loops.loop_reference(loss, xs, 6)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        fd = feed(6, np.random.default_rng(4))
+        got, per_ex = sess.run([norms, ref], fd)
+    want = np.sqrt(sum(np.sum(np.square(g.reshape(2, 3, -1).sum(1)), axis=1)
+                       for g in per_ex))
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+
+
+def test_float32_hand_lstm(graph):
+    """The benchmarks' LSTM (float32, tf.nn.bias_add, tf.split gates)."""
+    steps, din, hidden = 4, 3, 5
+    x = tf.compat.v1.placeholder(tf.float32, [None, steps, din])
+    y = tf.compat.v1.placeholder(tf.int32, [None])
+    rng = np.random.default_rng(0)
+    kernel = tf.compat.v1.Variable(
+        0.4 * rng.normal(size=(din + hidden, 4 * hidden)).astype(np.float32),
+        use_resource=True, name="kernel")
+    bias = tf.compat.v1.Variable(np.zeros(4 * hidden, np.float32),
+                                 use_resource=True, name="bias")
+    dense = tf.compat.v1.Variable(
+        0.4 * rng.normal(size=(hidden, 3)).astype(np.float32),
+        use_resource=True, name="dense")
+    x_tm = tf.transpose(x, [1, 0, 2])
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], hidden]))
+
+    def body(t, h, c):
+        z = tf.nn.bias_add(tf.matmul(tf.concat([tf.gather(x_tm, t), h], 1),
+                                     kernel), bias)
+        i, f, g, o = tf.split(z, 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        return t + 1, tf.sigmoid(o) * tf.tanh(c), c
+
+    _, h, _ = tf.compat.v1.while_loop(lambda t, h, c: t < steps, body,
+                                      (tf.constant(0), h0, h0))
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(h, dense))
+    xs = [kernel, bias, dense]
+    assert custagg.plan_per_example(loss, xs).forms() == [
+        "loop-rules", "loop-rules", "rules"]
+
+    def feed(b, r):
+        return {x: r.normal(size=(b, steps, din)).astype(np.float32),
+                y: r.integers(0, 3, size=b)}
+    _check_all(loss, xs, feed, batches=(1, 32, 33), rtol=1e-4)
+
+
+# --------------------------------------------------------------------------
+# Refusals: the loop rules never guess.
+
+
+def _rnn(mix=None, after=None, changing=False, inside=None):
+    """A hand-written RNN whose body applies `mix(h)` (a coupling) to the
+    new state; `after(loss)` post-processes the loss; with `changing` the
+    weight is a loop variable the body updates; `inside(z)` another op on
+    the tapped output."""
+    x, y = test_loops._inputs()  # pylint: disable=protected-access
+    rng = np.random.default_rng(5)
+    w = tf.compat.v1.Variable(0.5 * rng.normal(size=(test_loops.D +
+                                                     test_loops.H,
+                                                     test_loops.H)),
+                              use_resource=True, name="cell_w")
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], test_loops.H]), tf.float64)
+    if changing:
+        def body(t, h, v):
+            z = tf.matmul(tf.concat([x[:, t, :], h], axis=1), v)
+            return t + 1, tf.tanh(z), v * 0.9
+        _, h, _ = tf.compat.v1.while_loop(
+            lambda t, h, v: t < test_loops.T, body, [0, h0, w.read_value()])
+    else:
+        def body(t, h):
+            z = tf.matmul(tf.concat([x[:, t, :], h], axis=1), w)
+            if inside is not None:
+                z = inside(z)
+            h = tf.tanh(z)
+            if mix is not None:
+                h = mix(h)
+            return t + 1, h
+        _, h = tf.compat.v1.while_loop(lambda t, h: t < test_loops.T, body,
+                                       [0, h0])
+    loss, head = test_loops._head(h, y)  # pylint: disable=protected-access
+    if after is not None:
+        loss = after(loss)
+    return loss, [w] + head, test_loops._feed(x, y)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("what,build,names", [
+    ("a mean over the batch in the body",
+     lambda: _rnn(mix=lambda h: h - tf.reduce_mean(h, axis=0)), "Mean"),
+    ("the batch reversed in the body",
+     lambda: _rnn(mix=lambda h: tf.reverse(h, [0])), "Reverse"),
+    ("a Gram matrix over the batch",
+     lambda: _rnn(mix=lambda h: tf.matmul(h, tf.matmul(
+         h, h, transpose_a=True))), "MatMul"),
+    ("a mean of the losses after the loop",
+     lambda: _rnn(after=lambda l: l - tf.reduce_mean(l)), "Mean"),
+    ("the weight changes inside the loop",
+     lambda: _rnn(changing=True), "loop variable"),
+    ("random numbers inside the loop",
+     lambda: _rnn(inside=lambda z: tf.nn.dropout(z, rate=0.5)),
+     "random"),
+])
+def test_loops_the_rules_cannot_prove_are_refused(graph, what, build, names):
+    loss, xs, _ = build()
+    plan = custagg.plan_per_example(loss, xs)
+    cell = plan.assignments[0]
+    assert cell.form != "loop-rules" and cell.strategy != "rules", (
+        what, str(plan))
+    assert names in cell.reason, (what, cell.reason)
+    with pytest.raises(ValueError, match="strategy='rules' cannot"):
+        custagg.plan_per_example(loss, xs[:1], strategy="rules")
+
+
+def test_refused_coupling_after_the_loop_is_still_exact(graph):
+    """The loss mixes examples after the loop: no rules, no copies; the
+    exact whole pass, against the loop reference."""
+    loss, xs, feed = _rnn(after=lambda l: l - 0.5 * tf.reduce_mean(l))
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[0] == "whole-pass", str(plan)
+    _check_all(loss, xs, feed, batches=(1, 5), coupled=True)
+
+
+def test_dropout_before_the_loop_keeps_loop_rules(graph):
+    """A random op upstream of the loop is read, not rerun, by the rebuilt
+    loop: the rules and the reference see the same mask in one run."""
+    loss, xs, feed = test_loops.hand_rnn(
+        prep=lambda x: tf.nn.dropout(x, rate=0.5))
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[:2] == ["loop-rules"] * 2, str(plan)
+    got = custagg.per_example_gradients(loss, xs)
+    ref = test_loops.loop_reference(loss, xs, 5)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        g, r = sess.run([got, ref], feed(5, np.random.default_rng(2)))
+    for a, b in zip(g, r):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-12)
+
+
+def test_layer_before_a_loop_keeps_its_rules(graph):
+    """A Dense layer feeding a Keras LSTM: the coupling check follows the
+    batch through the loop body, so the Dense kernel takes rules."""
+    x, y = test_loops._inputs()  # pylint: disable=protected-access
+    pre = tf.keras.layers.Dense(4, dtype=tf.float64, name="pre")
+    lstm = tf.keras.layers.LSTM(test_loops.H, dtype=tf.float64)
+    loss, head = test_loops._head(lstm(tf.tanh(pre(x))), y)  # pylint: disable=protected-access
+    xs = pre.trainable_weights + lstm.trainable_weights + head
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[:2] == ["rules", "rules"], str(plan)
+    assert plan.forms()[2:5] == ["loop-rules"] * 3, str(plan)
+    _check_all(loss, xs, test_loops._feed(x, y), batches=(1, 5))  # pylint: disable=protected-access
+
+
+def test_list_descriptors():
+    """TensorList items keep their batch axis; a list reaching another op
+    mixes."""
+    with tf.Graph().as_default():
+        t = tf.compat.v1.placeholder(tf.float32, [3, None, 2])
+        lst = tf.raw_ops.TensorListFromTensor(
+            tensor=t, element_shape=tf.constant([-1, 2]))
+        item = tf.raw_ops.TensorListGetItem(
+            input_handle=lst, index=0, element_shape=tf.constant([-1, 2]),
+            element_dtype=tf.float32)
+        stacked = tf.raw_ops.TensorListStack(
+            input_handle=lst, element_shape=tf.constant([-1, 2]),
+            element_dtype=tf.float32)
+        assert separability.propagate(lst.op, 0, 1) == separability.ListOf(0)
+        assert separability.propagate(lst.op, 0, 0) is None
+        assert separability.propagate(item.op, 0,
+                                      separability.ListOf(0)) == 0
+        assert separability.propagate(stacked.op, 0,
+                                      separability.ListOf(0)) == 1
+        other = tf.identity(lst)
+        assert separability.propagate(other.op, 0,
+                                      separability.ListOf(0)) == \
+            separability.ListOf(0)
