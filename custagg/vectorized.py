@@ -16,9 +16,9 @@ Two forms, tried in order for each x:
    through the whole batch, so cost grows with B^2; chunks of
    `chunk` examples bound the memory.
 
-Both run in passes (`chunked_pfor`): `chunk` examples first, then as many as
-keep a pass's outputs under `PASS_BYTES` (never fewer than `chunk`; the whole
-pass always `chunk`).
+Both run in passes (`chunked_pfor`) of as many examples as keep a pass's
+outputs under `PASS_BYTES`, never fewer than `chunk` (the whole backward
+pass: always `chunk`).
 """
 
 from __future__ import annotations
@@ -169,17 +169,19 @@ def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
     `n % chunk` iterations, and with 0 of them (n a multiple of the chunk)
     several converters (ReluGrad, max-pool and while-loop gradients) build
     wrongly shaped results that fail at run time; TF 2.12 also fails for
-    `n < chunk`. Here every pass vectorizes at least 1 iteration: one pass
-    when `n <= chunk` is known statically, else a `tf.while_loop` whose first
-    pass takes `min(chunk, n)` iterations and whose later passes take
-    `max(chunk, max_pass_bytes // b)`, `b` the bytes of one iteration's
-    outputs (known once the first pass is traced; `chunk` if a shape is not
-    static), so that small outputs take few passes.
+    `n < chunk`. Here every pass vectorizes at least 1 iteration, and a pass
+    takes `p = max(chunk, max_pass_bytes // b)` iterations, `b` the bytes of
+    one iteration's outputs (from a trace of `loop_fn(0)` that never runs),
+    so that small outputs take few passes: one pass when `n <= p` is known
+    statically, else a `tf.while_loop` over passes of `min(p, n - start)`.
+    Where the trace does not give `b`, the first pass takes `chunk` and the
+    later ones `p` from the first pass's shapes (`chunk` if not static).
 
     Args:
       loop_fn: `i -> list of tensors` (scalar int32 i), one per `dtypes`.
       n: number of iterations (int or scalar int32 tensor; >= 0).
-      chunk: iterations of the first pass, and the fewest of the others.
+      chunk: the fewest iterations of a pass (of the first one, where one
+        iteration's output bytes are not known before it is traced).
       dtypes: the dtypes `loop_fn` returns, in order.
       max_pass_bytes: the outputs' bytes a later pass may reach (None:
         `PASS_BYTES`; 0: every pass `chunk`, for loop functions whose memory
@@ -193,6 +195,13 @@ def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
         return pfor_ops.pfor(loop_fn, int(static_n))
     if max_pass_bytes is None:
         max_pass_bytes = PASS_BYTES
+    first = chunk
+    if max_pass_bytes > 0:
+        probed = _output_shapes(loop_fn)
+        if probed is not None:
+            first = later_pass_size(probed, dtypes, chunk, max_pass_bytes)
+    if static_n is not None and static_n <= first:
+        return pfor_ops.pfor(loop_fn, int(static_n))
     n = tf.convert_to_tensor(n, tf.int32)
     shapes = []
 
@@ -214,7 +223,7 @@ def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
               for dtype in dtypes]
     _, _, _, arrays = tf.while_loop(
         lambda j, start, size, _: start < n, body,
-        [tf.constant(0), tf.constant(0), tf.constant(chunk), arrays],
+        [tf.constant(0), tf.constant(0), tf.constant(first), arrays],
         parallel_iterations=1)
     results = []
     for ta, shape in zip(arrays, shapes):
@@ -224,8 +233,20 @@ def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
     return results
 
 
+def _output_shapes(loop_fn):
+    """The shapes of `loop_fn(0)`'s outputs, from a trace in a function that
+    is never called (so nothing of it runs or joins the graph), or None when
+    that trace fails (the real one, inside pfor, then says why)."""
+    probe = tf.function(lambda: loop_fn(tf.constant(0)), autograph=False)
+    try:
+        outs = probe.get_concrete_function().structured_outputs
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return [tf.TensorShape(o.shape) for o in outs]
+
+
 def later_pass_size(shapes, dtypes, chunk, max_pass_bytes):
-    """Iterations of `chunked_pfor`'s passes after the first.
+    """Iterations of one of `chunked_pfor`'s passes.
 
     Args:
       shapes: one iteration's output shapes (`TensorShape`s, no leading axis).

@@ -90,6 +90,23 @@ def test_later_pass_size():
         [tf.TensorShape([0])], [f64], 1, 2 ** 40) == 2 ** 31 - 1
 
 
+def test_output_shapes_come_from_a_trace_that_never_runs(sess):
+    x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+    n_ops = len(tf.compat.v1.get_default_graph().get_operations())
+
+    def loop_fn(i):
+        return [tf.gather(x, i) * 2.0, tf.reshape(i, [1, 1])]
+
+    shapes = vectorized._output_shapes(loop_fn)
+    assert [s.as_list() for s in shapes] == [[3], [1, 1]]
+    assert len(tf.compat.v1.get_default_graph().get_operations()) == n_ops
+
+    def broken(i):
+        raise ValueError("not here")
+
+    assert vectorized._output_shapes(broken) is None
+
+
 def test_batch_region_and_boundary(rng):
     x, w1, w2, loss = mlp(rng, 5)
     anc = ancestors(loss)
