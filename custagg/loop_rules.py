@@ -28,12 +28,12 @@ the batch axis (`separability`), TensorLists included (items keep their
 batch axis). Anything unknown refuses the tap, and the planner takes an
 exact form instead (per-example copies, `custagg.recompute`).
 
-Handled: `While`/`StatelessWhile` at the top level of the loss's graph, x
-entering as a loop-invariant input (a resource handle read inside, or a
-value), consumed inside by `MatMul` (x on the right, `a_t` `[B, K]`),
-`BiasAdd`, or `AddV2`/`Add` of a `[N]` bias to `[B, N]`, directly or through
-`Unpack` along axis 0 (the Keras GRU's `[2, 3H]` bias). v1 loops
-(Enter/Exit frames) are not tapped.
+Handled: `While`/`StatelessWhile` at the top level of the loss's graph and
+top-level v1 frames (Enter/Exit, `disable_v2_behavior`), x entering as a
+loop-invariant input (a resource handle read inside, or a value), consumed
+inside by `MatMul` (x on the right, `a_t` `[B, K]`), `BiasAdd`, or
+`AddV2`/`Add` of a `[N]` bias to `[B, N]`, directly or through `Unpack`
+along axis 0 (the Keras GRU's `[2, 3H]` bias).
 """
 
 from __future__ import annotations
