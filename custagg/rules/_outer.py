@@ -21,6 +21,8 @@ follows from `a` `[B, T, D]` and `g = dz` `[B, T, K]` without materializing
 import numpy as np
 import tensorflow as tf
 
+from custagg.rules import _reduce
+
 
 def _static(dim):
     return tf.compat.dimension_value(dim)
@@ -74,8 +76,8 @@ class Outer(object):
 
     def squared_norms(self):
         if self.seq_len == 1:
-            return (tf.reduce_sum(tf.square(self.a[:, 0]), axis=1) *
-                    tf.reduce_sum(tf.square(self.g[:, 0]), axis=1))
+            return (_reduce.per_example_squared_norms(self.a[:, 0]) *
+                    _reduce.per_example_squared_norms(self.g[:, 0]))
         if self.seq_len is None and self._choose_at_run_time:
             d, k = _static(self.a.shape[2]), _static(self.g.shape[2])
             if d is not None and k is not None:
@@ -92,7 +94,7 @@ class Outer(object):
 
     def _full_norms(self):
         full = tf.einsum("btd,btk->bdk", self.a, self.g)
-        return tf.reduce_sum(tf.square(full), axis=[1, 2])
+        return _reduce.per_example_squared_norms(full)
 
     def weighted_sum(self, weights):
         c = tf.cast(weights, self.a.dtype)[:, None, None]

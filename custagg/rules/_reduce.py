@@ -1,4 +1,5 @@
-"""Per-example sums over positions: `[B, ..., C]` -> `[B, C]`.
+"""Per-example reductions: sums over positions `[B, ..., C]` -> `[B, C]`,
+and squared norms `[B, ...]` -> `[B]`.
 
 Biases and normalization parameters get example b's gradient by summing
 `u[b]` over every axis but the channel one. With the channel last (NHWC)
@@ -11,7 +12,7 @@ also faster with oneDNN off). The sum is the same, in another order.
 
 import tensorflow as tf
 
-# Dtypes whose batched-matmul kernels were measured; others use reduce_sum.
+# Dtypes whose kernels were measured; others take the plain reduce_sum forms.
 _MATMUL_DTYPES = (tf.float32, tf.float64)
 
 
@@ -61,3 +62,20 @@ def per_example_channel_sums(u, channel):
         return tf.squeeze(tf.matmul(_ones([1, 1, p], u.dtype), rows), 1)
     rows = tf.reshape(u, tf.stack([batch, c, p]))               # [B, C, P]
     return tf.squeeze(tf.matmul(rows, _ones([p, 1], u.dtype)), 2)
+
+
+def per_example_squared_norms(t):
+    """`[B, ...]` -> `[B]`: each example's sum of squares.
+
+    As the square of TF's `EuclideanNorm` reduction: one pass that squares
+    as it sums, where `reduce_sum(square(t))` writes the squares first
+    (1 thread: [256, 21632] float32 1.0 ms against 2.2 ms, float64 1.9
+    against 4.7; [256, 576, 32] float32 0.8 against 1.7). The square root
+    and square add about an ulp.
+    """
+    axes = list(range(1, t.shape.rank))
+    if not axes:
+        return tf.square(t)
+    if t.dtype.base_dtype not in _MATMUL_DTYPES:
+        return tf.reduce_sum(tf.square(t), axis=axes)
+    return tf.square(tf.math.reduce_euclidean_norm(t, axis=axes))

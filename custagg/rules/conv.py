@@ -33,6 +33,7 @@ import tensorflow as tf
 from custagg import _tf_compat
 from custagg import registry
 from custagg.rules import _outer
+from custagg.rules import _reduce
 
 # `_window_patches` not yet asked for in a context.
 _NOT_BUILT = object()
@@ -176,6 +177,9 @@ class _ConvBase(registry.Rule):
 
     def _backprop_filter(self, ctx, g):
         raise NotImplementedError
+
+    def squared_norms(self, ctx):
+        return _reduce.per_example_squared_norms(self.cached_per_example(ctx))
 
     def weighted_sum(self, ctx, weights):
         c = tf.cast(weights, ctx.grad.dtype)
@@ -390,8 +394,7 @@ class Conv2DRule(_ConvBase):
             norms = self._gram_norms(ctx)
             if norms is not None:
                 return norms
-        per = self.cached_per_example(ctx)
-        return tf.reduce_sum(tf.square(per), axis=[1, 2, 3, 4])
+        return super(Conv2DRule, self).squared_norms(ctx)
 
     def _backprop_filter(self, ctx, g):
         fmt, _, _, padding = self._attrs(ctx)

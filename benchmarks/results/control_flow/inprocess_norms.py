@@ -9,7 +9,7 @@ import custagg
 from custagg import recompute
 from benchmarks import models
 m=sys.argv[1]; B=int(sys.argv[2])
-x,y=models.tf_placeholders(m,B)
+x,y=models.tf_placeholders(m,B,dynamic=True)  # [None, ...]: recompute refuses a static B
 p,vl=models.tf_variables(m)
 loss=models.tf_loss(m,p,x,y)
 def sq(gs): return tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g),[B,-1]),1) for g in gs])
