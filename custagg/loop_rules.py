@@ -354,7 +354,7 @@ class _Hook(object):
             dtype = tap.op.outputs[0].dtype
             self.eps.append(tf.zeros(tf.stack([steps, batch, tap.width]),
                                      dtype))
-        self._lists = [tf.raw_ops.TensorListFromTensor(
+        self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
             tensor=e, element_shape=tf.constant([-1, e.shape[2]], tf.int32))
             for e in self.eps]
         self.activations = {}
@@ -447,17 +447,15 @@ def cotangent_targets(uses):
     return out
 
 
-def build(uses, loss, cotangent_of, batch):
+def build(uses, cotangent_of, batch):
     """The Outer of each use: `{(use.op, use.index): Outer}`.
 
     Args:
       uses: `LoopUse`s (those of one loop share one rebuild).
-      loss: the `[B]` per-example loss.
       cotangent_of: maps a loop output's ref to d(sum loss)/d output
         (missing or None: no gradient).
       batch: B (int or scalar tensor).
     """
-    del loss
     by_loop = collections.OrderedDict()
     for use in uses:
         by_loop.setdefault(use.loop, []).append(use)
@@ -473,12 +471,12 @@ def _build_loop(loop, group, cotangent_of, batch):
     taps = [tap for use in group for tap in use.taps]
     final, start = group[0].counter
     # The number of iterations the original loop ran.
-    hook = _Hook(taps, final - start, batch,
-                 v1=not isinstance(loop, tf.Operation))
+    v2 = isinstance(loop, tf.Operation)
+    hook = _Hook(taps, final - start, batch, v1=not v2)
     outputs = [t for t in cotangent_targets(group)
                if cotangent_of.get(t.ref()) is not None]
     with recompute.whole_batch({loop: hook}):
-        if isinstance(loop, tf.Operation):
+        if v2:
             new = recompute._rebuild_while(loop, {}, [  # pylint: disable=protected-access
                 t.value_index for t in outputs])
             ys = [new[t.value_index] for t in outputs]

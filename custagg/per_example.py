@@ -543,8 +543,7 @@ class _Engine(object):
                 seeds = {t.ref(): g if g is None or t.dtype == tf.variant
                          else sparse.dense(g)
                          for t, g in zip(targets, grads[len(outs):])}
-                outers = loop_rules.build(uses, self.loss, seeds,
-                                          self.plan.batch_size)
+                outers = loop_rules.build(uses, seeds, self.plan.batch_size)
                 for u in uses:
                     self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
                         u.op, u.index, None, self.plan.batch_size,
