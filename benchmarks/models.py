@@ -111,6 +111,9 @@ _SPECS = {
 }
 
 MODELS = tuple(_SPECS)
+# Issue 11's loop models beyond lstm/gru, run by `python -m benchmarks
+# --control-flow` (or --models), not by the default full run.
+CONTROL_FLOW_ONLY = ("norule_rnn", "keras_lstm", "keras_gru")
 # The models whose TF graph comes from a tf.keras recurrent layer.
 KERAS_RNN = {"keras_lstm": "LSTM", "keras_gru": "GRU"}
 

@@ -175,3 +175,6 @@ def test_control_flow_preset():
     assert args.systems == ["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"]
     assert args.out.endswith(os.path.join("results", "control_flow"))
     assert run.parse_args(["--control-flow"]).batch_sizes == [32, 128, 512]
+    # The default full run keeps its models; the issue-11 ones are the preset's.
+    assert "norule_rnn" not in run.parse_args([]).models
+    assert {"lstm", "gru", "mlp"} <= set(run.parse_args([]).models)
