@@ -117,8 +117,10 @@ def _markdown(rows, meta):
         "full size, float32, dynamic batch). Each ratio is a median of "
         "runs alternated with the aggregated gradient (floor) in the same "
         "process; the floor column is that same measurement.", "",
-        "Machine: %s; TF %s; %d repeats; %d thread(s)." % (
-            meta["machine"], meta["tf"], meta["repeats"], meta["threads"]),
+        "Machine: %s; TF %s; %d repeats; %d thread(s); load average "
+        "(1 min) %s at the start, %s at the end." % (
+            meta["machine"], meta["tf"], meta["repeats"], meta["threads"],
+            meta.get("load_start", "?"), meta.get("load_end", "?")),
         "",
         "| model | B | floor ms | norms | clipped sum | DP step / "
         "original step | not on rules |",
@@ -158,13 +160,16 @@ def main(argv=None):
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     import platform
     import tensorflow as tf
+    # Other processes on the machine move the ratios; the load says how much.
+    load_start = "%.2f" % os.getloadavg()[0]
     rows = []
     for name in names:
         rows.extend(_bench_model(name, batches, args.repeats, args.threads))
     meta = {"machine": "%s, %d cores" % (platform.processor() or
                                          platform.machine(), os.cpu_count()),
             "tf": tf.__version__, "repeats": args.repeats,
-            "threads": args.threads}
+            "threads": args.threads, "load_start": load_start,
+            "load_end": "%.2f" % os.getloadavg()[0]}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "zoo.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

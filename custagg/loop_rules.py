@@ -28,12 +28,12 @@ the batch axis (`separability`), TensorLists included (items keep their
 batch axis). Anything unknown refuses the tap, and the planner takes an
 exact form instead (per-example copies, `custagg.recompute`).
 
-Handled: `While`/`StatelessWhile` at the top level of the loss's graph, x
-entering as a loop-invariant input (a resource handle read inside, or a
-value), consumed inside by `MatMul` (x on the right, `a_t` `[B, K]`),
-`BiasAdd`, or `AddV2`/`Add` of a `[N]` bias to `[B, N]`, directly or through
-`Unpack` along axis 0 (the Keras GRU's `[2, 3H]` bias). v1 loops
-(Enter/Exit frames) are not tapped.
+Handled: `While`/`StatelessWhile` at the top level of the loss's graph and
+top-level v1 frames (Enter/Exit, `disable_v2_behavior`), x entering as a
+loop-invariant input (a resource handle read inside, or a value), consumed
+inside by `MatMul` (x on the right, `a_t` `[B, K]`), `BiasAdd`, or
+`AddV2`/`Add` of a `[N]` bias to `[B, N]`, directly or through `Unpack`
+along axis 0 (the Keras GRU's `[2, 3H]` bias).
 """
 
 from __future__ import annotations
@@ -42,12 +42,15 @@ import collections
 
 import tensorflow as tf
 
+from custagg import _tf_compat
 from custagg import recompute
 from custagg import registry as registry_lib
 from custagg import separability
 from custagg.rules import _outer
 
 LOOP_TYPES = separability.LOOP_TYPES
+# The ops through which x enters a loop: a v2 While, a v1 frame's Enter.
+ENTRY_TYPES = LOOP_TYPES | frozenset(["Enter", "RefEnter"])
 
 # Ops between the loop's input and the value a tap reads.
 _READS = frozenset(["ReadVariableOp", "Identity"])
@@ -68,19 +71,31 @@ class Tap(collections.namedtuple("Tap", ["op", "kind", "slot"])):
         return tf.compat.dimension_value(self.op.outputs[0].shape[-1])
 
 
-class LoopUse(collections.namedtuple("LoopUse", ["op", "index", "taps",
-                                                 "value", "used"])):
-    """x's uses inside While `op`, entering at `op.inputs[index]`; `value`:
-    x's value inside the body (x's shape); `used`: the indices of the
-    While's outputs the loss reads."""
+class LoopUse(collections.namedtuple("LoopUse", [
+        "op", "index", "taps", "value", "outputs", "loop", "counter"])):
+    """x's uses inside one loop, entering at `op.inputs[index]` (`op`: the
+    v2 While, or the v1 Enter).
+
+    value: x's value inside the body (x's shape).
+    outputs: the loop's outputs the loss reads (While outputs, v1 Exits).
+    loop: the While op, or the v1 WhileContext (one rebuild per loop).
+    counter: (final, start) tensors of the loop's iteration counter.
+    """
+
+    @property
+    def name(self):
+        """The loop's name (the While op's, or the v1 frame's)."""
+        return self.loop.name
 
 
 def find(op, index, loss, loss_ancestors):
     """`(LoopUse, None)` when every use of `op.inputs[index]` in the loop
     body is a tap that keeps examples apart to the loss, else
-    `(None, reason)`."""
+    `(None, reason)`. `op`: a v2 While, or the Enter of a v1 frame."""
+    if op.type in ("Enter", "RefEnter"):
+        return _find_v1(op, loss, loss_ancestors)
     if op.type not in LOOP_TYPES:
-        return None, "not a v2 while loop"
+        return None, "not a while loop"
     try:
         body = recompute._func_graph(op, "body")  # pylint: disable=protected-access
     except recompute.Refused as e:
@@ -93,6 +108,98 @@ def find(op, index, loss, loss_ancestors):
         return None, ("x enters loop '%s' as a loop variable that the body "
                       "changes" % op.name)
     live = _live_body_ops(op, body, loss_ancestors)
+
+    def coupling(z):
+        return _coupling(op, body, z, live, loss, loss_ancestors)
+    outputs = tuple(op.outputs[k] for k in _used_outputs(op, loss_ancestors))
+    return _use(op, index, op.name, live, body.inputs[index], coupling,
+                outputs, op, (op.outputs[0], op.inputs[0]))
+
+
+def in_v1_loop(op):
+    """Whether `op` is inside a v1 while frame."""
+    ctxt = _tf_compat.control_flow_context(op)
+    while ctxt is not None:
+        if hasattr(ctxt, "loop_exits"):
+            return True
+        ctxt = ctxt.outer_context
+    return False
+
+
+def _find_v1(enter, loss, loss_ancestors):
+    """`find` for a v1 frame (Enter/Exit, `disable_v2_behavior`): the frame's
+    ops are ops of the graph, so the coupling check walks them as any."""
+    ctxt = _tf_compat.control_flow_context(enter)
+    name = getattr(ctxt, "name", "?")
+    if ctxt is None or not hasattr(ctxt, "loop_exits") or \
+            ctxt.outer_context is not None:
+        return None, ("x enters a v1 control-flow context ('%s') that is not "
+                      "a top-level while loop" % name)
+    if not enter.get_attr("is_constant"):
+        return None, ("x enters v1 loop '%s' as a loop variable" % name)
+    counter = _v1_counter(ctxt)
+    if counter is None:
+        return None, "v1 loop '%s' has no iteration counter from 0" % name
+    live = set(o for o in recompute._frame_ops(ctxt, enter.graph)  # pylint: disable=protected-access
+               if o in loss_ancestors)
+
+    def coupling(z):
+        return separability.coupling(z, 0, loss, loss_ancestors)
+    outputs = []
+    for e in ctxt.loop_exits:
+        readers = [c for c in e.consumers() if c in loss_ancestors]
+        if not readers:
+            continue
+        if any(c.type.startswith("TensorArray") for c in readers):
+            # A TensorArray's flow: its gradient is not a value to seed a
+            # copy with (the values sit in the original array's gradient
+            # array), so the seeds go in at the array's reads.
+            reads = [c for c in readers if c.type in _TA_READS]
+            if len(reads) + sum(c.type == "TensorArraySizeV3"
+                                for c in readers) != len(readers):
+                return None, ("the output TensorArray of v1 loop '%s' is "
+                              "read in a way the loop rules do not follow"
+                              % name)
+            outputs.extend(c.outputs[0] for c in reads)
+        else:
+            outputs.append(e)
+    return _use(enter, 0, name, live, enter.outputs[0], coupling,
+                tuple(outputs), ctxt, counter)
+
+
+# The reads of a v1 TensorArray after its loop, where seeds go in.
+_TA_READS = frozenset(["TensorArrayGatherV3", "TensorArrayReadV3",
+                       "TensorArrayConcatV3"])
+
+
+def _v1_counter(ctxt):
+    """(Exit, start) of a loop variable that starts at a constant and goes
+    up by 1 each iteration (dynamic_rnn's `time`, a hand-written `t`)."""
+    for exit_t in ctxt.loop_exits:
+        switch = exit_t.op.inputs[0].op
+        merge = switch.inputs[0].op
+        if merge.type != "Merge" or exit_t.dtype != tf.int32:
+            continue
+        start = merge.inputs[0].op
+        nxt = merge.inputs[1].op
+        if start.type != "Enter" or tf.get_static_value(
+                start.inputs[0]) is None or nxt.type != "NextIteration":
+            continue
+        add = nxt.inputs[0].op
+        if add.type not in ("AddV2", "Add"):
+            continue
+        ins = list(add.inputs)
+        through = [i for i in ins if i.op.type == "Identity" and
+                   i.op.inputs[0].op is switch and i.op.inputs[0]
+                   .value_index == 1]
+        if through and any(tf.get_static_value(i) == 1 for i in ins):
+            return exit_t, start.inputs[0]
+    return None
+
+
+def _use(op, index, name, live, entry, coupling, outputs, loop, counter):
+    """The LoopUse of x entering at `entry` (a body tensor), or the reason
+    the loop rules cannot read it."""
     for c in live:
         if c.type in recompute.RANDOM or (
                 _stateful(c) and c.type not in _STATEFUL_OK):
@@ -100,10 +207,10 @@ def find(op, index, loss, loss_ancestors):
             return None, separability.Reason(
                 "op '%s' (type %s) inside loop '%s' %s, and the loop rules "
                 "run the loop once more" % (
-                    c.name, c.type, op.name, "draws random numbers"
+                    c.name, c.type, name, "draws random numbers"
                     if c.type in recompute.RANDOM else "has side effects"), c)
     taps, value = [], None
-    for t, slot in _values(body.inputs[index], live):
+    for t, slot in _values(entry, live):
         value = t if slot is None else t.op.inputs[0]
         for c in t.consumers():
             if c not in live:
@@ -115,25 +222,26 @@ def find(op, index, loss, loss_ancestors):
                 return None, separability.Reason(
                     "op '%s' (type %s) uses x inside loop '%s' in a way the "
                     "loop rules do not handle (%s)" % (
-                        c.name, c.type, op.name, why), c)
+                        c.name, c.type, name, why), c)
             taps.append(Tap(c, kind, slot))
     if not taps:
-        return None, "x reaches the loss through no op of loop '%s'" % op.name
+        return None, "x reaches the loss through no op of loop '%s'" % name
     for tap in taps:
-        why = _coupling(op, body, tap.op.outputs[0], live, loss,
-                        loss_ancestors)
+        why = coupling(tap.op.outputs[0])
         if why:
             return None, separability.Reason(
                 "batch coupling between op '%s' inside loop '%s' and the "
-                "loss: %s" % (tap.op.name, op.name, why),
+                "loss: %s" % (tap.op.name, name, why),
                 getattr(why, "op", None) or op)
-    return LoopUse(op, index, taps, value,
-                   tuple(_used_outputs(op, loss_ancestors))), None
+    return LoopUse(op, index, taps, value, outputs, loop, counter), None
 
 
 # Stateful ops a second run of the loop may repeat: reads.
 _STATEFUL_OK = frozenset(["ReadVariableOp", "VarHandleOp", "ResourceGather",
-                          "Placeholder"])
+                          "Placeholder", "TensorArrayReadV3",
+                          "TensorArrayWriteV3", "TensorArrayGatherV3",
+                          "TensorArrayScatterV3", "TensorArraySizeV3",
+                          "TensorArrayV3"])
 
 
 def _stateful(op):
@@ -237,7 +345,8 @@ def _coupling(op, body, start, live, loss, loss_ancestors):
 class _Hook(object):
     """Taps one rebuilt While body (see `recompute.whole_batch`)."""
 
-    def __init__(self, taps, steps, batch):
+    def __init__(self, taps, steps, batch, v1=False):
+        self.v1 = v1
         self.taps = list(taps)
         self.ops = {tap.op: i for i, tap in enumerate(self.taps)}
         self.eps = []
@@ -245,7 +354,7 @@ class _Hook(object):
             dtype = tap.op.outputs[0].dtype
             self.eps.append(tf.zeros(tf.stack([steps, batch, tap.width]),
                                      dtype))
-        self._lists = [tf.raw_ops.TensorListFromTensor(
+        self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
             tensor=e, element_shape=tf.constant([-1, e.shape[2]], tf.int32))
             for e in self.eps]
         self.activations = {}
@@ -255,15 +364,29 @@ class _Hook(object):
         return [i for i, tap in enumerate(self.taps) if tap.kind == "matmul"]
 
     def initial(self):
-        """Extra loop variables: the step, one list of a_t per MatMul tap."""
+        """Extra loop variables: the step, one list of a_t per MatMul tap
+        (in a v1 loop, a TensorArray's flow: a v1 gradient makes zeros for
+        every exit, which a variant list cannot have)."""
         out = [tf.constant(0, tf.int32)]
+        self._arrays = {}
         for i in self._matmuls():
             a = self.taps[i].op.inputs[0]
-            out.append(tf.raw_ops.EmptyTensorList(
-                element_shape=tf.constant(
-                    [-1, tf.compat.dimension_value(a.shape[1])], tf.int32),
-                max_num_elements=-1, element_dtype=a.dtype))
+            width = tf.compat.dimension_value(a.shape[1])
+            if self.v1:
+                ta = tf.TensorArray(a.dtype, size=0, dynamic_size=True,
+                                    element_shape=tf.TensorShape([None,
+                                                                  width]))
+                self._arrays[i] = ta
+                out.append(ta.flow)
+            else:
+                out.append(tf.raw_ops.EmptyTensorList(
+                    element_shape=tf.constant([-1, width], tf.int32),
+                    max_num_elements=-1, element_dtype=a.dtype))
         return out
+
+    def _array(self, i, flow):
+        ta = self._arrays[i]
+        return tf.TensorArray(ta.dtype, handle=ta.handle, flow=flow)
 
     def invariant(self, t):
         del t
@@ -278,14 +401,23 @@ class _Hook(object):
         self.fired.add(i)
         tap = self.taps[i]
         width = tap.width
-        item = tf.raw_ops.TensorListGetItem(
-            input_handle=self._lists[i], index=self.step,
-            element_shape=tf.constant([-1, width], tf.int32),
-            element_dtype=self.eps[i].dtype)
+        if self.v1:
+            # A v1 loop accumulates a captured tensor's gradient (here
+            # IndexedSlices) itself; a variant list's it does not.
+            item = tf.gather(self.eps[i], self.step)
+        else:
+            item = tf.raw_ops.TensorListGetItem(
+                input_handle=self._lists[i], index=self.step,
+                element_shape=tf.constant([-1, width], tf.int32),
+                element_dtype=self.eps[i].dtype)
         if tap.kind == "matmul":
             a = recompute._input(op.inputs[0], mapping)  # pylint: disable=protected-access
-            self.lists[i] = tf.raw_ops.TensorListPushBack(
-                input_handle=self.lists[i], tensor=a)
+            if self.v1:
+                self.lists[i] = self._array(i, self.lists[i]).write(
+                    self.step, a).flow
+            else:
+                self.lists[i] = tf.raw_ops.TensorListPushBack(
+                    input_handle=self.lists[i], tensor=a)
         return [outs[0] + item] + list(outs[1:])
 
     def leave(self):
@@ -294,6 +426,11 @@ class _Hook(object):
     def done(self, values):
         for i, lst in zip(self._matmuls(), values[1:]):
             a = self.taps[i].op.inputs[0]
+            if self.v1:
+                stacked = self._array(i, lst).stack()
+                stacked.set_shape([None, None, a.shape[1]])
+                self.activations[i] = stacked
+                continue
             self.activations[i] = tf.raw_ops.TensorListStack(
                 input_handle=lst, element_shape=tf.constant(
                     [-1, tf.compat.dimension_value(a.shape[1])], tf.int32),
@@ -301,52 +438,78 @@ class _Hook(object):
 
 
 def cotangent_targets(uses):
-    """The While outputs whose gradients `build` needs, in a fixed order."""
+    """The loop outputs whose gradients `build` needs, in a fixed order."""
     out = []
     for use in uses:
-        for k in use.used:
-            if not any(t is use.op.outputs[k] for t in out):
-                out.append(use.op.outputs[k])
+        for t in use.outputs:
+            if not any(t is o for o in out):
+                out.append(t)
     return out
 
 
-def build(uses, loss, cotangent_of, batch):
-    """The Outer of each use: `{(while op, index): Outer}`.
+def build(uses, cotangent_of, batch):
+    """The Outer of each use: `{(use.op, use.index): Outer}`.
 
     Args:
-      uses: `LoopUse`s (several per loop share one rebuild).
-      loss: the `[B]` per-example loss.
-      cotangent_of: maps a While output's ref to d(sum loss)/d output
+      uses: `LoopUse`s (those of one loop share one rebuild).
+      cotangent_of: maps a loop output's ref to d(sum loss)/d output
         (missing or None: no gradient).
       batch: B (int or scalar tensor).
     """
     by_loop = collections.OrderedDict()
     for use in uses:
-        by_loop.setdefault(use.op, []).append(use)
+        by_loop.setdefault(use.loop, []).append(use)
     result = {}
     with tf.name_scope("loop_rules_form"):
-        for op, group in by_loop.items():
-            result.update(_build_loop(op, group, cotangent_of, batch))
+        for loop, group in by_loop.items():
+            result.update(_build_loop(loop, group, cotangent_of, batch))
     return result
 
 
-def _build_loop(op, group, cotangent_of, batch):
-    """`build` for the uses of one While op."""
+def _build_loop(loop, group, cotangent_of, batch):
+    """`build` for the uses of one loop (a While op or a v1 context)."""
     taps = [tap for use in group for tap in use.taps]
-    # The number of iterations the loop ran (its counter, from 0).
-    steps = op.outputs[0] - op.inputs[0]
-    hook = _Hook(taps, steps, batch)
-    used = [k for k in range(len(op.outputs))
-            if cotangent_of.get(op.outputs[k].ref()) is not None]
-    with recompute.whole_batch({op: hook}):
-        outs = recompute._rebuild_while(op, {}, used)  # pylint: disable=protected-access
-    ys = [outs[k] for k in used if outs[k] is not None]
-    seeds = [cotangent_of[op.outputs[k].ref()] for k in used
-             if outs[k] is not None]
+    final, start = group[0].counter
+    # The number of iterations the original loop ran.
+    v2 = isinstance(loop, tf.Operation)
+    hook = _Hook(taps, final - start, batch, v1=not v2)
+    outputs = [t for t in cotangent_targets(group)
+               if cotangent_of.get(t.ref()) is not None]
+    with recompute.whole_batch({loop: hook}):
+        if v2:
+            new = recompute._rebuild_while(loop, {}, [  # pylint: disable=protected-access
+                t.value_index for t in outputs])
+            ys = [new[t.value_index] for t in outputs]
+        else:
+            mapping = {}
+            exits = {e.ref() for e in loop.loop_exits}
+            recompute._rebuild_v1_while(loop, mapping, {  # pylint: disable=protected-access
+                t.ref() if t.ref() in exits else t.op.inputs[2].ref()
+                for t in outputs})
+            ys = [_remap(t, mapping, {}) for t in outputs]
+    seeds = [cotangent_of[t.ref()] for t in outputs]
     dz = tf.compat.v1.gradients(
         ys, hook.eps, grad_ys=seeds,
         unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return {(use.op, use.index): _outer_of(use, hook, dz) for use in group}
+
+
+def _remap(t, mapping, memo):
+    """`t` as computed from the tensors in `mapping` (ref -> replacement):
+    the ops between them and `t` copied, the others kept."""
+    if t.ref() in mapping:
+        return mapping[t.ref()]
+    if t.op in memo:
+        return t
+    new = [_remap(i, mapping, memo) for i in t.op.inputs]
+    if all(n is i for n, i in zip(new, t.op.inputs)):
+        memo[t.op] = True       # does not depend on the rebuilt loop
+        return t
+    outs = recompute._copy_op(t.op, {  # pylint: disable=protected-access
+        i.ref(): n for i, n in zip(t.op.inputs, new)})
+    for old, out in zip(t.op.outputs, outs):
+        mapping[old.ref()] = out
+    return mapping[t.ref()]
 
 
 def _outer_of(use, hook, dz):
@@ -357,7 +520,12 @@ def _outer_of(use, hook, dz):
     for tap in use.taps:
         i = hook.taps.index(tap)
         if i not in hook.fired:
-            continue        # not on a path to the loss: contributes 0
+            # find() took only ops on a path to the loss: a tap the rebuilt
+            # body did not copy is a bug, never a zero to return.
+            raise ValueError(
+                "custagg: the loop rules did not find op '%s' in the rebuilt "
+                "loop '%s'; use strategy='pfor' for this variable and "
+                "report this graph." % (tap.op.name, use.name))
         g = tf.transpose(tf.convert_to_tensor(dz[i]), [1, 0, 2])  # [B, T, N]
         if tap.kind == "matmul":
             a = tf.transpose(hook.activations[i], [1, 0, 2])       # [B, T, K]
@@ -370,12 +538,6 @@ def _outer_of(use, hook, dz):
         a_parts.append(a)
         g_parts.append(g)
     d_dims, k_dims = shape[:-1], shape[-1:]
-    if not a_parts:
-        batch = tf.shape(hook.eps[0])[1]
-        a_parts = [tf.zeros(tf.stack([batch, 1, _outer.prod(d_dims)]),
-                            hook.eps[0].dtype)]
-        g_parts = [tf.zeros(tf.stack([batch, 1, k_dims[0]]),
-                            hook.eps[0].dtype)]
     a = a_parts[0] if len(a_parts) == 1 else tf.concat(a_parts, axis=1)
     g = g_parts[0] if len(g_parts) == 1 else tf.concat(g_parts, axis=1)
     outer = _outer.Outer(a, g, _outer.layout(d_dims or [], k_dims, None))

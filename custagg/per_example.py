@@ -179,7 +179,7 @@ class Plan(object):
                 what = "rules via " + ", ".join(sorted(set(
                     c.op.type for c in _rule_consumers(a.consumers)
                     if isinstance(c, _Consumer)) | set(
-                    "%s in loop '%s'" % (t.op.type, c.op.name)
+                    "%s in loop '%s'" % (t.op.type, c.name)
                     for c in _rule_consumers(a.consumers)
                     if isinstance(c, loop_rules.LoopUse) for t in c.taps)))
                 through = sorted(set(c.op.type for c in a.consumers
@@ -267,6 +267,20 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
     consumers, chained = [], set()
     for op, k in _find_consumers(x_tensor, loss_ancestors,
                                  shortcuts.live_ops(loss)):
+        if op.type in loop_rules.ENTRY_TYPES:
+            # A loop: its body's ops are what use x (loop rules).
+            use, why = loop_rules.find(op, k, loss, loss_ancestors)
+            if use is None:
+                return None, separability.Reason(
+                    "no per-example rule for op type '%s' (op '%s'): %s"
+                    % (op.type, op.name, why), getattr(why, "op", None) or op)
+            consumers.append(use)
+            continue
+        if loop_rules.in_v1_loop(op):
+            # A gradient at a tensor inside a v1 frame is not per iteration.
+            return None, separability.Reason(
+                "op '%s' (type %s) is inside a v1 while loop" % (
+                    op.name, op.type), op)
         if op not in region and depth < _MAX_CHAIN:
             if op in chained:
                 continue
@@ -276,14 +290,6 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
             if chain is None:
                 return None, why
             consumers.append(chain)
-            continue
-        if op.type in loop_rules.LOOP_TYPES:
-            use, why = loop_rules.find(op, k, loss, loss_ancestors)
-            if use is None:
-                return None, separability.Reason(
-                    "no per-example rule for op type '%s' (op '%s'): %s"
-                    % (op.type, op.name, why), getattr(why, "op", None) or op)
-            consumers.append(use)
             continue
         rule = registry.lookup(op.type)
         if rule is None:
@@ -537,8 +543,7 @@ class _Engine(object):
                 seeds = {t.ref(): g if g is None or t.dtype == tf.variant
                          else sparse.dense(g)
                          for t, g in zip(targets, grads[len(outs):])}
-                outers = loop_rules.build(uses, self.loss, seeds,
-                                          self.plan.batch_size)
+                outers = loop_rules.build(uses, seeds, self.plan.batch_size)
                 for u in uses:
                     self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
                         u.op, u.index, None, self.plan.batch_size,

@@ -384,10 +384,11 @@ def _func_graph(op, attr):
                   % (attr, name, op.name, op.type), op)
 
 
-def _ancestors_in(graph_outputs, stop=()):
+def _ancestors_in(graph_outputs, stop=(), skip=()):
     """Ops behind `graph_outputs`, not past the tensors whose refs are in
-    `stop` (bound values: a loop's variables)."""
-    seen = set()
+    `stop` (bound values: a loop's variables) nor into the ops in `skip`
+    (a v1 frame's Merge/Switch, which control edges reach)."""
+    seen = set(skip)
     stack = [t.op for t in graph_outputs if t.ref() not in stop]
     while stack:
         op = stack.pop()
@@ -396,7 +397,7 @@ def _ancestors_in(graph_outputs, stop=()):
         seen.add(op)
         stack.extend(t.op for t in op.inputs if t.ref() not in stop)
         stack.extend(op.control_inputs)
-    return seen
+    return seen - set(skip)
 
 
 def _run_func_graph(func, outputs, bound):
@@ -421,10 +422,41 @@ def _frame_ops(ctxt, graph):
     return out
 
 
-def _rebuild_v1_while(ctxt, mapping):
+def _live_v1(switches, merges, nexts, pred, wanted, exits):
+    """Indices of the v1 loop variables that the exits in `wanted` (refs)
+    and the condition `pred` depend on."""
+    var_of = {}
+    for j, (sw, mg) in enumerate(zip(switches, merges)):
+        var_of[sw.outputs[1].ref()] = j
+        var_of[mg.outputs[0].ref()] = j
+    live, todo = set(), [j for j, e in enumerate(exits) if e.ref() in wanted]
+    roots = [pred]
+    while True:
+        seen, stack = set(), [t for t in roots]
+        while stack:
+            t = stack.pop()
+            if t.ref() in seen:
+                continue
+            seen.add(t.ref())
+            if t.ref() in var_of:
+                todo.append(var_of[t.ref()])
+                continue
+            stack.extend(t.op.inputs)
+            stack.extend(c.outputs[0] for c in t.op.control_inputs
+                         if c.outputs)
+        fresh = [j for j in todo if j not in live]
+        if not fresh:
+            return sorted(live)
+        live.update(fresh)
+        todo = []
+        roots = [nexts[j].inputs[0] for j in fresh]
+
+
+def _rebuild_v1_while(ctxt, mapping, wanted=None):
     """A v1 while loop (Enter/Merge/Switch/NextIteration/Exit frame) rebuilt
     as a new `tf.compat.v1.while_loop` whose cond and body copy the frame's
-    ops; maps the frame's Exit outputs (and nothing inside it)."""
+    ops; maps the frame's Exit outputs (and nothing inside it). `wanted`:
+    refs of the exits the caller reads (None: all)."""
     exits = list(ctxt.loop_exits)
     switches = [e.op.inputs[0].op for e in exits]
     merges = [sw.inputs[0].op for sw in switches]
@@ -440,19 +472,39 @@ def _rebuild_v1_while(ctxt, mapping):
             _tf_compat.control_flow_context(op) is ctxt][0].inputs[0]
     loop_ops = set(merges) | set(switches) | set(enters) | set(nexts) | set(
         e.op for e in exits)
+    if wanted is not None:
+        # Only the variables the wanted exits and the condition need (not
+        # the iteration counter a gradient of the loop added, whose ops
+        # read the frame's pivot).
+        keep = _live_v1(switches, merges, nexts, pred, wanted, exits)
+        exits, switches, merges, enters, nexts = (
+            [v[j] for j in keep] for v in (exits, switches, merges, enters,
+                                           nexts))
     constants = {}
-    for op in ops:
-        if op.type in ("Enter", "RefEnter") and op not in loop_ops and \
-                _tf_compat.control_flow_context(op) is ctxt:
-            constants[op.outputs[0].ref()] = _input(op.inputs[0], mapping)
+    entering = [op for op in ops
+                if op.type in ("Enter", "RefEnter") and op not in loop_ops and
+                _tf_compat.control_flow_context(op) is ctxt]
+    if not _STATE["one_row"]:
+        # A v1 TensorArray read in the loop (dynamic_rnn's unstacked
+        # inputs) clears each item after its read: the rebuilt loop gets
+        # its own array, made the same way.
+        arrays = _ancestors_in([op.inputs[0] for op in entering])
+        _copy_ops([op for op in graph.get_operations() if op in arrays and
+                   op.type.startswith("TensorArray")], mapping)
+    for op in entering:
+        constants[op.outputs[0].ref()] = _input(op.inputs[0], mapping)
     inits = [_input(e.inputs[0], mapping) for e in enters]
     shapes = [_one_row_invariant(m.outputs[0].shape) for m in merges]
+    hook = _HOOKS.get(ctxt)
+    extra = hook.initial() if hook is not None else []
+    n_vars = len(inits)
 
     def run(bound, outputs):
         m = dict(mapping)
         m.update(constants)
         m.update(bound)
-        needed = _ancestors_in(outputs, set(bound) | set(constants))
+        needed = _ancestors_in(outputs, set(bound) | set(constants),
+                               loop_ops)
         _copy_ops([op for op in ops if op in needed and op not in loop_ops
                    and op.outputs and op.outputs[0].ref() not in m]
                   + [op for op in ops if op in needed and not op.outputs
@@ -460,15 +512,29 @@ def _rebuild_v1_while(ctxt, mapping):
         return [m[t.ref()] for t in outputs]
 
     def cond_fn(*values):
-        bound = {mg.outputs[0].ref(): v for mg, v in zip(merges, values)}
+        bound = {mg.outputs[0].ref(): v
+                 for mg, v in zip(merges, values[:n_vars])}
         return run(bound, [pred])[0]
 
     def body_fn(*values):
-        bound = {sw.outputs[1].ref(): v for sw, v in zip(switches, values)}
-        return run(bound, [n.inputs[0] for n in nexts])
+        bound = {sw.outputs[1].ref(): v
+                 for sw, v in zip(switches, values[:n_vars])}
+        if hook is None:
+            return run(bound, [n.inputs[0] for n in nexts])
+        hook.enter(values[n_vars:])
+        _ACTIVE.append(hook)
+        try:
+            outs = run(bound, [n.inputs[0] for n in nexts])
+        finally:
+            _ACTIVE.pop()
+        return list(outs) + hook.leave()
 
-    new = _while_loop(cond_fn, body_fn, inits, shapes,
+    new = _while_loop(cond_fn, body_fn, inits + list(extra),
+                      shapes + [hook.invariant(t) for t in extra],
                       ctxt.parallel_iterations)
+    if hook is not None:
+        hook.done(new[n_vars:])
+        new = new[:n_vars]
     for e, t in zip(exits, new):
         mapping[e.ref()] = t
 

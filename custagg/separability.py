@@ -410,6 +410,40 @@ def _tensor_list(op, index, batch):
     return None
 
 
+# v1 control flow (Enter/Exit frames, v1 cond): each passes its data
+# through unchanged (a Merge picks one input whole, a Switch forwards it to
+# one side), so the batch stays on its axis; the back edge (NextIteration
+# into Merge) carries it into the next iteration.
+_CONTROL_FLOW = frozenset(["Enter", "RefEnter", "Exit", "RefExit", "Merge",
+                           "RefMerge", "Switch", "RefSwitch", "NextIteration",
+                           "RefNextIteration"])
+
+
+def _tensor_array(op, index, batch):
+    """v1 TensorArrays: the flow tensor stands for the items (TF's own
+    gradients follow it), items keep their batch axis."""
+    kind = op.type
+    if isinstance(batch, ListOf):
+        if (kind, index) in (("TensorArrayWriteV3", 3),
+                             ("TensorArrayScatterV3", 3)):
+            return batch
+        if (kind, index) == ("TensorArrayReadV3", 2):
+            return batch.axis
+        if (kind, index) == ("TensorArrayGatherV3", 2):
+            return batch.axis + 1
+        return None
+    if isinstance(batch, Folded) or batch < 0:
+        return None
+    if (kind, index) == ("TensorArrayWriteV3", 2):
+        return ListOf(batch)
+    if (kind, index) == ("TensorArrayScatterV3", 2):
+        return ListOf(batch - 1) if batch >= 1 else None
+    return None
+
+
+_TENSOR_ARRAY_OPS = frozenset(["TensorArrayWriteV3", "TensorArrayScatterV3",
+                               "TensorArrayReadV3", "TensorArrayGatherV3"])
+
 _LIST_OPS = frozenset(["TensorListSetItem", "TensorListPushBack",
                        "TensorListGetItem", "TensorListStack",
                        "TensorListGather", "TensorListPopBack",
@@ -508,6 +542,10 @@ def propagate(op, index, axis, shapes=None):
     try:
         if op.type in LOOP_TYPES:
             return _while(op, index, axis)
+        if op.type in _CONTROL_FLOW:
+            return axis
+        if op.type in _TENSOR_ARRAY_OPS:
+            return _tensor_array(op, index, axis)
         if isinstance(axis, ListOf) or op.type in _LIST_OPS:
             return _tensor_list(op, index, axis)
         if op.type in _FOLD_AWARE:

@@ -263,3 +263,45 @@ def test_list_descriptors():
         assert separability.propagate(other.op, 0,
                                       separability.ListOf(0)) == \
             separability.ListOf(0)
+
+
+# --------------------------------------------------------------------------
+# v1 control flow (Enter/Exit frames): the same models under
+# `disable_v2_behavior`, in a fresh interpreter.
+
+V1_CODE = """
+import sys
+import tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+sys.path.insert(0, "tests")
+import custagg
+import test_loop_rules
+import test_loops
+for name in sys.argv[1].split(","):
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(0)
+        loss, xs, feed = test_loops.MODELS[name]()
+        assert any(op.type == "Enter" for op in
+                   tf.compat.v1.get_default_graph().get_operations())
+        plan = custagg.plan_per_example(loss, xs)
+        for a in plan.assignments:
+            want = ("rules" if a.name.startswith(test_loop_rules.HEAD)
+                    else "loop-rules")
+            assert a.form == want, str(plan)
+        test_loop_rules._check_all(loss, xs, feed)
+        print("V1-OK", name)
+"""
+
+V1_DEFAULT = ("dynamic_rnn_lstm_seqlen", "keras_gru_sequence",
+              "weight_inside_and_outside")
+
+
+@pytest.mark.parametrize("names", [
+    ",".join(V1_DEFAULT),
+    pytest.param(",".join(sorted(set(test_loops.MODELS) - set(V1_DEFAULT))),
+                 marks=pytest.mark.slow)])
+def test_v1_control_flow_loops_take_loop_rules(run_python, names):
+    result = run_python(V1_CODE.replace("sys.argv[1]", repr(names)),
+                        timeout=1200)
+    assert result.stdout.count("V1-OK") == len(names.split(",")), (
+        result.stdout[-3000:] + result.stderr[-5000:])

@@ -189,7 +189,9 @@ def dense_bias_add(dtype, rng):
 # BiasAdd and broadcast parameters
 
 
-def bias_add(data_format, raw_v1=False, rank=4):
+def bias_add(data_format, raw_v1=False, rank=4, dynamic=()):
+    """`dynamic`: axes of the input's tail left None in the placeholder
+    (the per-example sums then take the positions' count at run time)."""
     def build(dtype, rng):
         c = 2
         b = var(rng, [c], dtype)
@@ -202,7 +204,7 @@ def bias_add(data_format, raw_v1=False, rank=4):
             if raw_v1:
                 return head(tf.raw_ops.BiasAddV1(value=x, bias=b))
             return head(tf.nn.bias_add(x, b, data_format=data_format))
-        return Problem([b], [floats(*tail)], loss)
+        return Problem([b], [floats(*tail, dynamic=dynamic)], loss)
 
     return build
 
@@ -505,6 +507,10 @@ SPECS = (
     [Spec("dense_bias_add", "BiasAdd", dense_bias_add),
      Spec("bias_add_nhwc", "BiasAdd", bias_add("NHWC")),
      Spec("bias_add_nchw", "BiasAdd", bias_add("NCHW")),
+     Spec("bias_add_nhwc_dynamic_hw", "BiasAdd",
+          bias_add("NHWC", dynamic=(0, 1))),
+     Spec("bias_add_nchw_dynamic_hw", "BiasAdd",
+          bias_add("NCHW", dynamic=(1, 2))),
      Spec("bias_add_v1", "BiasAddV1", bias_add("NHWC", raw_v1=True)),
      Spec("bias_add_rank3", "BiasAdd", bias_add("NHWC", rank=3)),
      Spec("broadcast_add", "AddV2", broadcast("add")),
