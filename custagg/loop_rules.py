@@ -418,7 +418,14 @@ class _Hook(object):
             else:
                 self.lists[i] = tf.raw_ops.TensorListPushBack(
                     input_handle=self.lists[i], tensor=a)
-        return [outs[0] + item] + list(outs[1:])
+        # eps has the loss's B rows: a tapped output with other rows (one
+        # row broadcast later) would make them up; fail instead.
+        check = tf.debugging.assert_equal(
+            tf.shape(outs[0])[0], tf.shape(item)[0],
+            message="custagg: a loop rule's op '%s' has other rows than the "
+                    "batch's examples; use strategy='pfor'" % op.name)
+        with tf.control_dependencies([check]):
+            return [outs[0] + item] + list(outs[1:])
 
     def leave(self):
         return [self.step + 1] + [self.lists[i] for i in self._matmuls()]
