@@ -1079,7 +1079,10 @@ def per_example_gradients(per_example_loss, xs, strategy="auto",
       xs: a variable/tensor or list of them.
       strategy: "auto" (default), "rules", "pfor" or "loop" (see module doc).
       registry: rule registry (default: the built-in rules).
-      pfor_chunk_size: examples vectorized at once by "pfor" (bounds memory).
+      pfor_chunk_size: the fewest examples vectorized at once by "pfor";
+        passes grow up to `custagg.vectorized.PASS_BYTES` of outputs (the
+        whole-pass form keeps exactly this many: its memory is not in its
+        outputs).
       name: name scope.
 
     Returns:
