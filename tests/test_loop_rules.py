@@ -292,8 +292,7 @@ for name in sys.argv[1].split(","):
         print("V1-OK", name)
 """
 
-V1_DEFAULT = ("dynamic_rnn_lstm_seqlen", "keras_gru_sequence",
-              "weight_inside_and_outside")
+V1_DEFAULT = ("dynamic_rnn_lstm_seqlen", "keras_gru_sequence")
 
 
 @pytest.mark.parametrize("names", [
