@@ -107,11 +107,13 @@ def find(op, index, loss, loss_ancestors):
             body.outputs[index] is not body.inputs[index]:
         return None, ("x enters loop '%s' as a loop variable that the body "
                       "changes" % op.name)
-    live = _live_body_ops(op, body, loss_ancestors)
+    used = _used_outputs(op, loss_ancestors)
+    # Body ops behind the loop variables whose outputs the loss reads.
+    live = recompute._ancestors_in([body.outputs[k] for k in used])  # pylint: disable=protected-access
 
     def coupling(z):
         return _coupling(op, body, z, live, loss, loss_ancestors)
-    outputs = tuple(op.outputs[k] for k in _used_outputs(op, loss_ancestors))
+    outputs = tuple(op.outputs[k] for k in used)
     return _use(op, index, op.name, live, body.inputs[index], coupling,
                 outputs, op, (op.outputs[0], op.inputs[0]))
 
@@ -260,12 +262,6 @@ def _counted(op, body):
             tf.get_static_value(i) == 1 for i in ins):
         return "loop '%s' has no iteration counter" % op.name
     return None
-
-
-def _live_body_ops(op, body, loss_ancestors):
-    """Body ops behind the loop variables whose outputs the loss reads."""
-    used = _used_outputs(op, loss_ancestors)
-    return recompute._ancestors_in([body.outputs[k] for k in used])  # pylint: disable=protected-access
 
 
 def _used_outputs(op, loss_ancestors):

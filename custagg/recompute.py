@@ -495,9 +495,6 @@ def _rebuild_v1_while(ctxt, mapping, wanted=None):
         constants[op.outputs[0].ref()] = _input(op.inputs[0], mapping)
     inits = [_input(e.inputs[0], mapping) for e in enters]
     shapes = [_one_row_invariant(m.outputs[0].shape) for m in merges]
-    hook = _HOOKS.get(ctxt)
-    extra = hook.initial() if hook is not None else []
-    n_vars = len(inits)
 
     def run(bound, outputs):
         m = dict(mapping)
@@ -512,29 +509,15 @@ def _rebuild_v1_while(ctxt, mapping, wanted=None):
         return [m[t.ref()] for t in outputs]
 
     def cond_fn(*values):
-        bound = {mg.outputs[0].ref(): v
-                 for mg, v in zip(merges, values[:n_vars])}
+        bound = {mg.outputs[0].ref(): v for mg, v in zip(merges, values)}
         return run(bound, [pred])[0]
 
     def body_fn(*values):
-        bound = {sw.outputs[1].ref(): v
-                 for sw, v in zip(switches, values[:n_vars])}
-        if hook is None:
-            return run(bound, [n.inputs[0] for n in nexts])
-        hook.enter(values[n_vars:])
-        _ACTIVE.append(hook)
-        try:
-            outs = run(bound, [n.inputs[0] for n in nexts])
-        finally:
-            _ACTIVE.pop()
-        return list(outs) + hook.leave()
+        bound = {sw.outputs[1].ref(): v for sw, v in zip(switches, values)}
+        return run(bound, [n.inputs[0] for n in nexts])
 
-    new = _while_loop(cond_fn, body_fn, inits + list(extra),
-                      shapes + [hook.invariant(t) for t in extra],
-                      ctxt.parallel_iterations)
-    if hook is not None:
-        hook.done(new[n_vars:])
-        new = new[:n_vars]
+    new = _tapped_while(_HOOKS.get(ctxt), cond_fn, body_fn, inits, shapes,
+                        ctxt.parallel_iterations)
     for e, t in zip(exits, new):
         mapping[e.ref()] = t
 
@@ -624,41 +607,51 @@ def _rebuild_while(op, mapping, used):
         bound.update(zip(var_idx, values))
         return bound
 
-    hook = _HOOKS.get(op)
-    extra = hook.initial() if hook is not None else []
-    n_vars = len(var_idx)
-
     def cond_fn(*values):
-        return _run_func_graph(cond, [cond.outputs[0]],
-                               bind(values[:n_vars]))[0]
+        return _run_func_graph(cond, [cond.outputs[0]], bind(values))[0]
 
     def body_fn(*values):
-        if hook is None:
-            return _run_func_graph(body, [body.outputs[k] for k in var_idx],
-                                   bind(values))
-        hook.enter(values[n_vars:])
-        _ACTIVE.append(hook)
-        try:
-            outs = _run_func_graph(body, [body.outputs[k] for k in var_idx],
-                                   bind(values[:n_vars]))
-        finally:
-            _ACTIVE.pop()
-        return list(outs) + hook.leave()
+        return _run_func_graph(body, [body.outputs[k] for k in var_idx],
+                               bind(values))
 
-    new = _while_loop(
-        cond_fn, body_fn, [ins[k] for k in var_idx] + list(extra),
+    new = _tapped_while(
+        _HOOKS.get(op), cond_fn, body_fn, [ins[k] for k in var_idx],
         [shapes[k] if k < len(shapes) else tf.TensorShape(None)
-         for k in var_idx] + [hook.invariant(t) for t in extra],
-        op.get_attr("parallel_iterations"))
-    if hook is not None:
-        hook.done(new[n_vars:])
-        new = new[:n_vars]
+         for k in var_idx], op.get_attr("parallel_iterations"))
     outs = [None] * len(op.outputs)
     for k in through:
         outs[k] = ins[k]
     for k, t in zip(var_idx, new):
         outs[k] = t
     return outs
+
+
+def _tapped_while(hook, cond_fn, body_fn, loop_vars, shapes,
+                  parallel_iterations):
+    """`_while_loop` of a rebuilt loop; with a `hook` (the loop rules'), the
+    hook's extra loop variables ride along after `loop_vars` (cond_fn and
+    body_fn never see them) and the copy of the body is tapped by it."""
+    if hook is None:
+        return _while_loop(cond_fn, body_fn, loop_vars, shapes,
+                           parallel_iterations)
+    n = len(loop_vars)
+    extra = hook.initial()
+
+    def tapped_body(*values):
+        hook.enter(values[n:])
+        _ACTIVE.append(hook)
+        try:
+            outs = body_fn(*values[:n])
+        finally:
+            _ACTIVE.pop()
+        return list(outs) + hook.leave()
+
+    new = _while_loop(lambda *values: cond_fn(*values[:n]), tapped_body,
+                      list(loop_vars) + extra,
+                      list(shapes) + [hook.invariant(t) for t in extra],
+                      parallel_iterations)
+    hook.done(new[n:])
+    return new[:n]
 
 
 def _while_loop(cond_fn, body_fn, loop_vars, shapes, parallel_iterations):

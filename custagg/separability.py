@@ -385,31 +385,6 @@ class ListOf(collections.namedtuple("ListOf", ["axis"])):
     unstacked inputs `[T, B, D]` -> items `[B, D]`, its output sequence)."""
 
 
-def _tensor_list(op, index, batch):
-    """TensorList ops: items keep their batch axis; anything else a list
-    reaches mixes (None)."""
-    kind = op.type
-    if isinstance(batch, ListOf):
-        if kind == "Identity":
-            return batch
-        if kind in ("TensorListSetItem", "TensorListPushBack") and index == 0:
-            return batch
-        if kind == "TensorListGetItem" and index == 0:
-            return batch.axis
-        if kind in ("TensorListStack", "TensorListGather") and index == 0:
-            return batch.axis + 1
-        if kind == "TensorListPopBack" and index == 0:
-            return [batch, batch.axis]
-        return None
-    if isinstance(batch, Folded) or batch < 0:
-        return None
-    if kind == "TensorListFromTensor" and index == 0:
-        return ListOf(batch - 1) if batch >= 1 else None
-    if (kind, index) in (("TensorListSetItem", 2), ("TensorListPushBack", 1)):
-        return ListOf(batch)
-    return None
-
-
 # v1 control flow (Enter/Exit frames, v1 cond): each passes its data
 # through unchanged (a Merge picks one input whole, a Switch forwards it to
 # one side), so the batch stays on its axis; the back edge (NextIteration
@@ -419,35 +394,48 @@ _CONTROL_FLOW = frozenset(["Enter", "RefEnter", "Exit", "RefExit", "Merge",
                            "RefNextIteration"])
 
 
-def _tensor_array(op, index, batch):
-    """v1 TensorArrays: the flow tensor stands for the items (TF's own
-    gradients follow it), items keep their batch axis."""
-    kind = op.type
+# How a list of items (a TensorList, or a v1 TensorArray through its flow
+# tensor, which TF's own gradients follow) carries the batch, by (op type,
+# input index): "put" an item with the batch at axis a into a list (items:
+# a), "split" a tensor into items along axis 0 (a - 1), "keep" a list,
+# "item" read one (a), "stack" them all (a + 1), "pop" (list and item).
+_LIST_STEPS = {
+    ("TensorListFromTensor", 0): "split", ("TensorArrayScatterV3", 2): "split",
+    ("TensorListSetItem", 2): "put", ("TensorListPushBack", 1): "put",
+    ("TensorArrayWriteV3", 2): "put",
+    ("TensorListSetItem", 0): "keep", ("TensorListPushBack", 0): "keep",
+    ("TensorArrayWriteV3", 3): "keep", ("TensorArrayScatterV3", 3): "keep",
+    ("Identity", 0): "keep",
+    ("TensorListGetItem", 0): "item", ("TensorArrayReadV3", 2): "item",
+    ("TensorListStack", 0): "stack", ("TensorListGather", 0): "stack",
+    ("TensorArrayGatherV3", 2): "stack",
+    ("TensorListPopBack", 0): "pop",
+}
+_LIST_OPS = frozenset(t for t, _ in _LIST_STEPS) - {"Identity"}
+
+
+def _item_list(op, index, batch):
+    """Lists of items keep each item's batch axis (`_LIST_STEPS`); a list
+    reaching any other op mixes (None)."""
+    step = _LIST_STEPS.get((op.type, index))
     if isinstance(batch, ListOf):
-        if (kind, index) in (("TensorArrayWriteV3", 3),
-                             ("TensorArrayScatterV3", 3)):
+        if step == "keep":
             return batch
-        if (kind, index) == ("TensorArrayReadV3", 2):
+        if step == "item":
             return batch.axis
-        if (kind, index) == ("TensorArrayGatherV3", 2):
+        if step == "stack":
             return batch.axis + 1
+        if step == "pop":
+            return [batch, batch.axis]
         return None
     if isinstance(batch, Folded) or batch < 0:
         return None
-    if (kind, index) == ("TensorArrayWriteV3", 2):
+    if step == "put":
         return ListOf(batch)
-    if (kind, index) == ("TensorArrayScatterV3", 2):
+    if step == "split":
         return ListOf(batch - 1) if batch >= 1 else None
     return None
 
-
-_TENSOR_ARRAY_OPS = frozenset(["TensorArrayWriteV3", "TensorArrayScatterV3",
-                               "TensorArrayReadV3", "TensorArrayGatherV3"])
-
-_LIST_OPS = frozenset(["TensorListSetItem", "TensorListPushBack",
-                       "TensorListGetItem", "TensorListStack",
-                       "TensorListGather", "TensorListPopBack",
-                       "TensorListFromTensor"])
 
 # An output that does not depend on the tracked input (not followed).
 NO_PATH = "no path"
@@ -544,10 +532,8 @@ def propagate(op, index, axis, shapes=None):
             return _while(op, index, axis)
         if op.type in _CONTROL_FLOW:
             return axis
-        if op.type in _TENSOR_ARRAY_OPS:
-            return _tensor_array(op, index, axis)
         if isinstance(axis, ListOf) or op.type in _LIST_OPS:
-            return _tensor_list(op, index, axis)
+            return _item_list(op, index, axis)
         if op.type in _FOLD_AWARE:
             out = _FOLD_AWARE[op.type](op, index, axis, shapes)
             if out is None and op.type == "Reshape" and axis == 0 and \

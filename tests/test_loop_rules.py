@@ -45,15 +45,11 @@ def _check_all(loss, xs, feed, batches=BATCHES, seed=0, rtol=RTOL,
     examples apart), or with `coupled` built for each batch."""
     built, weights = per_example_reference.build_functions(loss, xs, "auto")
     ref = test_loops.loop_reference(loss, xs, max(batches))
-    rng = np.random.default_rng(seed)
-    big = feed(max(batches), rng)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        ref_val = sess.run(ref, big)
-        for b in batches:
-            small = {k: v[:b] for k, v in big.items()}
-            refs = None if coupled else ([True] * len(xs),
-                                         [r[:b] for r in ref_val])
+        for b, small, want in test_loops.sliced_batches(sess, ref, feed,
+                                                        batches, seed):
+            refs = None if coupled else ([True] * len(xs), want)
             msg = per_example_reference.check(
                 sess, loss, xs, small, built, weights, rtol=rtol,
                 label="B=%d" % b, refs=refs)

@@ -145,6 +145,17 @@ def loop_reference(loss, xs, batch):
             for j in range(len(xs))]
 
 
+def sliced_batches(sess, ref, feed, batches, seed):
+    """`(b, feed of b examples, their loop-reference rows)` for each b in
+    `batches`: the reference (`loop_reference` for the largest batch) runs
+    once, and the first b rows of a batch are the gradients of a batch of b
+    because these models keep examples apart."""
+    big = feed(max(batches), np.random.default_rng(seed))
+    ref_val = sess.run(ref, big)
+    for b in batches:
+        yield b, {k: v[:b] for k, v in big.items()}, [r[:b] for r in ref_val]
+
+
 O_B_FORMS = {"recompute", "recompute-loop", "loop-rules"}
 
 
@@ -184,14 +195,9 @@ def check_model(build, forms=("recompute", "recompute-loop"),
             # Each form's graph holds only its own ops (and the rules').
             assert per_example_reference.forms_behind(g) - {"rules"} <= (
                 {form} if form else O_B_FORMS), form
-    rng = np.random.default_rng(seed)
-    big = feed(max(batches), rng)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        ref_val = sess.run(ref, big)
-        for b in batches:
-            small = {k: v[:b] for k, v in big.items()}
-            want = [r[:b] for r in ref_val]
+        for b, small, want in sliced_batches(sess, ref, feed, batches, seed):
             for form, got in fetch.items():
                 for j, (g, w) in enumerate(zip(sess.run(got, small), want)):
                     np.testing.assert_allclose(
