@@ -493,6 +493,35 @@ NCHW_DEPTHWISE_SKIP = ("TensorFlow's CPU kernel runs DepthwiseConv2dNative "
                        "only in NHWC ('Depthwise convolution on CPU is only "
                        "supported for NHWC format')")
 
+# --------------------------------------------------------------------------
+# Loops
+
+
+def while_rnn(bias):
+    """A tanh RNN over `[B, 3, 2]` in a `tf.compat.v1.while_loop`, hidden 3:
+    `h = tanh([x_t, h] w + b)`, the bias added with `+` ("add") or, as the
+    Keras GRU does, `tf.nn.bias_add` of the rows of a `[2, 3]` table that
+    the body unstacks ("unstack", the second row on `h w`'s second half)."""
+    def build(dtype, rng):
+        w = var(rng, [5, 3], dtype)
+        b = var(rng, [3] if bias == "add" else [2, 3], dtype)
+
+        def loss(x):
+            h0 = tf.zeros(tf.stack([tf.shape(x)[0], 3]), dtype)
+
+            def body(t, h):
+                z = tf.matmul(tf.concat([x[:, t, :], h], axis=1), w)
+                if bias == "add":
+                    return t + 1, tf.tanh(z + b)
+                first, second = tf.unstack(b)
+                return t + 1, tf.tanh(tf.nn.bias_add(z, first) +
+                                      tf.nn.bias_add(0.5 * z, second))
+            _, h = tf.compat.v1.while_loop(lambda t, h: t < 3, body, [0, h0])
+            return head(h)
+        return Problem([w, b], [floats(3, 2)], loss)
+    return build
+
+
 SPECS = (
     [Spec("matmul_%s_ta%d_tb%d" % (side, ta, tb), "MatMul",
           matmul(side, bool(ta), bool(tb)))
@@ -612,4 +641,8 @@ SPECS = (
           fused_batch_norm(False, "NCHW"), skip=BN_FLOAT64_SKIP),
      Spec("fused_batch_norm_training", "FusedBatchNormV3",
           fused_batch_norm(True), expect="pfor", skip=BN_FLOAT64_SKIP,
-          rules_error="training mode")])
+          rules_error="training mode")] +
+    # The loop rules (custagg/loop_rules.py): the cell's MatMul and bias
+    # inside a while-loop body, summed over the iterations.
+    [Spec("while_rnn_add_bias", "While", while_rnn("add")),
+     Spec("while_rnn_bias_add_unstacked", "While", while_rnn("unstack"))])
