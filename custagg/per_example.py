@@ -734,7 +734,7 @@ class _Engine(object):
         zeros = [lambda a=a: tf.zeros(_x_shape(a), _x_dtype(a))
                  for a in group]
         dtypes = [recompute.grad_dtype(t) for t in tensors]
-        batch = self.plan.batch_size
+        batch = recompute.batch_size(forward, self.plan.batch_size)
         ids = [id(a) for a in group]
 
         def fall_back(form, why):
@@ -883,7 +883,20 @@ class _Engine(object):
     def weighted_sums(self, group, weights):
         """sum_b weights[b] g_b for each x of `group` (one weights vector)."""
         out = {}
-        by_pass = [a for a in group if a.strategy != "rules"]
+        by_pass = []
+        for a in group:
+            if a.strategy == "rules":
+                continue
+            done = self._materialized.get(a.strategy, {}).get(id(a))
+            if done is not None and not _gathered(a.tensor):
+                # Per-example gradients already built (for the norms):
+                # their weighted sum costs B * |x| multiply-adds, where
+                # another backward pass would run the batch's forward and
+                # backward passes again.
+                out[id(a)] = tf.tensordot(tf.cast(weights, done.dtype), done,
+                                          axes=1)
+            else:
+                by_pass.append(a)
         for a in group:
             if a.strategy == "rules":
                 parts = [self._to_x(rule.weighted_sum(ctx, weights), a, False)
@@ -913,6 +926,13 @@ class _Engine(object):
                 rule, ctx = parts[0]
                 return self._to_x(rule.squared_sum(ctx), a, False)
         return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _gathered(x_tensor):
+    """Whether rows of x are gathered (an embedding table): its summed
+    gradient is then `IndexedSlices`, which a backward pass keeps."""
+    return any(op.type in ("ResourceGather", "GatherV2", "Gather") and
+               op.inputs[0] is x_tensor for op in x_tensor.consumers())
 
 
 def _no_strategy(group, pfor_error, loop_error):

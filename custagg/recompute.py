@@ -44,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from custagg import _tf_compat
+from custagg import rowwise
 from custagg import separability
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import pfor_ops  # noqa: F401  (documented above)
@@ -92,9 +93,11 @@ class whole_batch(object):
             _HOOKS.pop(op, None)
 
 class Forward(collections.namedtuple("Forward", ["inputs", "ops", "loss",
-                                                 "static_b"])):
+                                                 "static_b", "unproven"])):
     """The forward pass to copy: batch `inputs`, the `ops` between them and
-    the `loss` (creation order), the static batch size (or None)."""
+    the `loss` (creation order), the static batch size (or None), and why
+    the examples are not proved apart (`custagg.rowwise`; None when they
+    are, and the copies then run without the run-time check)."""
 
     @property
     def op_set(self):
@@ -231,7 +234,31 @@ def analyze(loss, loss_ancestors, static_b):
             "constants the per-example copy cannot adjust; feed the batch "
             "through a placeholder of shape [None, ...] for the O(B) form"
             % static_b)
-    return Forward(inputs, ops, loss, static_b)
+    unproven = None if static_b == 1 else rowwise.prove(
+        inputs, ops, loss, loss_ancestors)
+    return Forward(inputs, ops, loss, static_b, unproven)
+
+
+def batch_size(forward, default):
+    """The batch size the copies run over: with the examples proved apart,
+    the inputs' leading dimension (asserted equal across inputs), so the
+    batch's own forward pass never runs; else `default` (the loss's)."""
+    if forward.unproven is not None or isinstance(default, int):
+        return default
+    sizes = [tf.shape(t, out_type=tf.int32)[0] for t in forward.inputs]
+    if len(sizes) == 1:
+        return sizes[0]
+    # The proof reads every input's leading axis as the batch; inputs fed
+    # with other lengths fail here, not as an index out of range (or,
+    # on a GPU, as rows of zeros) in a copy.
+    checks = [tf.debugging.assert_equal(
+        sizes[0], n, message="custagg: the batch inputs '%s' and '%s' have "
+        "other leading dimensions; every input with a [None, ...] shape "
+        "feeding the loss must hold one row per example"
+        % (forward.inputs[0].name, t.name))
+        for t, n in zip(forward.inputs[1:], sizes[1:])]
+    with tf.control_dependencies(checks):
+        return tf.identity(sizes[0])
 
 
 def copy_forward(forward, rows):
@@ -290,6 +317,10 @@ def _copy_ops(ops, mapping, frame=None, wanted=()):
                 mapping[old.ref()] = out
 
 
+# Constants of at most this many elements are made again inside functions
+# rather than captured (`_input`).
+_INLINE_CONSTANTS = 1024
+
 # TensorList makers and the index of their element_shape input.
 _LIST_MAKERS = {"TensorListReserve": 0, "EmptyTensorList": 0}
 
@@ -307,6 +338,18 @@ def _one_row_invariant(shape):
     if shape.rank is None or shape.rank == 0:
         return shape
     return tf.TensorShape([None] + shape.as_list()[1:])
+
+
+def _tight_invariant(relaxed, init):
+    """`relaxed` (a `_one_row_invariant`) with the initial value's static
+    dimensions filled in, where that value has them."""
+    if relaxed.rank is None or not isinstance(init, tf.Tensor) or \
+            init.shape.rank != relaxed.rank:
+        return relaxed
+    try:
+        return relaxed.merge_with(init.shape)
+    except ValueError:
+        return relaxed
 
 
 def _one_row_shape(op):
@@ -330,6 +373,20 @@ def _input(t, mapping):
     got = mapping.get(t.ref())
     if got is not None:
         return got
+    if t.op.type == "Const" and t.graph is not \
+            tf.compat.v1.get_default_graph() and \
+            t.shape.num_elements() is not None and \
+            t.shape.num_elements() <= _INLINE_CONSTANTS:
+        # Inside a function (a pass of the copies, a loop body) a captured
+        # constant is a placeholder to shape inference: `tf.zeros(tf.stack(
+        # [tf.shape(x)[0], 32]))` would get shape [None, None]. Small
+        # constants are made again where they are used, so the copies keep
+        # the static shapes of the one-example graph.
+        value = tf.get_static_value(t)
+        if value is not None:
+            made = tf.constant(value, dtype=t.dtype)
+            mapping[t.ref()] = made
+            return made
     if t.dtype == tf.variant and _one_row_shape(t.op) is not None:
         # An empty list made outside the batch ops but filled with rows.
         mapping[t.ref()] = _copy_op(t.op, mapping)[t.value_index]
@@ -614,10 +671,32 @@ def _rebuild_while(op, mapping, used):
         return _run_func_graph(body, [body.outputs[k] for k in var_idx],
                                bind(values))
 
-    new = _tapped_while(
-        _HOOKS.get(op), cond_fn, body_fn, [ins[k] for k in var_idx],
-        [shapes[k] if k < len(shapes) else tf.TensorShape(None)
-         for k in var_idx], op.get_attr("parallel_iterations"))
+    inits = [ins[k] for k in var_idx]
+    relaxed = [shapes[k] if k < len(shapes) else tf.TensorShape(None)
+               for k in var_idx]
+    hook = _HOOKS.get(op)
+    new = None
+    if hook is None and _STATE["one_row"]:
+        # First with the copy's own shapes: a one-example copy whose loop
+        # variables keep their static [1, ...] shapes builds a body (and a
+        # gradient) with static shapes, as `tf.vectorized_map`'s traced
+        # function does, so pfor adds no shape bookkeeping per iteration. A
+        # variable whose shape does change between iterations fails the
+        # build's invariant check (ValueError) and the loop is built again
+        # with the leading axes left open.
+        tight = [_tight_invariant(r, t) for r, t in zip(relaxed, inits)]
+        if tight != relaxed:
+            saved = dict(mapping)
+            try:
+                new = _tapped_while(None, cond_fn, body_fn, inits, tight,
+                                    op.get_attr("parallel_iterations"))
+            except ValueError:
+                mapping.clear()
+                mapping.update(saved)
+                new = None
+    if new is None:
+        new = _tapped_while(hook, cond_fn, body_fn, inits, relaxed,
+                            op.get_attr("parallel_iterations"))
     outs = [None] * len(op.outputs)
     for k in through:
         outs[k] = ins[k]
@@ -692,8 +771,12 @@ def _one_example(forward, tensors, zeros, i, gradients):
     return out + [loss_i]
 
 
-def _checked(results, losses, loss):
-    """`results` once the copies' losses are seen to equal the batch's."""
+def _checked(results, losses, forward):
+    """`results` once the copies' losses are seen to equal the batch's;
+    `results` as they are where `forward` proves the examples apart."""
+    if forward.unproven is None:
+        return results
+    loss = forward.loss
     dtype = loss.dtype
     tol = 1e-3 if dtype in (tf.float16, tf.bfloat16, tf.float32) else 1e-7
     scale = tf.reduce_max(tf.abs(loss)) + tf.ones([], dtype)
@@ -725,7 +808,7 @@ def per_example_pfor(forward, tensors, zeros, dtypes, batch, chunk,
     else:
         out = vectorized.chunked_pfor(loop_fn, batch, chunk,
                                       list(dtypes) + [forward.loss.dtype])
-    return _checked(out[:-1], out[-1], forward.loss)
+    return _checked(out[:-1], out[-1], forward)
 
 
 def has_v1_loops(forward):
@@ -751,5 +834,5 @@ def per_example_loop(forward, tensors, zeros, dtypes, shapes, batch,
                               [tf.constant(0), arrays],
                               parallel_iterations=1)
     out = [ta.stack() for ta in arrays]
-    return _checked(out[:-1], out[-1], forward.loss)
+    return _checked(out[:-1], out[-1], forward)
 

@@ -289,23 +289,48 @@ def _pack(op, index, axis):
 
 
 def _strided_slice(op, index, axis):
+    """The batch axis survives a slice that takes all of it (begin and end
+    masks, stride 1); new axes (`h[:, None, :]`), shrunk axes and an
+    ellipsis move it."""
     if index != 0:
         return None
-    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
-        return None
-    begin = _const(op.inputs[1])
+    begin, strides = _const(op.inputs[1]), _const(op.inputs[3])
     if begin is None:
         return None
-    shrink = op.get_attr("shrink_axis_mask")
-    if axis < len(begin):
-        full = (op.get_attr("begin_mask") >> axis & 1 and
-                op.get_attr("end_mask") >> axis & 1 and
-                not shrink >> axis & 1)
-        strides = _const(op.inputs[3])
-        if not full or strides is None or strides[axis] != 1:
-            return None
-    return axis - sum(1 for i in range(min(axis, len(begin)))
-                      if shrink >> i & 1)
+    ellipsis, new_axis, shrink = (op.get_attr(a) for a in (
+        "ellipsis_mask", "new_axis_mask", "shrink_axis_mask"))
+    begin_mask, end_mask = op.get_attr("begin_mask"), op.get_attr("end_mask")
+    rank = _rank(op.inputs[0])
+    if ellipsis and rank is None:
+        return None
+    n = len(begin)
+    in_dim = out_dim = 0
+    for i in range(n):
+        bit = 1 << i
+        if ellipsis & bit:
+            # Covers the input axes the entries after it do not take.
+            later = sum(1 for j in range(i + 1, n)
+                        if not (new_axis | ellipsis) & (1 << j))
+            covered = rank - in_dim - later
+            if in_dim <= axis < in_dim + covered:
+                return out_dim + axis - in_dim
+            in_dim += covered
+            out_dim += covered
+        elif new_axis & bit:
+            out_dim += 1
+        elif shrink & bit:
+            if in_dim == axis:
+                return None
+            in_dim += 1
+        else:
+            if in_dim == axis:
+                full = begin_mask & bit and end_mask & bit
+                if not full or strides is None or strides[i] != 1:
+                    return None
+                return out_dim
+            in_dim += 1
+            out_dim += 1
+    return out_dim + axis - in_dim
 
 
 def _slice(op, index, axis):

@@ -1,0 +1,575 @@
+"""A proof that a forward pass is row-wise: loss[b] depends on example b only.
+
+The per-example copies (`custagg.recompute`) give example b's gradient only
+if b's loss computed from its rows alone equals row b of the batch's loss:
+
+    loss(inputs)[b] == loss(inputs[b:b+1])[0]     for every b and weights.
+
+Without a proof, every run checks that equality on the batch (the batch's
+forward pass once more, about a third of an aggregated gradient). `prove`
+tries to establish it from the graph instead, and says why not when it
+cannot; the run-time check then stays. It is an abstract interpretation of
+the ops between the batch inputs and the loss, in creation order, where
+each tensor that depends on batch data gets one of these values:
+
+* `Rows(d)`: example b's entries are the slice `b` of batch descriptor `d`
+  (an axis, a `separability.Folded` axis, or a `separability.ListOf` for
+  TensorLists) and depend on example b's rows alone, so the copy of
+  example b computes exactly that slice;
+* `SAME`: a value equal in the batch and in every copy (a length taken
+  from a non-batch axis, a loop counter compared with it);
+* `Dims(entries)`: an int vector of dimensions, each "B" (the batch size,
+  which is 1 in a copy), "=" (the same in both) or "?" (anything else
+  built from B); `SIZE` is the scalar B. A batch size is only accepted
+  where it becomes the batch axis of a new tensor (`tf.zeros(tf.stack(
+  [tf.shape(x)[0], H]))`, `tf.fill`, `tf.broadcast_to`, a TensorList's
+  element shape, a reshape the symbolic shapes prove); used any other way
+  (`loss / tf.cast(tf.shape(x)[0], ...)`, `tf.range(batch)`) the proof
+  fails, since a copy sees 1 where the batch sees B.
+
+Ops the per-op tables of `custagg.separability` know move a `Rows` value's
+axis; any op they do not know, a batch-dependent value reaching an op
+argument that is not listed here, a broadcast that could spread one row
+over the batch, random numbers, v1 control flow, conds, and batch-dependent
+ops the loss waits for only through control edges (side effects) end the
+proof with a reason naming the op. Loops (`While`) are followed to a fixed
+point over their variables, with a condition that must be `SAME`; function
+calls are followed into their bodies.
+
+Failing is always safe: the copies stay exact, and the run-time check
+keeps catching couplings nobody proved absent. The proof only removes the
+check where it succeeds.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+
+from custagg import separability
+from custagg import symbolic_shapes
+
+SAME = "same"
+SIZE = "size"
+# An output the proof cannot describe; only an error if something uses it.
+UNKNOWN = "unknown"
+
+
+class Rows(collections.namedtuple("Rows", ["desc"])):
+    """Example b's entries are slice b along `desc`, from example b alone."""
+
+
+class Dims(collections.namedtuple("Dims", ["entries"])):
+    """An int vector of dimensions: each "B", "=" or "?" (see the module)."""
+
+
+class NotProved(Exception):
+    """The graph is not proved row-wise; the message says where and why."""
+
+
+def _op_text(op):
+    return "op '%s' (type %s)" % (op.name, op.type)
+
+
+_CALLS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
+_ELEMENTWISE = separability._ELEMENTWISE_UNARY | \
+    separability._ELEMENTWISE_BINARY  # pylint: disable=protected-access
+_BATCH_MATMUL = frozenset(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
+# Ops whose values do not depend on the entries of their input, only on
+# its shape: a row-wise input gives row-wise output of constants.
+_LIKE = frozenset(["ZerosLike", "OnesLike"])
+# (op type, input index) of TensorList element shapes: used only to make
+# unset items (zeros of that shape), so a batch size there is accepted when
+# it is the items' batch axis.
+_ELEMENT_SHAPE = {("TensorListGetItem", 2), ("TensorListPopBack", 1),
+                  ("TensorListStack", 1), ("TensorListGather", 2),
+                  ("TensorListFromTensor", 1)}
+_LIST_MAKERS = frozenset(["TensorListReserve", "EmptyTensorList"])
+
+
+def prove(inputs, ops, loss, loss_ancestors):
+    """None when `loss` is proved row-wise in the batch `inputs`, else the
+    reason (a sentence naming the op).
+
+    Args:
+      inputs: the batch inputs (`recompute.batch_inputs`), batch on axis 0.
+      ops: the ops on paths from them to the loss, in creation order.
+      loss: the per-example loss `[B]`.
+      loss_ancestors: `separability.ancestors(loss)`.
+    """
+    del loss_ancestors  # the region holds what matters; kept for callers
+    try:
+        _side_effects(inputs, ops, loss)
+        values = {t.ref(): Rows(0) for t in inputs}
+        _Interpreter(values).run(ops)
+        got = values.get(loss.ref())
+        if got != Rows(0):
+            raise NotProved("the batch does not reach axis 0 of the loss "
+                            "along rows (%s)" % (got,))
+    except NotProved as e:
+        return str(e)
+    except Exception as e:  # pylint: disable=broad-except
+        # An op the tables read wrongly must not end the build: without a
+        # proof the run-time check stays, which is always safe.
+        return "the proof stopped on an error: %s" % (e,)
+    return None
+
+
+def _side_effects(inputs, ops, loss):
+    """Batch-dependent ops that the loss waits for through control edges
+    only (an assign of a batch statistic before a variable read) could
+    change what a copy computes: not proved."""
+    region = set(ops)
+    touched = set()
+    queue = collections.deque(c for t in inputs for c in t.consumers())
+    while queue:
+        op = queue.popleft()
+        if op in touched:
+            continue
+        touched.add(op)
+        for out in op.outputs:
+            queue.extend(out.consumers())
+    seen = set()
+    stack = [loss.op]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op in touched and op not in region:
+            raise NotProved("%s depends on batch data and the loss waits for "
+                            "it through a control dependency" % _op_text(op))
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+
+
+def _join(a, b, t):
+    """The value of a loop variable that is `a` before an iteration and `b`
+    after it, or NotProved."""
+    if a == b:
+        return a
+    if {a, b} <= {None, SAME}:
+        return SAME
+    # An empty TensorList (the same everywhere) that the body fills with
+    # rows: a list of rows.
+    if t.dtype == tf.variant and a in (None, SAME) and isinstance(b, Rows):
+        return b
+    raise NotProved("loop variable '%s' is %s before an iteration and %s "
+                    "after it" % (t.name, a, b))
+
+
+class _Interpreter(object):
+    """Abstract values (`values`: tensor ref -> value) of the ops it runs;
+    tensors without a value do not depend on batch data."""
+
+    def __init__(self, values):
+        self.values = values
+        self.shapes = symbolic_shapes.ShapeCache()
+
+    def value(self, t):
+        got = self.values.get(t.ref())
+        if got == UNKNOWN:
+            raise NotProved("'%s' is used, and the proof cannot say what it "
+                            "holds per example" % t.name)
+        return got
+
+    def run(self, ops):
+        for op in ops:
+            ins = [self.value(t) for t in op.inputs]
+            if all(v is None for v in ins):
+                continue
+            outs = self.op(op, ins)
+            for t, v in zip(op.outputs, outs):
+                if v is not None:
+                    self.values[t.ref()] = v
+
+    # ----------------------------------------------------------------------
+
+    def op(self, op, ins):
+        """The outputs' values of `op` given its inputs' (`ins`)."""
+        if op.type in separability._CONTROL_FLOW:  # pylint: disable=protected-access
+            raise NotProved("%s is v1 control flow, which the proof does not "
+                            "follow" % _op_text(op))
+        from custagg import recompute  # pylint: disable=g-import-not-at-top
+        if op.type in recompute.RANDOM:
+            raise NotProved("%s draws random numbers" % _op_text(op))
+        if op.type in separability.LOOP_TYPES:
+            return self.loop(op, ins)
+        if op.type in _CALLS:
+            return self.call(op, ins)
+        if all(v in (None, SAME) for v in ins):
+            return [SAME] * len(op.outputs)
+        special = getattr(self, "op_" + op.type, None)
+        if special is not None:
+            return special(op, ins)
+        return self.rows_op(op, ins)
+
+    def rows_op(self, op, ins):
+        """Ops the separability tables know, with Rows inputs."""
+        descs = [set() for _ in op.outputs]
+        for index, v in enumerate(ins):
+            if v is None or v == SAME:
+                continue
+            if isinstance(v, Dims) and (op.type, index) in _ELEMENT_SHAPE:
+                continue        # checked below, against the items' axis
+            if isinstance(v, Dims) and op.type == "Reshape" and index == 1:
+                continue        # the symbolic shapes read the target
+            if not isinstance(v, Rows):
+                raise NotProved(
+                    "%s takes a value built from the batch size at input %d, "
+                    "which a copy of one example would see as 1"
+                    % (_op_text(op), index))
+            out = separability.propagate(op, index, v.desc, self.shapes)
+            if out is None:
+                raise NotProved("%s mixes examples or is not known to keep "
+                                "them apart" % _op_text(op))
+            for k in range(len(op.outputs)):
+                here = out[k] if isinstance(out, list) else out
+                if here is None:
+                    raise NotProved("output %d of %s mixes examples"
+                                    % (k, _op_text(op)))
+                if here is separability.NO_PATH:
+                    descs[k].add(UNKNOWN)
+                else:
+                    descs[k].add(separability._normalize(  # pylint: disable=protected-access
+                        op.outputs[k], here))
+        result = []
+        for k, got in enumerate(descs):
+            if UNKNOWN in got or len(got) > 1:
+                result.append(UNKNOWN)
+            elif got:
+                result.append(Rows(got.pop()))
+            else:
+                result.append(SAME)
+        if op.type == "Reshape" and isinstance(ins[1], Dims) and \
+                not isinstance(ins[0], Rows):
+            raise NotProved("%s reshapes a tensor without rows to a shape "
+                            "built from the batch size" % _op_text(op))
+        for index, v in enumerate(ins):
+            if isinstance(v, Dims) and (op.type, index) in _ELEMENT_SHAPE:
+                item = result[0] if op.type != "TensorListPopBack" else \
+                    result[1]
+                self.batch_at(op, v, item.desc if isinstance(item, Rows)
+                              else None)
+        if (op.type in _ELEMENTWISE or op.type in _BATCH_MATMUL) and \
+                len(op.inputs) > 1:
+            self.no_broadcast(op, ins, result[0])
+        return result
+
+    def no_broadcast(self, op, ins, out):
+        """A broadcasting op spreads an operand's row over the batch when
+        the operand has a size other than 1 on the output's batch axis
+        without being rows there (a `[64, D]` constant against `[None, D]`
+        activations): each copy would see all 64 rows."""
+        if not isinstance(out, Rows) or isinstance(out.desc,
+                                                    separability.ListOf):
+            raise NotProved("%s broadcasts onto an axis the proof cannot "
+                            "place" % _op_text(op))
+        folded = isinstance(out.desc, separability.Folded)
+        axis = out.desc.axis if folded else out.desc
+        out_rank = op.outputs[0].shape.rank
+        if op.type in _BATCH_MATMUL and out_rank is not None and \
+                axis >= out_rank - 2:
+            return      # a matrix axis: MatMul's own table placed it
+        for index, (t, v) in enumerate(zip(op.inputs, ins)):
+            rank = t.shape.rank
+            if rank is None or out_rank is None:
+                raise NotProved("%s broadcasts operands of unknown rank"
+                                % _op_text(op))
+            pos = axis - (out_rank - rank)
+            if pos < 0:
+                continue
+            if isinstance(v, Rows) and v.desc == (
+                    separability.Folded(out.desc.middle, pos) if folded
+                    else pos):
+                continue
+            if tf.compat.dimension_value(t.shape[pos]) == 1:
+                continue
+            raise NotProved(
+                "input %d of %s is not rows on the batch axis and may have "
+                "more than one entry there, so broadcasting would give each "
+                "copy other entries than its row" % (index, _op_text(op)))
+
+    def batch_at(self, op, dims, axis):
+        """Every "B" of `dims` is at `axis` (an int), none is "?"."""
+        if "?" in dims.entries or any(
+                e == "B" and k != axis for k, e in enumerate(dims.entries)):
+            raise NotProved("%s gets a shape built from the batch size with "
+                            "the batch off the axis its rows are on"
+                            % _op_text(op))
+
+    # ----------------------------------------------------------------------
+    # Shapes: where the batch size comes from and where it may go.
+
+    def op_Shape(self, op, ins):
+        v = ins[0]
+        if isinstance(v, Rows) and isinstance(v.desc, separability.ListOf):
+            return [SAME]
+        rank = op.inputs[0].shape.rank
+        if not isinstance(v, Rows) or rank is None:
+            return [UNKNOWN]
+        if isinstance(v.desc, int):
+            return [Dims(tuple("B" if k == v.desc else "=" for k in
+                               range(rank)))]
+        return [Dims(tuple("?" if k == v.desc.axis else "=" for k in
+                           range(rank)))]
+
+    def op_ShapeN(self, op, ins):
+        return [self.op_Shape(_Single(op, k), [v])[0] if v is not None
+                else None for k, v in enumerate(ins)]
+
+    def op_Rank(self, op, ins):
+        return [SAME]
+
+    def op_TensorListLength(self, op, ins):
+        return [SAME]
+
+    def op_Cast(self, op, ins):
+        v = ins[0]
+        if isinstance(v, (Dims,)) or v == SIZE:
+            if not op.outputs[0].dtype.is_integer:
+                raise NotProved("%s casts the batch size to %s" % (
+                    _op_text(op), op.outputs[0].dtype.name))
+            return [v]
+        return self.rows_op(op, ins)
+
+    def op_Identity(self, op, ins):
+        if isinstance(ins[0], Dims) or ins[0] == SIZE:
+            return [ins[0]]
+        return self.rows_op(op, ins)
+
+    def op_StridedSlice(self, op, ins):
+        v = ins[0]
+        if not isinstance(v, Dims):
+            if any(isinstance(w, Dims) or w == SIZE for w in ins[1:]):
+                raise NotProved("%s slices at positions built from the "
+                                "batch size" % _op_text(op))
+            return self.rows_op(op, ins)
+        picked = _slice_entries(op, v.entries)
+        if picked is None:
+            return [UNKNOWN]
+        if isinstance(picked, str):
+            return [{"B": SIZE, "=": SAME}.get(picked, UNKNOWN)]
+        return [Dims(tuple(picked))]
+
+    def op_Pack(self, op, ins):
+        if not any(isinstance(v, Dims) or v == SIZE for v in ins):
+            return self.rows_op(op, ins)
+        if op.get_attr("axis") != 0 or op.outputs[0].shape.rank != 1:
+            return [UNKNOWN]
+        entries = []
+        for v in ins:
+            if v == SIZE:
+                entries.append("B")
+            elif v in (None, SAME):
+                entries.append("=")
+            else:
+                return [UNKNOWN]
+        return [Dims(tuple(entries))]
+
+    def op_ConcatV2(self, op, ins):
+        n = op.get_attr("N")
+        if not any(isinstance(v, Dims) for v in ins[:n]):
+            return self.rows_op(op, ins)
+        if op.outputs[0].shape.rank != 1:
+            return [UNKNOWN]
+        entries = []
+        for t, v in zip(op.inputs[:n], ins[:n]):
+            if isinstance(v, Dims):
+                entries.extend(v.entries)
+            elif v in (None, SAME) and t.shape.is_fully_defined():
+                entries.extend("=" * t.shape.num_elements())
+            else:
+                return [UNKNOWN]
+        return [Dims(tuple(entries))]
+
+    def op_Fill(self, op, ins):
+        dims, value = ins
+        if value not in (None, SAME):
+            raise NotProved("%s fills with a value that depends on batch "
+                            "data" % _op_text(op))
+        return [self.new_rows(op, dims)]
+
+    def new_rows(self, op, dims):
+        """Rows(p) for a new tensor of shape `dims` with "B" at p only."""
+        if not isinstance(dims, Dims):
+            raise NotProved("%s makes a tensor whose shape depends on batch "
+                            "data in a way the proof cannot read"
+                            % _op_text(op))
+        where = [k for k, e in enumerate(dims.entries) if e != "="]
+        if len(where) != 1 or dims.entries[where[0]] != "B":
+            raise NotProved("%s makes a tensor with the batch size on %s "
+                            "axes" % (_op_text(op), len(where) or "no"))
+        return Rows(where[0])
+
+    def op_BroadcastTo(self, op, ins):
+        v, dims = ins
+        if not isinstance(dims, Dims):
+            return self.rows_op(op, ins)
+        out = self.new_rows(op, dims)
+        rank = op.inputs[0].shape.rank
+        if rank is None:
+            raise NotProved("%s broadcasts a tensor of unknown rank"
+                            % _op_text(op))
+        pos = out.desc - (len(dims.entries) - rank)
+        if isinstance(v, Rows):
+            if v.desc != pos:
+                raise NotProved("%s broadcasts rows onto another axis"
+                                % _op_text(op))
+        elif pos >= 0 and tf.compat.dimension_value(
+                op.inputs[0].shape[pos]) != 1:
+            raise NotProved("%s broadcasts a tensor with more than one entry "
+                            "onto the batch axis" % _op_text(op))
+        return [out]
+
+    def op_ZerosLike(self, op, ins):
+        return [ins[0]] if isinstance(ins[0], Rows) else [UNKNOWN]
+
+    op_OnesLike = op_ZerosLike
+
+    def op_TensorListReserve(self, op, ins):
+        shape, count = ins
+        if count not in (None, SAME):
+            raise NotProved("%s sizes a list from batch data" % _op_text(op))
+        if shape in (None, SAME):
+            return [SAME]
+        return [Rows(separability.ListOf(self.new_rows(op, shape).desc))]
+
+    op_EmptyTensorList = op_TensorListReserve
+
+    # ----------------------------------------------------------------------
+    # Loops and calls
+
+    def loop(self, op, ins):
+        """A v2 While: its variables' values at a fixed point of the body;
+        the condition must be the same in the batch and in the copies (the
+        same number of iterations)."""
+        from custagg import recompute  # pylint: disable=g-import-not-at-top
+        try:
+            body = recompute._func_graph(op, "body")  # pylint: disable=protected-access
+            cond = recompute._func_graph(op, "cond")  # pylint: disable=protected-access
+        except recompute.Refused as e:
+            raise NotProved(str(e))
+        if len(body.inputs) != len(op.inputs) or \
+                len(body.outputs) != len(op.outputs):
+            raise NotProved("%s has a body whose signature the proof does "
+                            "not know" % _op_text(op))
+        try:
+            n = op.get_attr("_num_original_outputs")
+        except ValueError:
+            n = len(op.outputs)
+        keep = [k for k in range(n)
+                if not recompute._is_accumulator(op, body, k)]  # pylint: disable=protected-access
+        # The accumulators a gradient added collect intermediates; nothing
+        # the loss needs may read them.
+        others = {k: UNKNOWN for k in range(len(op.inputs)) if k not in keep}
+        state = {k: ins[k] for k in keep}
+        for _ in range(len(keep) + 2):
+            bound = dict(others)
+            bound.update(state)
+            outs = _run_graph(body, bound, [body.outputs[k] for k in keep])
+            new = {k: _join(state[k], out, op.inputs[k])
+                   for k, out in zip(keep, outs)}
+            if new == state:
+                break
+            state = new
+        else:
+            raise NotProved("the values of %s's loop variables do not "
+                            "settle" % _op_text(op))
+        bound = dict(others)
+        bound.update(state)
+        go = _run_graph(cond, bound, [cond.outputs[0]])
+        if go[0] not in (None, SAME):
+            raise NotProved("the condition of %s depends on batch data, so "
+                            "the batch and a copy may run other numbers of "
+                            "iterations" % _op_text(op))
+        return [state.get(k, UNKNOWN) for k in range(len(op.outputs))]
+
+    def call(self, op, ins):
+        """A function call: its body, with the arguments' values."""
+        from custagg import recompute  # pylint: disable=g-import-not-at-top
+        try:
+            func = recompute._func_graph(op, "f")  # pylint: disable=protected-access
+        except recompute.Refused as e:
+            raise NotProved(str(e))
+        if len(func.inputs) != len(op.inputs) or \
+                len(func.outputs) != len(op.outputs):
+            raise NotProved("%s calls a function whose signature the proof "
+                            "does not know" % _op_text(op))
+        return _run_graph(func, dict(enumerate(ins)), func.outputs)
+
+
+class _Single(object):
+    """One output of a ShapeN, seen as a Shape op."""
+
+    def __init__(self, op, k):
+        self.inputs = [op.inputs[k]]
+        self.type, self.name = "Shape", op.name
+
+
+def _run_graph(func, bound, outputs):
+    """The values of `outputs` of FuncGraph `func` with `func.inputs[k]`
+    holding `bound[k]`; ops the outputs wait for through control edges
+    only must not depend on batch data."""
+    values = {func.inputs[k].ref(): v for k, v in bound.items()
+              if v is not None}
+    data, everything = set(), set()
+    stack = [t.op for t in outputs]
+    while stack:
+        op = stack.pop()
+        if op in data:
+            continue
+        data.add(op)
+        stack.extend(t.op for t in op.inputs)
+    stack = [t.op for t in outputs]
+    while stack:
+        op = stack.pop()
+        if op in everything:
+            continue
+        everything.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    ops = [op for op in func.get_operations() if op in data]
+    _Interpreter(values).run(ops)
+    batch_inputs = [func.inputs[k] for k in bound if bound[k] is not None]
+    if batch_inputs:
+        touched = set()
+        queue = collections.deque(c for t in batch_inputs
+                                  for c in t.consumers())
+        while queue:
+            op = queue.popleft()
+            if op in touched:
+                continue
+            touched.add(op)
+            for out in op.outputs:
+                queue.extend(out.consumers())
+        for op in everything - data:
+            if op in touched:
+                raise NotProved("%s depends on batch data and the function "
+                                "waits for it through a control dependency"
+                                % _op_text(op))
+    result = []
+    for t in outputs:
+        got = values.get(t.ref())
+        result.append(got)
+    return result
+
+
+def _slice_entries(op, entries):
+    """The entries a StridedSlice of a 1-D `entries` vector picks (a list,
+    or one entry for a shrunk axis), or None when its arguments are not
+    constants of the simple kind."""
+    begin, end, strides = (separability._const(t) for t in op.inputs[1:4])  # pylint: disable=protected-access
+    if begin is None or end is None or strides is None or len(begin) != 1:
+        return None
+    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+        return None
+    b = None if op.get_attr("begin_mask") & 1 else begin[0]
+    e = None if op.get_attr("end_mask") & 1 else end[0]
+    if op.get_attr("shrink_axis_mask") & 1:
+        try:
+            return entries[b or 0]
+        except IndexError:
+            return None
+    return list(entries[b:e:strides[0]])
