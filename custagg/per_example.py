@@ -188,6 +188,13 @@ class Plan(object):
                     what += " (through %s)" % ", ".join(through)
             else:
                 what = "%s: %s, %s" % (a.strategy, FORMS[a.form][0], a.cost)
+                if a.form in ("recompute", "recompute-loop") and \
+                        a.forward is not None:
+                    what += (
+                        " (examples proved apart: no run-time check)"
+                        if a.forward.unproven is None else
+                        " (checked against the batch's losses at run time: "
+                        "not proved apart, %s)" % a.forward.unproven)
             if a.reason:
                 what += "  [%s]" % a.reason
             lines.append("  %-40s %s" % (a.name, what))
@@ -744,6 +751,14 @@ class _Engine(object):
                     a.reason = ((a.reason + "; ") if a.reason else "") + why
             fallbacks[self.loss.ref()] = (form, why)
 
+        varying = recompute.varying_loop(forward) \
+            if group[0].form == "recompute" else None
+        if varying is not None:
+            fall_back("recompute-loop",
+                      "the loop '%s' runs as many iterations as the batch "
+                      "data asks (a condition on batch data), which pfor's "
+                      "conversion of the copies does not run correctly"
+                      % varying.name)
         if group[0].form == "recompute":
             try:
                 with tf.name_scope("recompute_form"):

@@ -817,6 +817,43 @@ def has_v1_loops(forward):
                for op in forward.ops)
 
 
+def varying_loop(forward):
+    """A v2 loop of the forward pass whose condition depends on batch data
+    (dynamic_rnn with `sequence_length` stops at the longest sequence), or
+    None. pfor converts such a loop's copies when their shapes are static,
+    and the converted loop then fails at run time reading its unstacked
+    inputs ("Trying to access element 0 in a list with 0 elements"), so
+    these copies run in the while loop over examples instead."""
+    region = forward.op_set
+    for op in forward.ops:
+        if op.type not in ("While", "StatelessWhile"):
+            continue
+        try:
+            body, cond = _func_graph(op, "body"), _func_graph(op, "cond")
+        except Refused:
+            return op
+        if len(body.inputs) != len(op.inputs) or \
+                len(cond.inputs) != len(op.inputs):
+            return op
+        dep = {k for k, t in enumerate(op.inputs) if t.op in region or
+               t.op.type in BATCH_SOURCES}
+        while True:
+            more = set()
+            for k, out in enumerate(body.outputs):
+                if k in dep:
+                    continue
+                needed = _ancestors_in([out])
+                if any(body.inputs[j].op in needed for j in dep):
+                    more.add(k)
+            if not more:
+                break
+            dep |= more
+        needed = _ancestors_in([cond.outputs[0]])
+        if any(cond.inputs[k].op in needed for k in dep):
+            return op
+    return None
+
+
 def per_example_loop(forward, tensors, zeros, dtypes, shapes, batch,
                      gradients):
     """`[B, *x.shape]` per tensor: a `tf.while_loop` over the examples."""

@@ -294,8 +294,13 @@ def _strided_slice(op, index, axis):
     ellipsis move it."""
     if index != 0:
         return None
-    begin, strides = _const(op.inputs[1]), _const(op.inputs[3])
-    if begin is None:
+    # Only the number of entries matters, not where slices begin: the batch
+    # axis must be taken whole, by the masks (`x[:, t, :]` with a loop
+    # counter t is fine).
+    n = tf.compat.dimension_value(op.inputs[1].shape[0]) \
+        if op.inputs[1].shape.rank == 1 else None
+    strides = _const(op.inputs[3])
+    if n is None:
         return None
     ellipsis, new_axis, shrink = (op.get_attr(a) for a in (
         "ellipsis_mask", "new_axis_mask", "shrink_axis_mask"))
@@ -303,7 +308,6 @@ def _strided_slice(op, index, axis):
     rank = _rank(op.inputs[0])
     if ellipsis and rank is None:
         return None
-    n = len(begin)
     in_dim = out_dim = 0
     for i in range(n):
         bit = 1 << i

@@ -160,14 +160,15 @@ O_B_FORMS = {"recompute", "recompute-loop", "loop-rules"}
 
 
 def check_model(build, forms=("recompute", "recompute-loop"),
-                batches=BATCHES, seed=0, sums=True):
+                batches=BATCHES, seed=0, sums=True, pfor=True):
     """Builds the model in the default graph; per-example gradients in each
     form (None: what auto takes, which must be O(B)), and with `sums` norms
-    and clipped sums in the first form, against the loop reference.
-    Returns the plans."""
+    and clipped sums in the first form, against the loop reference. With
+    `pfor` False, "recompute" must fall back to "recompute-loop" (a loop
+    whose iterations depend on the example). Returns the plans."""
     loss, xs, feed = build()
     ref = loop_reference(loss, xs, max(batches))
-    fetch, texts = {}, []
+    fetch, texts, built = {}, [], {}
     clip = tf.compat.v1.placeholder(tf.float64, [])
     norms = clipped = None
     for form in forms:
@@ -179,6 +180,9 @@ def check_model(build, forms=("recompute", "recompute-loop"),
             forms_seen = set(plan.forms()) - {"rules"}
             if form is None:
                 assert forms_seen <= O_B_FORMS and forms_seen, str(plan)
+            elif form == "recompute" and not pfor:
+                assert forms_seen == {"recompute-loop"}, str(plan)
+                assert "condition on batch data" in str(plan), str(plan)
             else:
                 assert forms_seen == {form}, str(plan)
             for a, g in zip(plan.assignments, got):
@@ -187,6 +191,7 @@ def check_model(build, forms=("recompute", "recompute-loop"),
                     behind -= {"rules"}     # the rules' shared pass
                 assert behind == {a.form}, (a.name, str(plan))
             fetch[form] = got
+            built[form] = forms_seen
             if norms is None and sums:
                 clipped, norms = custagg.clipped_gradients(
                     loss, xs, clip, return_norms=True)
@@ -194,7 +199,7 @@ def check_model(build, forms=("recompute", "recompute-loop"),
         for g in got:
             # Each form's graph holds only its own ops (and the rules').
             assert per_example_reference.forms_behind(g) - {"rules"} <= (
-                {form} if form else O_B_FORMS), form
+                built[form] if form else O_B_FORMS), form
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for b, small, want in sliced_batches(sess, ref, feed, batches, seed):
@@ -265,7 +270,8 @@ DEFAULT_MODELS = frozenset(["keras_gru_sequence", "hand_while_rnn",
     n if n in DEFAULT_MODELS else pytest.param(n, marks=pytest.mark.slow)
     for n in sorted(MODELS)])
 def test_loop_models_match_the_loop_reference(graph, name):
-    plans = check_model(MODELS[name], sums=name in SUMS_MODELS)
+    plans = check_model(MODELS[name], sums=name in SUMS_MODELS,
+                        pfor=name in PFOR_MODELS)
     text = str(plans[0])
     assert "O(B)" in text and "O(B^2)" not in text, text
     assert "copies of the forward pass" in text, text

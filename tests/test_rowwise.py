@@ -1,0 +1,187 @@
+"""The row-wise proof (`custagg.rowwise`) that lets the per-example copies run
+without their run-time check.
+
+Where the proof holds, the copies of the forward pass run alone (the batch's
+own forward pass never runs) and must still match the loop reference.
+Where a graph couples examples in a way the static analysis before it does
+not see (the batch size used as a number, a reversal over the batch in a
+loop body, a row index, a broadcast of a `[K, D]` constant), the proof
+must fail and name the op, and the run-time check must then catch the
+coupling loudly. A proof that passed any of these would be a silent wrong
+answer (for DP-SGD, a broken privacy guarantee).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import recompute
+from custagg import rowwise
+from custagg import separability
+
+import test_loops
+
+T, D = test_loops.T, test_loops.D
+
+
+def _forward(loss):
+    return recompute.analyze(loss, separability.ancestors(loss), None)
+
+
+def elementwise_rnn(couple=None):
+    """A while-loop RNN with no per-example rule anywhere (Pow and
+    SquaredDifference of batch data and weights, as the benchmarks'
+    `norule_rnn`), written the way users write it: `tf.zeros(tf.stack(
+    [tf.shape(x)[0], D]))`, `tf.gather` of the time-major input, `h[:, None,
+    :]`. `couple(h, x)` (in the loop body) adds a coupling."""
+    x, y = test_loops._inputs()
+    rng = np.random.default_rng(5)
+    center = tf.compat.v1.Variable(rng.normal(size=(D,)), name="center",
+                                   use_resource=True)
+    power = tf.compat.v1.Variable(1.5, dtype=tf.float64, name="power",
+                                  use_resource=True)
+    protos = tf.compat.v1.Variable(rng.normal(size=(2, D)), name="protos",
+                                   use_resource=True)
+    x_tm = tf.transpose(x, [1, 0, 2])
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], D]), tf.float64)
+    acc0 = tf.zeros(tf.stack([tf.shape(x)[0], 2]), tf.float64)
+
+    def body(t, h, acc):
+        k = tf.math.pow(tf.math.reciprocal(
+            1.0 + tf.math.squared_difference(tf.gather(x_tm, t), center)),
+            power)
+        h = 0.5 * h + 0.5 * tf.tanh(k - 0.5)
+        if couple is not None:
+            h = couple(h, x)
+        score = -tf.reduce_sum(
+            tf.math.squared_difference(h[:, None, :], protos), axis=2)
+        return t + 1, h, acc + score
+
+    _, _, acc = tf.compat.v1.while_loop(lambda t, h, acc: t < T, body,
+                                        (tf.constant(0), h0, acc0))
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                          logits=acc)
+    return loss, [center, power, protos], test_loops._feed(x, y)
+
+
+def test_model_without_rules_is_proved_and_matches_the_loop(graph):
+    plans = test_loops.check_model(elementwise_rnn,
+                                   forms=(None, "recompute-loop"))
+    for plan in plans:
+        assert set(plan.forms()) <= {"recompute", "recompute-loop"}, plan
+        assert "proved apart: no run-time check" in str(plan), str(plan)
+    loss = plans[0].loss
+    got = custagg.per_example_norms(loss, tf.compat.v1.trainable_variables())
+    # The batch's own forward pass is not needed any more.
+    assert loss.op not in separability.ancestors(got)
+
+
+def test_hand_written_loop_is_proved(graph):
+    loss, _, _ = test_loops.hand_rnn()
+    assert _forward(loss).unproven is None
+
+
+def _divide_by_batch(loss, x):
+    return loss / tf.cast(tf.shape(x)[0], tf.float64)
+
+
+def _row_index(loss, x):
+    index = tf.cast(tf.range(tf.shape(x)[0]), tf.float64)
+    return loss * (1.0 + index)
+
+
+COUPLED = [
+    # (name, what the proof must name, couple in the body, couple the loss)
+    ("batch size as a number", "Cast", None, _divide_by_batch),
+    ("row index", "Range", None, _row_index),
+    ("reversal over the batch in the body", "ReverseV2",
+     lambda h, x: tf.reverse(h, [0]), None),
+    ("batch mean under an integer path in the body", "batch size",
+     lambda h, x: h * tf.cast(tf.shape(h)[0], tf.float64), None),
+]
+
+
+@pytest.mark.parametrize("name,names,body,after", COUPLED,
+                         ids=[c[0] for c in COUPLED])
+def test_hidden_couplings_are_not_proved_and_fail_loudly(graph, name, names,
+                                                         body, after):
+    loss, xs, feed = elementwise_rnn(couple=body)
+    if after is not None:
+        loss = after(loss, tf.compat.v1.get_default_graph().get_tensor_by_name(
+            "x:0"))
+    forward = _forward(loss)
+    assert forward.unproven is not None and names in forward.unproven, (
+        forward.unproven)
+    plan = custagg.plan_per_example(loss, xs)
+    assert "checked against the batch's losses at run time" in str(plan)
+    got = custagg.per_example_gradients(loss, xs)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="examples interact"):
+            sess.run(got, feed(4, np.random.default_rng(0)))
+
+
+def test_broadcast_of_a_constant_over_the_batch_is_not_proved(graph):
+    """`h + c` with c `[4, D]`: fed 4 examples the batch adds row b of c to
+    example b, a copy of one example would add all four rows."""
+    c = tf.constant(np.arange(4.0 * D).reshape(4, D))
+    loss, _, _ = elementwise_rnn(couple=lambda h, x: h + c)
+    why = _forward(loss).unproven
+    assert why is not None and "broadcast" in why, why
+
+
+def test_condition_on_batch_data_is_not_proved(graph):
+    x, y = test_loops._inputs()
+    w = tf.compat.v1.Variable(np.ones((D, 2)), use_resource=True, name="w")
+    # Each example alone would stop at its own step: the batch stops when
+    # every row is below the bound, so rows set each other's step count.
+    _, h = tf.compat.v1.while_loop(
+        lambda t, h: tf.logical_and(t < 5, tf.reduce_max(h) > 0.5),
+        lambda t, h: (t + 1, tf.tanh(h)),
+        [0, tf.matmul(x[:, 0, :], w)])
+    loss, _ = test_loops._head(h, y)
+    why = _forward(loss).unproven
+    assert why is not None and "Max" in why, why
+
+
+def test_side_effect_through_a_control_edge_is_not_proved(graph):
+    x, y = test_loops._inputs()
+    v = tf.compat.v1.Variable(np.zeros(D), use_resource=True, name="stat")
+    update = v.assign(tf.reduce_mean(x[:, 0, :], axis=0))
+    with tf.control_dependencies([update]):
+        shift = v.read_value()
+    loss, _ = test_loops._head(x[:, 0, :] - shift, y)
+    why = _forward(loss).unproven
+    assert why is not None and "control dependency" in why, why
+
+
+def test_inputs_of_other_lengths_fail_with_the_inputs_named(graph):
+    loss, xs, _ = elementwise_rnn()
+    got = custagg.per_example_norms(loss, xs)
+    graph = tf.compat.v1.get_default_graph()
+    x, y = graph.get_tensor_by_name("x:0"), graph.get_tensor_by_name("y:0")
+    rng = np.random.default_rng(0)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="other leading dimensions"):
+            sess.run(got, {x: rng.normal(size=(4, T, D)), y: [0, 1, 0]})
+
+
+def test_abstract_values_of_shape_paths(graph):
+    """`tf.zeros(tf.stack([tf.shape(x)[0], 3]))` is rows on axis 0; the
+    batch size reaching arithmetic is not proved."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, 4], name="x")
+    values = {x.ref(): rowwise.Rows(0)}
+    size = tf.shape(x)[0]
+    zeros = tf.zeros(tf.stack([size, 3]), tf.float64)
+    ops = [op for op in tf.compat.v1.get_default_graph().get_operations()
+           if op is not x.op]
+    rowwise._Interpreter(values).run(ops)
+    assert values[size.ref()] == rowwise.SIZE
+    assert values[zeros.ref()] == rowwise.Rows(0)
+    bad = tf.cast(size, tf.float64) * tf.ones([], tf.float64)
+    with pytest.raises(rowwise.NotProved, match="batch size"):
+        rowwise._Interpreter(values).run([bad.op.inputs[0].op])
