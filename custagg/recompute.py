@@ -817,14 +817,44 @@ def has_v1_loops(forward):
                for op in forward.ops)
 
 
+# Ops whose outputs depend on their inputs' shapes only: every copy sees
+# the same shapes (one example's rows), so nothing that goes through them
+# makes the copies' loops run different numbers of iterations.
+_SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank",
+                         "TensorListLength", "TensorListElementShape"])
+
+
+def _data_ancestors(tensors):
+    """Ops behind `tensors` along values (not past shape-only ops)."""
+    seen, stack = set(), [t.op for t in tensors]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type not in _SHAPE_ONLY:
+            stack.extend(t.op for t in op.inputs)
+    return seen
+
+
 def varying_loop(forward):
-    """A v2 loop of the forward pass whose condition depends on batch data
-    (dynamic_rnn with `sequence_length` stops at the longest sequence), or
-    None. pfor converts such a loop's copies when their shapes are static,
-    and the converted loop then fails at run time reading its unstacked
-    inputs ("Trying to access element 0 in a list with 0 elements"), so
-    these copies run in the while loop over examples instead."""
-    region = forward.op_set
+    """A v2 loop of the forward pass whose condition depends on the values
+    of batch data (dynamic_rnn with `sequence_length` stops at the longest
+    sequence), or None. pfor converts such a loop's copies when their shapes
+    are static, and the converted loop then fails at run time reading its
+    unstacked inputs ("Trying to access element 0 in a list with 0
+    elements"), so these copies run in the while loop over examples."""
+    valued = set()
+    queue = collections.deque(c for t in forward.inputs
+                              for c in t.consumers())
+    while queue:
+        op = queue.popleft()
+        if op in valued or op.type in _SHAPE_ONLY:
+            continue
+        valued.add(op)
+        for out in op.outputs:
+            queue.extend(out.consumers())
+    inputs = {t.ref() for t in forward.inputs}
     for op in forward.ops:
         if op.type not in ("While", "StatelessWhile"):
             continue
@@ -835,20 +865,16 @@ def varying_loop(forward):
         if len(body.inputs) != len(op.inputs) or \
                 len(cond.inputs) != len(op.inputs):
             return op
-        dep = {k for k, t in enumerate(op.inputs) if t.op in region or
-               t.op.type in BATCH_SOURCES}
+        dep = {k for k, t in enumerate(op.inputs)
+               if t.op in valued or t.ref() in inputs}
         while True:
-            more = set()
-            for k, out in enumerate(body.outputs):
-                if k in dep:
-                    continue
-                needed = _ancestors_in([out])
-                if any(body.inputs[j].op in needed for j in dep):
-                    more.add(k)
+            more = {k for k, out in enumerate(body.outputs) if k not in dep
+                    and any(body.inputs[j].op in _data_ancestors([out])
+                            for j in dep)}
             if not more:
                 break
             dep |= more
-        needed = _ancestors_in([cond.outputs[0]])
+        needed = _data_ancestors([cond.outputs[0]])
         if any(cond.inputs[k].op in needed for k in dep):
             return op
     return None

@@ -86,6 +86,9 @@ _ELEMENT_SHAPE = {("TensorListGetItem", 2), ("TensorListPopBack", 1),
                   ("TensorListStack", 1), ("TensorListGather", 2),
                   ("TensorListFromTensor", 1)}
 _LIST_MAKERS = frozenset(["TensorListReserve", "EmptyTensorList"])
+# Ops the loss may wait for through control edges: they fail or print, and
+# change no value (dynamic_rnn asserts its sequence lengths' shape).
+_HARMLESS_EFFECTS = frozenset(["Assert", "PrintV2"])
 
 
 def prove(inputs, ops, loss, loss_ancestors):
@@ -137,6 +140,9 @@ def _side_effects(inputs, ops, loss):
         if op in seen:
             continue
         seen.add(op)
+        if op.type in _HARMLESS_EFFECTS:
+            stack.extend(op.control_inputs)     # not what it checks
+            continue
         if op in touched and op not in region:
             raise NotProved("%s depends on batch data and the loss waits for "
                             "it through a control dependency" % _op_text(op))
@@ -248,10 +254,7 @@ class _Interpreter(object):
                             "built from the batch size" % _op_text(op))
         for index, v in enumerate(ins):
             if isinstance(v, Dims) and (op.type, index) in _ELEMENT_SHAPE:
-                item = result[0] if op.type != "TensorListPopBack" else \
-                    result[1]
-                self.batch_at(op, v, item.desc if isinstance(item, Rows)
-                              else None)
+                self.batch_at(op, v, _item_axis(op, ins[0]))
         if (op.type in _ELEMENTWISE or op.type in _BATCH_MATMUL) and \
                 len(op.inputs) > 1:
             self.no_broadcast(op, ins, result[0])
@@ -352,6 +355,15 @@ class _Interpreter(object):
         if isinstance(picked, str):
             return [{"B": SIZE, "=": SAME}.get(picked, UNKNOWN)]
         return [Dims(tuple(picked))]
+
+    def op_ExpandDims(self, op, ins):
+        if ins[0] == SIZE and ins[1] in (None, SAME) and \
+                separability._const(op.inputs[1]) in ([0], [-1]):  # pylint: disable=protected-access
+            return [Dims(("B",))]
+        if isinstance(ins[0], Dims) or ins[0] == SIZE or \
+                isinstance(ins[1], Dims) or ins[1] == SIZE:
+            return [UNKNOWN]
+        return self.rows_op(op, ins)
 
     def op_Pack(self, op, ins):
         if not any(isinstance(v, Dims) or v == SIZE for v in ins):
@@ -500,6 +512,18 @@ class _Interpreter(object):
         return _run_graph(func, dict(enumerate(ins)), func.outputs)
 
 
+def _item_axis(op, first):
+    """The batch axis of the items of the list op `op` reads or makes
+    (`first`: its input 0's value), or None."""
+    if not isinstance(first, Rows):
+        return None
+    if isinstance(first.desc, separability.ListOf):
+        return first.desc.axis
+    if op.type == "TensorListFromTensor" and isinstance(first.desc, int):
+        return first.desc - 1
+    return None
+
+
 class _Single(object):
     """One output of a ShapeN, seen as a Shape op."""
 
@@ -528,7 +552,8 @@ def _run_graph(func, bound, outputs):
         if op in everything:
             continue
         everything.add(op)
-        stack.extend(t.op for t in op.inputs)
+        if op.type not in _HARMLESS_EFFECTS:
+            stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     ops = [op for op in func.get_operations() if op in data]
     _Interpreter(values).run(ops)
@@ -545,7 +570,7 @@ def _run_graph(func, bound, outputs):
             for out in op.outputs:
                 queue.extend(out.consumers())
         for op in everything - data:
-            if op in touched:
+            if op in touched and op.type not in _HARMLESS_EFFECTS:
                 raise NotProved("%s depends on batch data and the function "
                                 "waits for it through a control dependency"
                                 % _op_text(op))

@@ -185,3 +185,26 @@ def test_abstract_values_of_shape_paths(graph):
     bad = tf.cast(size, tf.float64) * tf.ones([], tf.float64)
     with pytest.raises(rowwise.NotProved, match="batch size"):
         rowwise._Interpreter(values).run([bad.op.inputs[0].op])
+
+
+PROVED = sorted(set(test_loops.MODELS) - {"dynamic_rnn_lstm_seqlen"})
+
+
+@pytest.mark.parametrize("name", PROVED)
+def test_loop_models_are_proved(graph, name):
+    """Keras LSTM/GRU (TensorLists of the unstacked inputs and of the
+    outputs, element shapes built from the batch size), dynamic_rnn, stacked
+    and hand-written loops: every example's loss is its own."""
+    if name.startswith("keras"):
+        pytest.importorskip("tf_keras")
+    loss, _, _ = test_loops.MODELS[name]()
+    assert _forward(loss).unproven is None, _forward(loss).unproven
+
+
+def test_sequence_lengths_are_not_proved(graph):
+    """dynamic_rnn with sequence_length runs to the longest sequence of the
+    batch (a max over examples): the losses agree, but nothing proves it,
+    so the copies keep their check."""
+    loss, _, _ = test_loops.MODELS["dynamic_rnn_lstm_seqlen"]()
+    why = _forward(loss).unproven
+    assert why is not None and "Max" in why, why
