@@ -382,11 +382,11 @@ def _input(t, mapping):
         # [tf.shape(x)[0], 32]))` would get shape [None, None]. Small
         # constants are made again where they are used, so the copies keep
         # the static shapes of the one-example graph.
+        # Not kept in `mapping`: it may serve ops of other graphs (the
+        # loop a body belongs to) too.
         value = tf.get_static_value(t)
         if value is not None:
-            made = tf.constant(value, dtype=t.dtype)
-            mapping[t.ref()] = made
-            return made
+            return tf.constant(value, dtype=t.dtype)
     if t.dtype == tf.variant and _one_row_shape(t.op) is not None:
         # An empty list made outside the batch ops but filled with rows.
         mapping[t.ref()] = _copy_op(t.op, mapping)[t.value_index]
