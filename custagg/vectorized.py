@@ -195,7 +195,7 @@ def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
         return pfor_ops.pfor(loop_fn, int(static_n))
     if max_pass_bytes is None:
         max_pass_bytes = PASS_BYTES
-    first = chunk
+    first, probed = chunk, None
     if max_pass_bytes > 0:
         probed = _output_shapes(loop_fn)
         if probed is not None:
@@ -203,6 +203,34 @@ def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
     if static_n is not None and static_n <= first:
         return pfor_ops.pfor(loop_fn, int(static_n))
     n = tf.convert_to_tensor(n, tf.int32)
+    if probed is not None and static_n is None:
+        # A batch that fits one pass (the usual case) skips the loop over
+        # passes: its frame, the arrays and their concatenation cost 3-4%
+        # of norule_rnn's per-example norms next to `tf.vectorized_map`'s
+        # single pfor. pfor converts loop_fn once more for the other branch
+        # (build time, not run time).
+        def one_pass():
+            return [tf.cast(o, d) for o, d in
+                    zip(pfor_ops.pfor(loop_fn, n), dtypes)]
+
+        def in_passes():
+            return _passes(loop_fn, n, chunk, dtypes, max_pass_bytes, first,
+                           static_n)
+
+        outs = tf.cond(n <= first, one_pass, in_passes)
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        for out, shape in zip(outs, probed):
+            try:
+                out.set_shape(tf.TensorShape([None]).concatenate(shape))
+            except ValueError:
+                pass        # the trace's shapes are only a hint here
+        return list(outs)
+    return _passes(loop_fn, n, chunk, dtypes, max_pass_bytes, first, static_n)
+
+
+def _passes(loop_fn, n, chunk, dtypes, max_pass_bytes, first, static_n):
+    """`chunked_pfor`'s `tf.while_loop` over passes, the first of `first`
+    iterations."""
     shapes = []
 
     def body(j, start, size, arrays):
