@@ -824,19 +824,6 @@ _SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank",
                          "TensorListLength", "TensorListElementShape"])
 
 
-def _data_ancestors(tensors):
-    """Ops behind `tensors` along values (not past shape-only ops)."""
-    seen, stack = set(), [t.op for t in tensors]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op.type not in _SHAPE_ONLY:
-            stack.extend(t.op for t in op.inputs)
-    return seen
-
-
 def varying_loop(forward):
     """A v2 loop of the forward pass whose condition depends on the values
     of batch data (dynamic_rnn with `sequence_length` stops at the longest
@@ -844,16 +831,7 @@ def varying_loop(forward):
     are static, and the converted loop then fails at run time reading its
     unstacked inputs ("Trying to access element 0 in a list with 0
     elements"), so these copies run in the while loop over examples."""
-    valued = set()
-    queue = collections.deque(c for t in forward.inputs
-                              for c in t.consumers())
-    while queue:
-        op = queue.popleft()
-        if op in valued or op.type in _SHAPE_ONLY:
-            continue
-        valued.add(op)
-        for out in op.outputs:
-            queue.extend(out.consumers())
+    valued = rowwise.downstream(forward.inputs, _SHAPE_ONLY)
     inputs = {t.ref() for t in forward.inputs}
     for op in forward.ops:
         if op.type not in ("While", "StatelessWhile"):
@@ -869,12 +847,12 @@ def varying_loop(forward):
                if t.op in valued or t.ref() in inputs}
         while True:
             more = {k for k, out in enumerate(body.outputs) if k not in dep
-                    and any(body.inputs[j].op in _data_ancestors([out])
+                    and any(body.inputs[j].op in rowwise.upstream([out], _SHAPE_ONLY)
                             for j in dep)}
             if not more:
                 break
             dep |= more
-        needed = _data_ancestors([cond.outputs[0]])
+        needed = rowwise.upstream([cond.outputs[0]], _SHAPE_ONLY)
         if any(cond.inputs[k].op in needed for k in dep):
             return op
     return None

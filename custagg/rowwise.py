@@ -119,35 +119,54 @@ def prove(inputs, ops, loss, loss_ancestors):
     return None
 
 
-def _side_effects(inputs, ops, loss):
-    """Batch-dependent ops that the loss waits for through control edges
-    only (an assign of a batch statistic before a variable read) could
-    change what a copy computes: not proved."""
-    region = set(ops)
-    touched = set()
-    queue = collections.deque(c for t in inputs for c in t.consumers())
+def downstream(tensors, stop=frozenset()):
+    """The ops that read `tensors`, directly or through other ops' outputs
+    (not past ops whose type is in `stop`, which are left out)."""
+    seen = set()
+    queue = collections.deque(c for t in tensors for c in t.consumers())
     while queue:
         op = queue.popleft()
-        if op in touched:
+        if op in seen or op.type in stop:
             continue
-        touched.add(op)
+        seen.add(op)
         for out in op.outputs:
             queue.extend(out.consumers())
-    seen = set()
-    stack = [loss.op]
+    return seen
+
+
+def upstream(tensors, stop=frozenset(), control=False):
+    """The ops `tensors` depend on through data edges (and control edges
+    with `control`), not into the inputs of ops whose type is in `stop`."""
+    seen, stack = set(), [t.op for t in tensors]
     while stack:
         op = stack.pop()
         if op in seen:
             continue
         seen.add(op)
-        if op.type in _HARMLESS_EFFECTS:
-            stack.extend(op.control_inputs)     # not what it checks
-            continue
-        if op in touched and op not in region:
+        if op.type not in stop:
+            stack.extend(t.op for t in op.inputs)
+        if control:
+            stack.extend(op.control_inputs)
+    return seen
+
+
+def _waited_for(outputs):
+    """The ops `outputs` wait for, through data and control edges (not into
+    what a harmless effect, an assert, checks)."""
+    return upstream(outputs, _HARMLESS_EFFECTS, control=True)
+
+
+def _side_effects(inputs, ops, loss):
+    """Batch-dependent ops that the loss waits for through control edges
+    only (an assign of a batch statistic before a variable read) could
+    change what a copy computes: not proved."""
+    region = set(ops)
+    touched = downstream(inputs)
+    for op in _waited_for([loss]):
+        if op in touched and op not in region and \
+                op.type not in _HARMLESS_EFFECTS:
             raise NotProved("%s depends on batch data and the loss waits for "
                             "it through a control dependency" % _op_text(op))
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
 
 
 def _join(a, b, t):
@@ -349,7 +368,9 @@ class _Interpreter(object):
                 raise NotProved("%s slices at positions built from the "
                                 "batch size" % _op_text(op))
             return self.rows_op(op, ins)
-        picked = _slice_entries(op, v.entries)
+        picked = symbolic_shapes.slice_vector(
+            op, list(v.entries),
+            *(separability._const(t) for t in op.inputs[1:4]))  # pylint: disable=protected-access
         if picked is None:
             return [UNKNOWN]
         if isinstance(picked, str):
@@ -458,15 +479,7 @@ class _Interpreter(object):
         the condition must be the same in the batch and in the copies (the
         same number of iterations)."""
         from custagg import recompute  # pylint: disable=g-import-not-at-top
-        try:
-            body = recompute._func_graph(op, "body")  # pylint: disable=protected-access
-            cond = recompute._func_graph(op, "cond")  # pylint: disable=protected-access
-        except recompute.Refused as e:
-            raise NotProved(str(e))
-        if len(body.inputs) != len(op.inputs) or \
-                len(body.outputs) != len(op.outputs):
-            raise NotProved("%s has a body whose signature the proof does "
-                            "not know" % _op_text(op))
+        body, cond = _function(op, "body"), _function(op, "cond", outputs=1)
         try:
             n = op.get_attr("_num_original_outputs")
         except ValueError:
@@ -500,16 +513,23 @@ class _Interpreter(object):
 
     def call(self, op, ins):
         """A function call: its body, with the arguments' values."""
-        from custagg import recompute  # pylint: disable=g-import-not-at-top
-        try:
-            func = recompute._func_graph(op, "f")  # pylint: disable=protected-access
-        except recompute.Refused as e:
-            raise NotProved(str(e))
-        if len(func.inputs) != len(op.inputs) or \
-                len(func.outputs) != len(op.outputs):
-            raise NotProved("%s calls a function whose signature the proof "
-                            "does not know" % _op_text(op))
+        func = _function(op, "f")
         return _run_graph(func, dict(enumerate(ins)), func.outputs)
+
+
+def _function(op, attr, outputs=None):
+    """The FuncGraph of `op`'s function attr `attr`, with one input per
+    input of `op` and `outputs` outputs (None: one per output of `op`)."""
+    from custagg import recompute  # pylint: disable=g-import-not-at-top
+    try:
+        func = recompute._func_graph(op, attr)  # pylint: disable=protected-access
+    except recompute.Refused as e:
+        raise NotProved(str(e))
+    want = len(op.outputs) if outputs is None else outputs
+    if len(func.inputs) != len(op.inputs) or len(func.outputs) != want:
+        raise NotProved("the %s function of %s has a signature the proof "
+                        "does not know" % (attr, _op_text(op)))
+    return func
 
 
 def _item_axis(op, first):
@@ -538,63 +558,17 @@ def _run_graph(func, bound, outputs):
     only must not depend on batch data."""
     values = {func.inputs[k].ref(): v for k, v in bound.items()
               if v is not None}
-    data, everything = set(), set()
-    stack = [t.op for t in outputs]
-    while stack:
-        op = stack.pop()
-        if op in data:
-            continue
-        data.add(op)
-        stack.extend(t.op for t in op.inputs)
-    stack = [t.op for t in outputs]
-    while stack:
-        op = stack.pop()
-        if op in everything:
-            continue
-        everything.add(op)
-        if op.type not in _HARMLESS_EFFECTS:
-            stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    ops = [op for op in func.get_operations() if op in data]
-    _Interpreter(values).run(ops)
+    data = set()
+    for t in outputs:
+        data |= separability.ancestors(t)
+    _Interpreter(values).run([op for op in func.get_operations()
+                              if op in data])
     batch_inputs = [func.inputs[k] for k in bound if bound[k] is not None]
     if batch_inputs:
-        touched = set()
-        queue = collections.deque(c for t in batch_inputs
-                                  for c in t.consumers())
-        while queue:
-            op = queue.popleft()
-            if op in touched:
-                continue
-            touched.add(op)
-            for out in op.outputs:
-                queue.extend(out.consumers())
-        for op in everything - data:
+        touched = downstream(batch_inputs)
+        for op in _waited_for(outputs) - data:
             if op in touched and op.type not in _HARMLESS_EFFECTS:
                 raise NotProved("%s depends on batch data and the function "
                                 "waits for it through a control dependency"
                                 % _op_text(op))
-    result = []
-    for t in outputs:
-        got = values.get(t.ref())
-        result.append(got)
-    return result
-
-
-def _slice_entries(op, entries):
-    """The entries a StridedSlice of a 1-D `entries` vector picks (a list,
-    or one entry for a shrunk axis), or None when its arguments are not
-    constants of the simple kind."""
-    begin, end, strides = (separability._const(t) for t in op.inputs[1:4])  # pylint: disable=protected-access
-    if begin is None or end is None or strides is None or len(begin) != 1:
-        return None
-    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
-        return None
-    b = None if op.get_attr("begin_mask") & 1 else begin[0]
-    e = None if op.get_attr("end_mask") & 1 else end[0]
-    if op.get_attr("shrink_axis_mask") & 1:
-        try:
-            return entries[b or 0]
-        except IndexError:
-            return None
-    return list(entries[b:e:strides[0]])
+    return [values.get(t.ref()) for t in outputs]

@@ -189,11 +189,10 @@ def _ints(cache, t):
     return [d.static for d in seq] if isinstance(v, list) else seq[0].static
 
 
-def _v_strided_slice(cache, op):
-    v = cache.value(op.inputs[0])
-    if not isinstance(v, list):
-        return None
-    begin, end, strides = (_ints(cache, op.inputs[k]) for k in (1, 2, 3))
+def slice_vector(op, seq, begin, end, strides):
+    """What StridedSlice `op` takes of the 1-D `seq` (a list; one item for a
+    shrunk axis), given its int `begin`, `end` and `strides`; None where
+    they are not of the one-axis kind."""
     if None in (begin, end, strides) or len(begin) != 1:
         return None
     if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
@@ -201,8 +200,19 @@ def _v_strided_slice(cache, op):
     b = None if op.get_attr("begin_mask") & 1 else begin[0]
     e = None if op.get_attr("end_mask") & 1 else end[0]
     if op.get_attr("shrink_axis_mask") & 1:
-        return v[begin[0]]
-    return v[slice(b, e, strides[0])]
+        try:
+            return seq[begin[0]]
+        except IndexError:
+            return None
+    return list(seq[slice(b, e, strides[0])])
+
+
+def _v_strided_slice(cache, op):
+    v = cache.value(op.inputs[0])
+    if not isinstance(v, list):
+        return None
+    return slice_vector(op, v, *(_ints(cache, op.inputs[k])
+                                 for k in (1, 2, 3)))
 
 
 def _v_slice(cache, op):
