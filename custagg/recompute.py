@@ -234,8 +234,7 @@ def analyze(loss, loss_ancestors, static_b):
             "constants the per-example copy cannot adjust; feed the batch "
             "through a placeholder of shape [None, ...] for the O(B) form"
             % static_b)
-    unproven = None if static_b == 1 else rowwise.prove(
-        inputs, ops, loss, loss_ancestors)
+    unproven = None if static_b == 1 else rowwise.prove(inputs, ops, loss)
     return Forward(inputs, ops, loss, static_b, unproven)
 
 

@@ -64,6 +64,11 @@ class Dims(collections.namedtuple("Dims", ["entries"])):
     """An int vector of dimensions: each "B", "=" or "?" (see the module)."""
 
 
+def _sized(v):
+    """Whether `v` is built from the batch size (`SIZE` or `Dims`)."""
+    return v == SIZE or isinstance(v, Dims)
+
+
 class NotProved(Exception):
     """The graph is not proved row-wise; the message says where and why."""
 
@@ -76,22 +81,18 @@ _CALLS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
 _ELEMENTWISE = separability._ELEMENTWISE_UNARY | \
     separability._ELEMENTWISE_BINARY  # pylint: disable=protected-access
 _BATCH_MATMUL = frozenset(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
-# Ops whose values do not depend on the entries of their input, only on
-# its shape: a row-wise input gives row-wise output of constants.
-_LIKE = frozenset(["ZerosLike", "OnesLike"])
 # (op type, input index) of TensorList element shapes: used only to make
 # unset items (zeros of that shape), so a batch size there is accepted when
 # it is the items' batch axis.
 _ELEMENT_SHAPE = {("TensorListGetItem", 2), ("TensorListPopBack", 1),
                   ("TensorListStack", 1), ("TensorListGather", 2),
                   ("TensorListFromTensor", 1)}
-_LIST_MAKERS = frozenset(["TensorListReserve", "EmptyTensorList"])
 # Ops the loss may wait for through control edges: they fail or print, and
 # change no value (dynamic_rnn asserts its sequence lengths' shape).
 _HARMLESS_EFFECTS = frozenset(["Assert", "PrintV2"])
 
 
-def prove(inputs, ops, loss, loss_ancestors):
+def prove(inputs, ops, loss):
     """None when `loss` is proved row-wise in the batch `inputs`, else the
     reason (a sentence naming the op).
 
@@ -99,11 +100,9 @@ def prove(inputs, ops, loss, loss_ancestors):
       inputs: the batch inputs (`recompute.batch_inputs`), batch on axis 0.
       ops: the ops on paths from them to the loss, in creation order.
       loss: the per-example loss `[B]`.
-      loss_ancestors: `separability.ancestors(loss)`.
     """
-    del loss_ancestors  # the region holds what matters; kept for callers
     try:
-        _side_effects(inputs, ops, loss)
+        _control_effects(inputs, [loss], "the loss")
         values = {t.ref(): Rows(0) for t in inputs}
         _Interpreter(values).run(ops)
         got = values.get(loss.ref())
@@ -156,17 +155,20 @@ def _waited_for(outputs):
     return upstream(outputs, _HARMLESS_EFFECTS, control=True)
 
 
-def _side_effects(inputs, ops, loss):
-    """Batch-dependent ops that the loss waits for through control edges
+def _control_effects(batch_inputs, outputs, where):
+    """Batch-dependent ops that `outputs` wait for through control edges
     only (an assign of a batch statistic before a variable read) could
     change what a copy computes: not proved."""
-    region = set(ops)
-    touched = downstream(inputs)
-    for op in _waited_for([loss]):
-        if op in touched and op not in region and \
-                op.type not in _HARMLESS_EFFECTS:
-            raise NotProved("%s depends on batch data and the loss waits for "
-                            "it through a control dependency" % _op_text(op))
+    touched = downstream(batch_inputs)
+    data = set()
+    for t in outputs:
+        data |= separability.ancestors(t)
+    for op in _waited_for(outputs) - data:
+        if op in touched and op.type not in _HARMLESS_EFFECTS:
+            raise NotProved("%s depends on batch data and %s waits for it "
+                            "through a control dependency"
+                            % (_op_text(op), where))
+    return data
 
 
 def _join(a, b, t):
@@ -325,21 +327,11 @@ class _Interpreter(object):
     # Shapes: where the batch size comes from and where it may go.
 
     def op_Shape(self, op, ins):
-        v = ins[0]
-        if isinstance(v, Rows) and isinstance(v.desc, separability.ListOf):
-            return [SAME]
-        rank = op.inputs[0].shape.rank
-        if not isinstance(v, Rows) or rank is None:
-            return [UNKNOWN]
-        if isinstance(v.desc, int):
-            return [Dims(tuple("B" if k == v.desc else "=" for k in
-                               range(rank)))]
-        return [Dims(tuple("?" if k == v.desc.axis else "=" for k in
-                           range(rank)))]
+        return [_shape_of(op.inputs[0], ins[0])]
 
     def op_ShapeN(self, op, ins):
-        return [self.op_Shape(_Single(op, k), [v])[0] if v is not None
-                else None for k, v in enumerate(ins)]
+        return [_shape_of(t, v) if v is not None else None
+                for t, v in zip(op.inputs, ins)]
 
     def op_Rank(self, op, ins):
         return [SAME]
@@ -349,7 +341,7 @@ class _Interpreter(object):
 
     def op_Cast(self, op, ins):
         v = ins[0]
-        if isinstance(v, (Dims,)) or v == SIZE:
+        if _sized(v):
             if not op.outputs[0].dtype.is_integer:
                 raise NotProved("%s casts the batch size to %s" % (
                     _op_text(op), op.outputs[0].dtype.name))
@@ -357,14 +349,14 @@ class _Interpreter(object):
         return self.rows_op(op, ins)
 
     def op_Identity(self, op, ins):
-        if isinstance(ins[0], Dims) or ins[0] == SIZE:
+        if _sized(ins[0]):
             return [ins[0]]
         return self.rows_op(op, ins)
 
     def op_StridedSlice(self, op, ins):
         v = ins[0]
         if not isinstance(v, Dims):
-            if any(isinstance(w, Dims) or w == SIZE for w in ins[1:]):
+            if any(_sized(w) for w in ins[1:]):
                 raise NotProved("%s slices at positions built from the "
                                 "batch size" % _op_text(op))
             return self.rows_op(op, ins)
@@ -381,13 +373,12 @@ class _Interpreter(object):
         if ins[0] == SIZE and ins[1] in (None, SAME) and \
                 separability._const(op.inputs[1]) in ([0], [-1]):  # pylint: disable=protected-access
             return [Dims(("B",))]
-        if isinstance(ins[0], Dims) or ins[0] == SIZE or \
-                isinstance(ins[1], Dims) or ins[1] == SIZE:
+        if _sized(ins[0]) or _sized(ins[1]):
             return [UNKNOWN]
         return self.rows_op(op, ins)
 
     def op_Pack(self, op, ins):
-        if not any(isinstance(v, Dims) or v == SIZE for v in ins):
+        if not any(_sized(v) for v in ins):
             return self.rows_op(op, ins)
         if op.get_attr("axis") != 0 or op.outputs[0].shape.rank != 1:
             return [UNKNOWN]
@@ -544,12 +535,16 @@ def _item_axis(op, first):
     return None
 
 
-class _Single(object):
-    """One output of a ShapeN, seen as a Shape op."""
-
-    def __init__(self, op, k):
-        self.inputs = [op.inputs[k]]
-        self.type, self.name = "Shape", op.name
+def _shape_of(t, v):
+    """The value of `tf.shape(t)` for `t` holding `v`."""
+    if isinstance(v, Rows) and isinstance(v.desc, separability.ListOf):
+        return SAME         # a list is a scalar variant
+    rank = t.shape.rank
+    if not isinstance(v, Rows) or rank is None:
+        return UNKNOWN
+    if isinstance(v.desc, int):
+        return Dims(tuple("B" if k == v.desc else "=" for k in range(rank)))
+    return Dims(tuple("?" if k == v.desc.axis else "=" for k in range(rank)))
 
 
 def _run_graph(func, bound, outputs):
@@ -558,17 +553,8 @@ def _run_graph(func, bound, outputs):
     only must not depend on batch data."""
     values = {func.inputs[k].ref(): v for k, v in bound.items()
               if v is not None}
-    data = set()
-    for t in outputs:
-        data |= separability.ancestors(t)
+    batch_inputs = [func.inputs[k] for k in bound if bound[k] is not None]
+    data = _control_effects(batch_inputs, outputs, "the function")
     _Interpreter(values).run([op for op in func.get_operations()
                               if op in data])
-    batch_inputs = [func.inputs[k] for k in bound if bound[k] is not None]
-    if batch_inputs:
-        touched = downstream(batch_inputs)
-        for op in _waited_for(outputs) - data:
-            if op in touched and op.type not in _HARMLESS_EFFECTS:
-                raise NotProved("%s depends on batch data and the function "
-                                "waits for it through a control dependency"
-                                % _op_text(op))
     return [values.get(t.ref()) for t in outputs]
