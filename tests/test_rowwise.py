@@ -29,23 +29,24 @@ def _forward(loss):
     return recompute.analyze(loss, separability.ancestors(loss), None)
 
 
-def elementwise_rnn(couple=None):
+def elementwise_rnn(couple=None, dtype=tf.float64):
     """A while-loop RNN with no per-example rule anywhere (Pow and
     SquaredDifference of batch data and weights, as the benchmarks'
     `norule_rnn`), written the way users write it: `tf.zeros(tf.stack(
     [tf.shape(x)[0], D]))`, `tf.gather` of the time-major input, `h[:, None,
     :]`. `couple(h, x)` (in the loop body) adds a coupling."""
-    x, y = test_loops._inputs()
+    x = tf.compat.v1.placeholder(dtype, [None, T, D], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
     rng = np.random.default_rng(5)
     center = tf.compat.v1.Variable(rng.normal(size=(D,)), name="center",
-                                   use_resource=True)
-    power = tf.compat.v1.Variable(1.5, dtype=tf.float64, name="power",
+                                   dtype=dtype, use_resource=True)
+    power = tf.compat.v1.Variable(1.5, dtype=dtype, name="power",
                                   use_resource=True)
     protos = tf.compat.v1.Variable(rng.normal(size=(2, D)), name="protos",
-                                   use_resource=True)
+                                   dtype=dtype, use_resource=True)
     x_tm = tf.transpose(x, [1, 0, 2])
-    h0 = tf.zeros(tf.stack([tf.shape(x)[0], D]), tf.float64)
-    acc0 = tf.zeros(tf.stack([tf.shape(x)[0], 2]), tf.float64)
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], D]), dtype)
+    acc0 = tf.zeros(tf.stack([tf.shape(x)[0], 2]), dtype)
 
     def body(t, h, acc):
         k = tf.math.pow(tf.math.reciprocal(
@@ -75,6 +76,26 @@ def test_model_without_rules_is_proved_and_matches_the_loop(graph):
     got = custagg.per_example_norms(loss, tf.compat.v1.trainable_variables())
     # The batch's own forward pass is not needed any more.
     assert loss.op not in separability.ancestors(got)
+
+
+def test_proved_copies_in_float32_match_the_loop(graph):
+    loss, xs, feed = elementwise_rnn(dtype=tf.float32)
+    assert _forward(loss).unproven is None
+    ref = test_loops.loop_reference(loss, xs, max(test_loops.BATCHES))
+    got = custagg.per_example_gradients(loss, xs)
+    norms = custagg.per_example_norms(loss, xs)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b, small, want in test_loops.sliced_batches(
+                sess, ref, feed, test_loops.BATCHES, seed=2):
+            g, n = sess.run([got, norms], small)
+            for j, (gj, wj) in enumerate(zip(g, want)):
+                np.testing.assert_allclose(
+                    gj, wj, rtol=1e-4, atol=1e-4 * np.abs(wj).max(),
+                    err_msg="B=%d %s" % (b, xs[j].name))
+            np.testing.assert_allclose(
+                n, custagg.testing.numpy_norms(want), rtol=1e-4,
+                err_msg="norms B=%d" % b)
 
 
 def test_hand_written_loop_is_proved(graph):
