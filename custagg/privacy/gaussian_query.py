@@ -19,6 +19,8 @@ import collections
 
 import tensorflow as tf
 
+from custagg import optimizers as _opt
+
 __all__ = ["GaussianSumQuery", "gaussian_sum_params"]
 
 
@@ -39,8 +41,12 @@ class GaussianSumQuery(object):
                                           ["l2_norm_clip", "stddev"])
 
     def __init__(self, l2_norm_clip, stddev):
-        self._l2_norm_clip = l2_norm_clip
-        self._stddev = stddev
+        # TF Privacy checks neither; a negative or NaN one would train
+        # without the guarantee. l2_norm_clip = 0 clips every record to 0.
+        self._l2_norm_clip = _opt._check_positive(  # pylint: disable=protected-access
+            l2_norm_clip, "l2_norm_clip", "GaussianSumQuery", allow_zero=True)
+        self._stddev = _opt._check_positive(  # pylint: disable=protected-access
+            stddev, "stddev", "GaussianSumQuery", allow_zero=True)
 
     def make_global_state(self, l2_norm_clip, stddev):
         return self._GlobalState(tf.cast(l2_norm_clip, tf.float32),
