@@ -2,7 +2,8 @@
 
 Each block runs alone in a fresh interpreter (its own imports, its own
 graph), from an empty directory. A block that is deliberately partial is
-preceded by a line `<!-- not-run: reason -->` and is only compiled.
+preceded by a visible line `*Not run on its own: reason.*` (rendered in
+italics, so a reader sees the block is partial) and is only compiled.
 """
 
 import glob
@@ -17,7 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md")] + sorted(
     glob.glob(os.path.join(ROOT, "docs", "*.md")))
 _FENCE = re.compile(r"^```(\w*)[ \t]*$")
-_NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.+?)\s*-->\s*$")
+_NOT_RUN = re.compile(r"^\*Not run on its own: (.+?)\.?\*\s*$")
+# The old marker, an HTML comment, is invisible when rendered.
+_HIDDEN_NOT_RUN = re.compile(r"<!--\s*not-run", re.I)
 
 
 def python_blocks(text):
@@ -64,8 +67,9 @@ def test_blocks_are_found():
 
 
 def test_block_parser():
-    text = ("intro\n```python\nprint(1)\n```\n\n<!-- not-run: needs data -->\n"
-            "```python\nload()\n```\n```bash\nls\n```\n```\nplain\n```\n")
+    text = ("intro\n```python\nprint(1)\n```\n\n*Not run on its own: needs "
+            "data.*\n```python\nload()\n```\n```bash\nls\n```\n```\nplain\n"
+            "```\n")
     assert python_blocks(text) == [(3, "print(1)\n", None),
                                    (8, "load()\n", "needs data")]
 
