@@ -39,6 +39,8 @@ INSTALL_REQUIRES = [
 # Test dependencies that install next to any supported TensorFlow.
 TEST_BASE = [
     "pytest>=7",
+    # The README's test command runs the suite on 2 worker processes (-n 2).
+    "pytest-xdist>=3.5",
     # Executes notebooks/ in the test suite.
     "nbclient>=0.10",
     "nbformat>=5.9",
