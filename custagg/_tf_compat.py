@@ -144,6 +144,12 @@ def graph_control_flow_context(graph):
     return graph._get_control_flow_context()
 
 
+def set_graph_control_flow_context(graph, ctxt):
+    """Makes `ctxt` the graph's current v1 control-flow context.
+    `graph._set_control_flow_context(ctxt)`, 2.12-2.21."""
+    graph._set_control_flow_context(ctxt)
+
+
 def is_function(graph, name):
     """Whether `name` is a function defined in `graph` (an op type that is a
     call). `graph._is_function`, 2.12-2.21."""

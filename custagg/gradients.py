@@ -285,11 +285,23 @@ class _Backprop(object):
         if self.loop_state is None:
             yield
             return
+        outside = _tf_compat.graph_control_flow_context(self.graph)
         self.loop_state.EnterGradWhileContext(op, before)
         try:
             yield
-        finally:
-            self.loop_state.ExitGradWhileContext(op, before)
+        except BaseException:
+            # The error of the gradient function (or of TF's loop state) is
+            # the one the user must see. A function that failed half-way can
+            # leave the gradient loop's context stack in a state its Exit
+            # cannot undo (IndexError: pop from empty list): its error is
+            # dropped and the graph's context put back as it was before.
+            try:
+                self.loop_state.ExitGradWhileContext(op, before)
+            except Exception:  # pylint: disable=broad-except
+                pass
+            _tf_compat.set_graph_control_flow_context(self.graph, outside)
+            raise
+        self.loop_state.ExitGradWhileContext(op, before)
 
     def _check_not_through_loop_entry(self, op):
         """A loop's Switch reached from outside the loop: TF can only
@@ -298,12 +310,35 @@ class _Backprop(object):
         if (control_flow_util.IsSwitch(op) and ctxt is not None
                 and ctxt.IsWhileContext() and ctxt ==
                 _tf_compat.graph_control_flow_context(self.graph)):
+            # The message names the x the user asked about (as TF's does),
+            # not the Switch: the nearest of xs' ops upstream of it.
+            asked = self._nearest_from_op(op)
             raise ValueError(
                 "Cannot compute gradient inside while loop with respect to op "
-                "'%s'. custagg.gradients: the initial value of a v1 while "
-                "loop variable cannot be differentiated with respect to or "
-                "through; take gradients through loop invariants or with "
-                "respect to the inputs of the loop body." % op.name)
+                "'%s'. We do not support taking the gradient wrt or through "
+                "the initial value of a loop variable. Gradients can be "
+                "computed through loop invariants or wrt the input parameters "
+                "to the loop body. custagg.gradients: the path from ys to "
+                "'%s' enters while loop '%s' through a loop variable's "
+                "initial value (at '%s'); inside the body, differentiate with "
+                "respect to the body's own loop variable, or compute the "
+                "gradient outside the loop."
+                % (asked.name, asked.name, ctxt.name, op.name))
+
+    def _nearest_from_op(self, op):
+        """The first of xs' ops met walking up from `op` (breadth first)."""
+        from_ops = set(self.from_ops)
+        queue = collections.deque([op])
+        seen = set()
+        while queue:
+            cur = queue.popleft()
+            if cur in from_ops:
+                return cur
+            if cur in seen:
+                continue
+            seen.add(cur)
+            queue.extend(t.op for t in self._graph_inputs(cur))
+        return op   # not reached: op is between ys and xs
 
     def visit(self, op):
         """Aggregates op's output gradients and sends its input gradients on."""
