@@ -4,6 +4,11 @@ import tensorflow as tf
 from custagg import _tf_compat
 from custagg._tf_compat import ops
 
+# Every public function goes through this module. Inside a tf.function,
+# custagg's code must run as written (it builds the graph itself), not be
+# rewritten by autograph as user code is.
+_tf_compat.autograph_do_not_convert("custagg")
+
 
 def check_not_eager(fn_name):
     """Raises when called in eager mode: custagg builds graphs."""

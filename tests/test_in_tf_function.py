@@ -130,6 +130,12 @@ def descend(install):
 np.testing.assert_allclose(descend(True), descend(False), rtol=1e-6)
 out["minimize"] = descend(True).tolist()
 
+# custagg builds its graph itself: autograph leaves its functions as they
+# are (it would rewrite their Python loops and conditions otherwise).
+from tensorflow.python.autograph.impl import conversion
+out["not_converted"] = [conversion.is_allowlisted(fn) for fn in (
+    custagg.gradients, custagg.per_example_norms, custagg.clipped_gradients)]
+
 # Outside any graph: still the clear eager-mode error.
 out["eager_call"] = err(lambda: custagg.gradients(v * v, [v]))
 print("RESULT" + json.dumps(out))
@@ -140,6 +146,7 @@ print("RESULT" + json.dumps(out))
     assert out["installed_sparse"]
     assert out["custom"]
     assert out["minimize"] != [1.0, -2.0, 0.5]
+    assert out["not_converted"] == [True, True, True]
     assert out["eager_call"].startswith(
         "RuntimeError: custagg.gradients builds graph-mode gradients"), out
 
