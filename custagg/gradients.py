@@ -720,9 +720,11 @@ def _tensor_gradients(ys, xs, grad_ys, args, y_kinds=None):
         # name="" means the root scope.
         with ops.name_scope_v1(args.name, "gradients") as scope_name:
             gradient_uid = ops.get_default_graph().unique_name("uid")
-            # Tensors convert to themselves: skip the conversion machinery
-            # for them (the CUSTOM list form passes B slices).
-            if not all(isinstance(y, tf.Tensor) for y in y_kinds):
+            # Graph tensors convert to themselves: skip the conversion
+            # machinery for them (the CUSTOM list form passes B slices).
+            # Eager tensors (inside a tf.function) are captured by it.
+            if not all(isinstance(y, tf.Tensor) and
+                       not isinstance(y, ops.EagerTensor) for y in y_kinds):
                 ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
                     ys, name="y")
             xs = _convert_xs(xs)

@@ -72,6 +72,9 @@ def models(grad_fn):
     got["cond"] = grad_fn(z, [v, c])
     g = tf.gather(v, idx) * tf.gather(v, [1, 1, 0, 0])
     got["gather"] = grad_fn(tf.reduce_sum(g * c), [v, c])
+    # Eager tensors as ys too, with xs the ys do not reach.
+    got["eager_ys"] = grad_fn([c, v * c], [c, v])
+    got["unused"] = grad_fn(tf.reduce_sum(v) * 2.0, [c])
     return got
 
 @tf.function
@@ -91,12 +94,16 @@ ref = with_tf()
 for name, fn in (("custagg", with_custagg), ("installed", as_tf_gradients)):
     got = fn()
     for key in ref:
+        assert len(got[key]) == len(ref[key]), key
         for a, b in zip(got[key], ref[key]):
-            np.testing.assert_allclose(dense(a), dense(b), rtol=1e-12,
-                                       err_msg="%s %s" % (name, key))
+            assert (a is None) == (b is None), (name, key)
+            if a is not None:
+                np.testing.assert_allclose(dense(a), dense(b), rtol=1e-12,
+                                           err_msg="%s %s" % (name, key))
     out[name] = sorted(got)
     out[name + "_sparse"] = isinstance(got["gather"][0], tf.IndexedSlices)
 out["tf_sparse"] = isinstance(ref["gather"][0], tf.IndexedSlices)
+out["unused_is_none"] = ref["unused"] == [None]
 
 # CUSTOM: sum_i f[i] * d loss_i / d v, the factors an eager constant.
 f = tf.constant(rng.normal(size=[4]))
@@ -140,7 +147,9 @@ out["not_converted"] = [conversion.is_allowlisted(fn) for fn in (
 out["eager_call"] = err(lambda: custagg.gradients(v * v, [v]))
 print("RESULT" + json.dumps(out))
 """)
-    assert out["custagg"] == ["cond", "gather", "plain", "while"]
+    assert out["custagg"] == ["cond", "eager_ys", "gather", "plain", "unused",
+                              "while"]
+    assert out["unused_is_none"]
     assert out["installed"] == out["custagg"]
     assert out["custagg_sparse"] and out["tf_sparse"]
     assert out["installed_sparse"]
