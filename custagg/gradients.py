@@ -102,7 +102,8 @@ class _Backprop(object):
     """State of one reverse pass: what is between ys and xs, and what is pending."""
 
     def __init__(self, graph, ys, xs, stop_tensors, colocate, gate,
-                 sum_method, gradient_uid, scope_name, src_graph=None):
+                 sum_method, gradient_uid, scope_name, src_graph=None,
+                 optimize_identity_n=False):
         # `graph`: where the gradient ops go (the default graph);
         # `src_graph`: the graph of ys and xs, where called functions are
         # looked up (TF's `src_graph`: a function body whose gradient is
@@ -112,6 +113,9 @@ class _Backprop(object):
         # The gradients call's name scope ("gradients/"): TF names the XLA
         # scope of separately compiled gradients after it.
         self.scope_name = scope_name
+        # TF's helper option: IdentityN outputs without a gradient give
+        # their inputs None, not zeros (IdentityN passes gradients through).
+        self.optimize_identity_n = optimize_identity_n
         self.xs = xs
         self.xs_set = object_identity.ObjectIdentitySet(xs)
         self.colocate = colocate
@@ -381,6 +385,10 @@ class _Backprop(object):
     def _call_gradient(self, op, grad_fn, func, out_grads):
         # The gradient of an output nothing depends on is zero; gradient
         # functions expect a tensor for every trainable output.
+        if self.optimize_identity_n and op.type == "IdentityN":
+            return op_gradients.call(op, grad_fn, func, out_grads, self.graph,
+                                     self.src_graph, self.gate,
+                                     self.gradient_uid, self.scope_name)
         for i, g in enumerate(out_grads):
             if g is None and ((grad_fn is None) or
                               backprop_util.IsTrainable(op.outputs[i])):
@@ -573,7 +581,8 @@ def gradients(ys,
               stop_gradients=None,
               unconnected_gradients=tf.UnconnectedGradients.NONE,
               gradient_factors=None,
-              src_graph=None):
+              src_graph=None,
+              optimize_identity_n=False):
     """Symbolic derivatives of `ys` w.r.t. `xs`; a drop-in for `tf.gradients`.
 
     Without `gradient_factors` this returns what `tf.compat.v1.gradients`
@@ -614,6 +623,8 @@ def gradients(ys,
         enclosing function graphs' captures are followed; the gradient ops
         go into the default graph. Default: the default graph (and, outside
         function graphs, custagg builds in the graph of ys).
+      optimize_identity_n: TF's internal helper's option: an `IdentityN`
+        output with no gradient gives its input `None` instead of zeros.
 
     Returns:
       A list aligned with `xs` of `Tensor`, `IndexedSlices` or `None`.
@@ -660,7 +671,8 @@ def gradients(ys,
             "pass one seed (or None) per y." % (len(grad_ys), len(ys)))
     args = _Args(name, colocate_gradients_with_ops, gate_gradients,
                  aggregation_method, sum_method, stop_gradients,
-                 unconnected_gradients, gradient_factors, src_graph)
+                 unconnected_gradients, gradient_factors, src_graph,
+                 optimize_identity_n)
     # As in tf.gradients, composite grad_ys alone (an IndexedSlices seed)
     # do not take this path: they are kept as they are.
     if any(isinstance(t, composite_tensor.CompositeTensor)
@@ -672,7 +684,8 @@ def gradients(ys,
 # The checked arguments of one gradients call, passed on unchanged.
 _Args = collections.namedtuple("_Args", [
     "name", "colocate", "gate", "aggregation_method", "sum_method",
-    "stop_gradients", "unconnected", "gradient_factors", "src_graph"])
+    "stop_gradients", "unconnected", "gradient_factors", "src_graph",
+    "optimize_identity_n"])
 
 
 def _composite_gradients(ys, xs, grad_ys, args):
@@ -737,7 +750,8 @@ def _tensor_gradients(ys, xs, grad_ys, args, y_kinds=None):
             backprop = _Backprop(ops.get_default_graph(), ys, xs,
                                  args.stop_gradients, args.colocate,
                                  args.gate, args.sum_method, gradient_uid,
-                                 scope_name, args.src_graph)
+                                 scope_name, args.src_graph,
+                                 args.optimize_identity_n)
             backprop.run(ys, grad_ys)
         # Outside the name scope, as in tf.gradients: the zeros made for
         # unconnected xs (unconnected_gradients=ZERO) get the same names.

@@ -1042,3 +1042,26 @@ def test_model_rnn_in_while_loop():
                     {x: rng.normal(size=(batch, steps, n_in)),
                      labels: rng.integers(0, 10, size=batch)})
     assert_parity(build)
+
+
+def test_optimize_identity_n_like_tfs_helper():
+    """TF's internal helper's `optimize_identity_n=True`: an IdentityN output
+    with no gradient gives its input None, not zeros; without it, zeros."""
+    from tensorflow.python.ops import gradients_util
+    from custagg import install
+    a = tf.constant([1.0, 2.0])
+    b = tf.constant(3.0)
+    c, d = tf.identity_n([a, b])
+    for helper in (gradients_util._GradientsHelper, install.gradients_helper):
+        assert helper(ys=d, xs=a, optimize_identity_n=True)[0] is None
+        assert helper(ys=c, xs=b, optimize_identity_n=True)[0] is None
+        assert helper(ys=d, xs=a)[0] is not None        # zeros
+        assert helper(ys=[c * b], xs=[a, b], optimize_identity_n=True)[0] \
+            is not None
+    with tf.compat.v1.Session() as sess:
+        ours = sess.run(install.gradients_helper(ys=c * b, xs=[a, b],
+                                                 optimize_identity_n=True))
+        ref = sess.run(gradients_util._GradientsHelper(
+            ys=c * b, xs=[a, b], optimize_identity_n=True))
+    np.testing.assert_allclose(ours[0], ref[0])
+    np.testing.assert_allclose(ours[1], ref[1])
