@@ -120,6 +120,11 @@ def test_tf_suite_with_custagg(which, mode, impl):
     if "error" in baseline:
         pytest.skip("TF's own run of %s does not complete here (an older "
                     "copy?): %s" % (path, baseline["error"][-500:]))
+    if baseline["run"] == 0:
+        # E.g. tensor_array_ops_test's setUpClass starts a local cluster and
+        # needs the `portpicker` package (pip install portpicker).
+        pytest.skip("TF's own run of %s ran no test here: %s"
+                    % (path, baseline["log"][-600:]))
     got = _run(path, mode, impl)
     assert "error" not in got, got.get("error")
     print("%s %s: TF %d/%d, %s %d/%d (skipped %d)" % (
