@@ -237,7 +237,9 @@ def _check_strategy(strategy, fn_name):
 
 def _as_tensor(x, i, fn_name):
     if resource_variable_ops.is_resource_variable(x):
-        return x.handle
+        # Inside a tf.function an eagerly created variable's handle is an
+        # eager tensor: the conversion below captures it.
+        x = x.handle
     errors.check_graph_tensor(x, "xs[%d]" % i, fn_name)
     return indexed_slices_lib.internal_convert_to_tensor_or_indexed_slices(
         x, as_ref=True)
