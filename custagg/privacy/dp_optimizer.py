@@ -52,6 +52,7 @@ from absl import logging
 import tensorflow as tf
 
 from custagg import optimizers as _opt
+from custagg.privacy import _query_fast as _fast
 from custagg.privacy import gaussian_query
 
 __all__ = [
@@ -103,6 +104,8 @@ def make_optimizer_class(cls):
             self._while_loop_parallel_iterations = int(
                 while_loop_parallel_iterations)
             self._global_state = None
+            self._state_variables = None
+            self._global_state_read = None
             self._was_compute_gradients_called = False
             self._dp_norms = None
 
@@ -124,14 +127,17 @@ def make_optimizer_class(cls):
             del aggregation_method, colocate_gradients_with_ops
             name = type(self).__name__ + ".compute_gradients"
             self._was_compute_gradients_called = True
+            if tf.executing_eagerly():
+                return self._eager_gradients(loss, var_list, grad_loss,
+                                             gradient_tape, name)
             if gradient_tape is not None or (
                     callable(loss) and not isinstance(loss, tf.Tensor)):
-                raise TypeError(
-                    "%s: custagg builds TF1 graphs; a callable loss or a "
-                    "gradient_tape (eager mode) is not supported. Pass the "
-                    "per-example loss tensor in graph mode." % name)
+                raise ValueError(
+                    "%s: in graph mode pass the per-example loss tensor; a "
+                    "callable loss or a gradient_tape is for eager execution."
+                    % name)
             if self._global_state is None:
-                self._global_state = self._dp_sum_query.initial_global_state()
+                self._global_state = self._initial_state()
             loss, grad_loss = _opt.per_example_loss_vector(loss, grad_loss,
                                                            name)
             if grad_loss is not None:
@@ -160,11 +166,97 @@ def make_optimizer_class(cls):
             return super().apply_gradients(grads_and_vars,
                                            global_step=global_step, name=name)
 
+        def _initial_state(self):
+            """The query's initial global state; in graph mode, read from
+            variables when it changes between steps (adaptive clipping), so
+            it carries over from one `session.run` to the next."""
+            state = self._dp_sum_query.initial_global_state()
+            if tf.executing_eagerly() or not _fast.has_adaptive_state(
+                    self._dp_sum_query):
+                return state
+            with tf.name_scope(self._name + "_dp_query_state"):
+                self._state_variables = [
+                    tf.compat.v1.Variable(leaf, trainable=False,
+                                          use_resource=True,
+                                          name="global_state")
+                    for leaf in tf.nest.flatten(state)]
+            return tf.nest.pack_sequence_as(
+                state, [v.read_value() for v in self._state_variables])
+
+        def _save_state(self, new_state, grads):
+            """Assigns the new global state to its variables (graph mode,
+            adaptive queries) when the gradients are computed."""
+            self._global_state = new_state
+            if not getattr(self, "_state_variables", None):
+                return grads
+            reads = tf.nest.flatten(self._global_state_read)
+            with tf.control_dependencies(reads + [g for g in grads
+                                                  if g is not None]):
+                updates = [v.assign(tf.cast(x, v.dtype)) for v, x in
+                           zip(self._state_variables,
+                               tf.nest.flatten(new_state))]
+            with tf.control_dependencies(updates):
+                return [None if g is None else tf.identity(g) for g in grads]
+
         def _dp_gradients(self, loss, var_list):
             params = gaussian_query.gaussian_sum_params(self._dp_sum_query)
             if params is not None:
                 return self._gaussian_gradients(loss, var_list, *params)
+            if _fast.plan(self._dp_sum_query) is not None:
+                self._global_state_read = self._global_state
+                grads, new_state, self._dp_norms = _fast.fast_gradients(
+                    self._dp_sum_query, self._global_state, loss, var_list,
+                    self._num_microbatches, type(self).__name__)
+                return self._save_state(new_state, grads)
             return self._query_gradients(loss, var_list)
+
+        def _eager_gradients(self, loss, var_list, grad_loss, tape, name):
+            """TF Privacy's eager path: `loss` a callable (evaluated under
+            `tape`, or a tape of our own) or a tensor recorded by `tape`;
+            the microbatch gradients come from the tape's jacobian and go
+            through the query record by record."""
+            if var_list is None:
+                raise ValueError("%s: in eager mode pass var_list." % name)
+            var_list = tf.nest.flatten(var_list)
+            if callable(loss):
+                if tape is None:
+                    with tf.GradientTape(persistent=True) as tape:
+                        loss = loss()
+                else:
+                    loss = loss()
+            elif tape is None:
+                raise ValueError(
+                    "%s: in eager mode pass the loss as a callable, or pass "
+                    "the gradient_tape that recorded it." % name)
+            with tape.stop_recording():
+                return self._eager_query(loss, var_list, grad_loss, tape)
+
+        def _eager_query(self, loss, var_list, grad_loss, tape):
+            loss = tf.convert_to_tensor(loss)
+            if grad_loss is not None:
+                loss = loss * tf.cast(grad_loss, loss.dtype)
+            batch = int(loss.shape[0])
+            m = batch if self._num_microbatches is None else \
+                self._num_microbatches
+            if batch % m:
+                raise ValueError("num_microbatches=%d does not divide the "
+                                 "batch size %d." % (m, batch))
+            micro = tf.reduce_mean(tf.reshape(loss, [m, -1]), axis=1)
+            records = tape.jacobian(micro, var_list)
+            query = self._dp_sum_query
+            if self._global_state is None:
+                self._global_state = query.initial_global_state()
+            params = query.derive_sample_params(self._global_state)
+            state = query.initial_sample_state(var_list)
+            for i in range(m):
+                state = query.accumulate_record(
+                    params, state,
+                    [None if r is None else r[i] for r in records])
+            sums, self._global_state, _ = query.get_noised_result(
+                state, self._global_state)
+            out = [None if s is None else s / tf.cast(m, s.dtype)
+                   for s in tf.nest.flatten(sums)]
+            return list(zip(out, var_list))
 
         def _gaussian_gradients(self, loss, var_list, clip, stddev):
             """One-pass clipped sum (no per-microbatch loop) plus noise."""
