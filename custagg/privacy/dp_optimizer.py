@@ -218,31 +218,46 @@ def make_optimizer_class(cls):
             if var_list is None:
                 raise ValueError("%s: in eager mode pass var_list." % name)
             var_list = tf.nest.flatten(var_list)
-            if callable(loss):
-                if tape is None:
-                    with tf.GradientTape(persistent=True) as tape:
-                        loss = loss()
-                else:
-                    loss = loss()
-            elif tape is None:
+            if not callable(loss) and tape is None:
                 raise ValueError(
                     "%s: in eager mode pass the loss as a callable, or pass "
                     "the gradient_tape that recorded it." % name)
-            with tape.stop_recording():
-                return self._eager_query(loss, var_list, grad_loss, tape)
+            if callable(loss):
+                if tape is None:
+                    with tf.GradientTape() as tape:
+                        loss = loss()
+                else:
+                    loss = loss()
+            records, m = self._eager_records(tf.convert_to_tensor(loss),
+                                             grad_loss, var_list, tape, name)
+            return self._eager_query(records, m, var_list)
 
-        def _eager_query(self, loss, var_list, grad_loss, tape):
-            loss = tf.convert_to_tensor(loss)
-            if grad_loss is not None:
-                loss = loss * tf.cast(grad_loss, loss.dtype)
+        def _eager_records(self, loss, grad_loss, var_list, tape, name):
+            """`([M, *v.shape] microbatch mean gradients or None, M)`, from
+            the tape's jacobian of the (recorded) loss itself, so nothing
+            computed here needs to be on the tape."""
             batch = int(loss.shape[0])
             m = batch if self._num_microbatches is None else \
                 self._num_microbatches
             if batch % m:
-                raise ValueError("num_microbatches=%d does not divide the "
-                                 "batch size %d." % (m, batch))
-            micro = tf.reduce_mean(tf.reshape(loss, [m, -1]), axis=1)
-            records = tape.jacobian(micro, var_list)
+                raise ValueError("%s: num_microbatches=%d does not divide the "
+                                 "batch size %d." % (name, m, batch))
+            weights = None if grad_loss is None else tf.reshape(
+                tf.cast(grad_loss, loss.dtype), [-1])
+            records = []
+            for v, j in zip(var_list, tape.jacobian(loss, var_list)):
+                if j is None:
+                    records.append(None)
+                    continue
+                shape = v.shape.as_list()
+                j = tf.reshape(j, [-1] + shape)   # [B * trailing, *v]
+                if weights is not None:
+                    j = j * tf.reshape(weights, [-1] + [1] * len(shape))
+                records.append(tf.reduce_mean(tf.reshape(j, [m, -1] + shape),
+                                              axis=1))
+            return records, m
+
+        def _eager_query(self, records, m, var_list):
             query = self._dp_sum_query
             if self._global_state is None:
                 self._global_state = query.initial_global_state()

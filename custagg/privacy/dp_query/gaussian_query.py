@@ -89,10 +89,12 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
         The record's tensors must share a dtype; the clip norm is cast to it.
         """
-        flat = tf.nest.flatten(record)
+        flat = [None if t is None else tf.convert_to_tensor(t)
+                for t in tf.nest.flatten(record)]
         clip = params
-        if flat:
-            clip = tf.cast(params, tf.as_dtype(flat[0].dtype).base_dtype)
+        present = [t for t in flat if t is not None]
+        if present:
+            clip = tf.cast(params, tf.as_dtype(present[0].dtype).base_dtype)
         clipped, norm = tf.clip_by_global_norm(flat, clip)
         return tf.nest.pack_sequence_as(record, clipped), norm
 
