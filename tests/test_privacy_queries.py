@@ -360,3 +360,41 @@ print("EAGER OK")
 def test_eager_optimizers_and_queries(run_python):
     proc = run_python(EAGER)
     assert "EAGER OK" in proc.stdout, proc.stderr[-4000:]
+
+
+# ------------------------------------------------------ privacy statement
+
+def test_privacy_statement_figures():
+    import math
+    import dp_accounting as dpa
+    from custagg.privacy import accounting as acc
+    n, b, epochs, sigma, delta = 60000, 256, 3, 4.0, 1e-5
+    f = acc.dp_sgd_epsilons(n, b, epochs, sigma, delta,
+                            used_microbatching=True, max_examples_per_user=3)
+    # Microbatching doubles the sensitivity: sigma/2 without it.
+    g = acc.dp_sgd_epsilons(n, b, epochs, sigma / 2, delta,
+                            used_microbatching=False)
+    assert f["example_epsilon"] == g["example_epsilon"]
+    # Shuffled: ceil(epochs) Gaussian steps (each example once per epoch).
+    rdp = dpa.rdp.RdpAccountant()
+    rdp.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma / 2), 3))
+    assert math.isclose(f["example_epsilon"], rdp.get_epsilon(delta))
+    assert f["example_epsilon_poisson"] < f["example_epsilon"]
+    # Group privacy: the user-level epsilon is k times an example-level
+    # epsilon at a smaller delta, so more than k times the one at delta.
+    assert f["user_epsilon"] > 3 * f["example_epsilon"]
+    assert math.isfinite(f["user_epsilon_poisson"])
+    one = acc.dp_sgd_epsilons(n, b, epochs, sigma, delta,
+                              max_examples_per_user=1)
+    assert one["user_epsilon"] == one["example_epsilon"]
+    text = acc.compute_dp_sgd_privacy_statement(
+        n, b, epochs, sigma, delta, max_examples_per_user=3)
+    assert "%12.3f" % f["user_epsilon"] in text
+    assert "at most 3 examples per user" in text
+    pld = acc.compute_dp_sgd_privacy_statement(n, b, epochs, sigma, delta,
+                                               max_examples_per_user=3,
+                                               accountant_type="PLD")
+    assert "not supported for PLD" in pld
+    with pytest.raises(ValueError, match="accountant_type"):
+        acc.compute_dp_sgd_privacy_statement(n, b, 1, 1.0, delta,
+                                             accountant_type="GDP")

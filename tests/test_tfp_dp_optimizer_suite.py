@@ -174,3 +174,37 @@ def test_tutorial_update_equals_tf_privacy():
         assert r["max_weight_change"] > 1e-3, r        # the weights did move
         for std in r["noise_std"].values():
             assert abs(std / r["noise_std_expected"] - 1) < 0.15, r
+
+
+STATEMENT_CHECK = r"""
+from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib as T
+from custagg.privacy import compute_dp_sgd_privacy_lib as C
+cases = [(60000, 256, 60, 1.1, 1e-5, False, None, "RDP"),
+         (60000, 256, 60, 1.1, 1e-5, True, None, "PLD"),
+         (60000, 256, 5, 4.0, 1e-5, False, 2, "RDP"),
+         (60000, 256, 3, 8.0, 1e-5, True, 5, "RDP"),
+         (10**6, 1000, 10, 3.0, 1e-7, False, 3, "RDP"),
+         (60000, 256, 15, 1.1, 1e-5, True, 4, "RDP"),
+         (50000, 512, 2, 2.0, 1e-5, False, 1, "PLD")]
+same = 0
+for n, b, e, s, d, mb, k, a in cases:
+    x = T.compute_dp_sgd_privacy_statement(
+        n, b, e, s, d, used_microbatching=mb, max_examples_per_user=k,
+        accountant_type=T.AccountantType[a])
+    y = C.compute_dp_sgd_privacy_statement(
+        n, b, e, s, d, used_microbatching=mb, max_examples_per_user=k,
+        accountant_type=T.AccountantType[a])
+    assert x == y, (x, y)
+    same += 1
+print("STATEMENTS EQUAL", same)
+"""
+
+
+def test_privacy_statement_equals_tf_privacy():
+    """The same text, figures included, for 7 settings (user-level finite
+    and infinite, RDP and PLD, with and without microbatching)."""
+    _tf_privacy_or_skip()
+    proc = subprocess.run([sys.executable, "-c", STATEMENT_CHECK],
+                          capture_output=True, text=True, env=_env(),
+                          cwd=REPO_ROOT, timeout=900)
+    assert "STATEMENTS EQUAL 7" in proc.stdout, proc.stderr[-4000:]
