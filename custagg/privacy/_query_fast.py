@@ -32,8 +32,10 @@ from custagg.privacy.dp_query import quantile_adaptive_clip_sum_query as _qa
 
 def leaf_kind(query):
     """"gaussian", "normalized", "adaptive" or None (not on the fast path)."""
+    # Exact classes only: a subclass may process records its own way (it
+    # then goes through accumulate_record like any other query).
     cls = type(query)
-    if isinstance(query, _gq.GaussianSumQuery) or (
+    if cls is _gq.GaussianSumQuery or (
             cls.__name__ == "GaussianSumQuery" and
             cls.__module__.startswith("tensorflow_privacy.")):
         return "gaussian"
