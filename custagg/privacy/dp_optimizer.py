@@ -110,6 +110,14 @@ def make_optimizer_class(cls):
             self._dp_norms = None
 
         @property
+        def global_state(self):
+            """The query's global state after the last `compute_gradients`
+            (graph tensors; for adaptive queries the values that step
+            writes to the state variables). E.g.
+            `query.derive_metrics(opt.global_state)["clip"]`."""
+            return _opt.computed(self._global_state, self, "global_state")
+
+        @property
         def per_microbatch_norms(self):
             """`[M]` global L2 norms of the microbatch gradients before
             clipping, from the last `compute_gradients` (Gaussian queries)."""
