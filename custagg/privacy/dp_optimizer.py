@@ -250,6 +250,9 @@ def make_optimizer_class(cls):
             if batch % m:
                 raise ValueError("%s: num_microbatches=%d does not divide the "
                                  "batch size %d." % (name, m, batch))
+            if getattr(tape, "_persistent", False) and m <= 64:
+                return self._eager_records_loop(loss, grad_loss, var_list,
+                                                tape, m), m
             weights = None if grad_loss is None else tf.reshape(
                 tf.cast(grad_loss, loss.dtype), [-1])
             records = []
@@ -264,6 +267,25 @@ def make_optimizer_class(cls):
                 records.append(tf.reduce_mean(tf.reshape(j, [m, -1] + shape),
                                               axis=1))
             return records, m
+
+        def _eager_records_loop(self, loss, grad_loss, var_list, tape, m):
+            """The same records from M `tape.gradient` calls (a persistent
+            tape, few microbatches: cheaper than the jacobian's trace), each
+            weighting the loss entries of one microbatch by 1/their count."""
+            size = tf.size(loss)
+            per_mb = size // m
+            scale = tf.cast(1.0, loss.dtype) / tf.cast(per_mb, loss.dtype)
+            if grad_loss is not None:
+                scale = scale * tf.reshape(tf.cast(grad_loss, loss.dtype),
+                                           tf.shape(loss))
+            owner = tf.reshape(tf.range(size) // per_mb, tf.shape(loss))
+            rows = []
+            for i in range(m):
+                w = tf.cast(tf.equal(owner, i), loss.dtype) * scale
+                rows.append(tape.gradient(loss, var_list, output_gradients=w))
+            return [None if rows[0][j] is None else
+                    tf.stack([tf.convert_to_tensor(r[j]) for r in rows])
+                    for j in range(len(var_list))]
 
         def _eager_query(self, records, m, var_list):
             query = self._dp_sum_query
