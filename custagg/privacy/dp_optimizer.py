@@ -39,10 +39,13 @@ materializing the `[M, ...]` microbatch gradients where a form exists;
 see docs/privacy.md), not from a loop of M backward passes, so
 `unroll_microbatches` and `while_loop_parallel_iterations` do not change
 the graph for them (they are accepted; other DPQuery objects still run one
-`accumulate_record` per microbatch, in a Python loop when
-`unroll_microbatches=True` and M is static, else a `tf.while_loop`). Graph
-mode only: a callable loss or a `gradient_tape` (TF Privacy's eager path)
-is an error. `cls` must be a `tf.compat.v1.train.Optimizer` subclass, not a
+`accumulate_record` per microbatch -- except normalized, nested
+(per-layer) and adaptive-clip queries of custagg's `dp_query` package,
+which get norms and clipped sums from the rules too (see
+`custagg.privacy._query_fast`) -- in a Python loop when
+`unroll_microbatches=True` and M is static, else a `tf.while_loop`). Eagerly (TF Privacy's
+callable loss, optionally with a `gradient_tape`) the microbatch gradients
+come from the tape and go through the query record by record. `cls` must be a `tf.compat.v1.train.Optimizer` subclass, not a
 Keras optimizer class.
 """
 
