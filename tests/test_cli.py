@@ -70,6 +70,9 @@ def test_dpsgd_prints_noise(capsys):
     # epsilon at delta = 1/n after each epoch and at the end (n = 128 here).
     assert out.count("at delta 1/128 (RDP order") == 2
     assert "privacy after 1 epochs: epsilon " in out and "PLD accountant" in out
+    # TF Privacy's privacy statement (compute_dp_sgd_privacy_statement).
+    assert "Epsilon assuming Poisson sampling (*):" in out
+    assert "with each example once per epoch" in out
 
 
 def test_failed_check_exits_1(capsys, monkeypatch):

@@ -80,6 +80,8 @@ def test_stored_executed_in_full(name):
     if name == "02_dp_sgd_mnist.ipynb":
         assert "600 steps of batch 64" in text
         assert "at epsilon" in text
+        assert "adaptive clipping: clip 1.000 -> " in text     # and its plot
+        assert "Epsilon assuming Poisson sampling" in text
         eps_cell = [c for c in code if "compute_dp_sgd_privacy" in c.source]
         assert eps_cell and any("image/png" in o.get("data", {})
                                 for o in eps_cell[0].outputs)

@@ -221,6 +221,7 @@ def _run(args, out):
                 say("privacy after %d epochs: %s" % (
                     args.epochs, _describe_epsilon(
                         args, len(data.x_train), bsz, args.epochs, pld=True)))
+                say(_privacy_statement(args, len(data.x_train), bsz))
             status = 0
             if not args.no_check:
                 status = _check(args, say, sess, data,
@@ -252,7 +253,27 @@ def _describe_epsilon(args, n, batch_size, epochs, pld=False):
         text += "; PLD accountant: %.3f" % accounting.compute_dp_sgd_privacy(
             n, batch_size, args.noise_multiplier, epochs, delta,
             accountant="pld")[0]
-    return text + "; custagg.privacy.compute_dp_sgd_privacy)"
+    figures = accounting.dp_sgd_epsilons(
+        n, batch_size, epochs, args.noise_multiplier, delta,
+        used_microbatching=_used_microbatching(args, batch_size))
+    return text + ("; statement: %.3f with each example once per epoch, "
+                   "%.3f assuming Poisson sampling)" % (
+                       figures["example_epsilon"],
+                       figures["example_epsilon_poisson"]))
+
+
+def _used_microbatching(args, batch_size):
+    """Microbatches of more than one example double the sensitivity."""
+    m = getattr(args, "num_microbatches", None)
+    return m is not None and m < batch_size
+
+
+def _privacy_statement(args, n, batch_size):
+    """TF Privacy's privacy statement for the run, at delta = 1/n."""
+    from custagg.privacy import accounting  # pylint: disable=g-import-not-at-top
+    return accounting.compute_dp_sgd_privacy_statement(
+        n, batch_size, args.epochs, args.noise_multiplier, 1.0 / n,
+        used_microbatching=_used_microbatching(args, batch_size)).rstrip()
 
 
 def _describe_aggregation(args):

@@ -15,19 +15,32 @@ Migrating from TensorFlow Privacy is a change of import:
   `l2_norm_clip, noise_multiplier, num_microbatches, unroll_microbatches`.
 * `gaussian_query.GaussianSumQuery(l2_norm_clip, stddev)` (TF Privacy's own
   query objects are accepted as well).
+* `dp_optimizer_vectorized`: `VectorizedDPSGD`, `VectorizedDPAdam`,
+  `VectorizedDPAdagrad`, `make_vectorized_optimizer_class`.
+* `dp_query.<module>` (`dp_query`, `gaussian_query`, `no_privacy_query`,
+  `normalized_query`, `nested_query`, `quantile_estimator_query`,
+  `quantile_adaptive_clip_sum_query`): TF Privacy's DPQuery family;
+  adaptive (Andrew et al.) and per-layer (nested) clipping in the DP
+  optimizers get norms and clipped sums from custagg's rules.
 * `compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta)`:
-  `(epsilon, order)` with TF Privacy's meaning, from dp-accounting.
+  `(epsilon, order)` with TF Privacy's meaning, from dp-accounting, and
+  `compute_dp_sgd_privacy_statement(...)`, TF Privacy's statement (shuffled
+  and Poisson ε, microbatching's doubled sensitivity, user-level ε).
 """
 
 from custagg.privacy import accounting
 from custagg.privacy import dp_optimizer
+from custagg.privacy import dp_optimizer_vectorized
+from custagg.privacy import dp_query
 from custagg.privacy import gaussian_query
 from custagg.privacy.accounting import compute_dp_sgd_privacy
+from custagg.privacy.accounting import compute_dp_sgd_privacy_statement
 from custagg.privacy.gaussian_query import GaussianSumQuery
 
 # TF Privacy's module name for the accountant function.
 compute_dp_sgd_privacy_lib = accounting
 
 __all__ = ["accounting", "compute_dp_sgd_privacy",
-           "compute_dp_sgd_privacy_lib", "dp_optimizer", "gaussian_query",
-           "GaussianSumQuery"]
+           "compute_dp_sgd_privacy_lib", "compute_dp_sgd_privacy_statement",
+           "dp_optimizer", "dp_optimizer_vectorized", "dp_query",
+           "gaussian_query", "GaussianSumQuery"]

@@ -10,8 +10,11 @@ of orders; it returns `(epsilon, optimal RDP order)` at `delta`.
 loss distribution accountant instead (tighter; the order is then None).
 
 Like TF Privacy's function, this assumes Poisson sampling and does not
-double the sensitivity for microbatches of more than one example; see TF
-Privacy's `compute_dp_sgd_privacy_statement` for the caveats.
+double the sensitivity for microbatches of more than one example (TF
+Privacy deprecated it for that). `compute_dp_sgd_privacy_statement` (TF
+Privacy's replacement, same arguments and figures) states both the
+shuffled-batches and the Poisson ε, doubles the sensitivity when
+`used_microbatching`, and gives user-level ε with `max_examples_per_user`.
 
 dp-accounting is imported when first needed, so `import custagg` does not
 pay for it (and stays importable where it is missing).
@@ -22,7 +25,8 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["compute_dp_sgd_privacy", "RDP_ORDERS", "dp_sgd_steps"]
+__all__ = ["compute_dp_sgd_privacy", "compute_dp_sgd_privacy_statement",
+           "AccountantType", "dp_sgd_epsilons", "RDP_ORDERS", "dp_sgd_steps"]
 
 # TF Privacy 0.9.0's orders for compute_dp_sgd_privacy, so the optimal order
 # (and epsilon) match its result.
@@ -109,3 +113,257 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta,
     acc.compose(event)
     eps, order = acc.get_epsilon_and_optimal_order(delta)
     return float(eps), float(order)
+
+
+# ---------------------------------------------------------------------------
+# The privacy statement (TF Privacy's compute_dp_sgd_privacy_statement).
+
+import enum  # noqa: E402
+import textwrap  # noqa: E402
+
+
+class AccountantType(enum.Enum):
+    """Which dp-accounting accountant composes the steps."""
+    RDP = "RDP"
+    PLD = "PLD"
+
+    def get_accountant(self):
+        dpa = _dp_accounting()
+        if self is AccountantType.RDP:
+            return dpa.rdp.RdpAccountant()
+        return dpa.pld.PLDAccountant()
+
+
+class UserLevelDPComputationError(Exception):
+    """The search for the example-level delta behind a user-level bound
+    failed."""
+
+
+def _accountant_type(accountant_type):
+    if isinstance(accountant_type, AccountantType):
+        return accountant_type
+    # TF Privacy's own enum, or a string.
+    value = getattr(accountant_type, "value", accountant_type)
+    try:
+        return AccountantType(str(value).upper())
+    except ValueError:
+        raise ValueError("accountant_type must be AccountantType.RDP or .PLD "
+                         "(or 'RDP' / 'PLD'); got %r." % (accountant_type,)) \
+            from None
+
+
+def example_epsilon(num_epochs, noise_multiplier, delta,
+                    used_microbatching=True,
+                    poisson_subsampling_probability=None,
+                    accountant_type=AccountantType.RDP):
+    """Add-or-remove-one-example ε of DP-SGD (all checkpoints released).
+
+    Each step is a Gaussian mechanism with `noise_multiplier` (halved when
+    microbatches of more than one example were used: replacing one example
+    moves a microbatch's clipped gradient by up to 2C). Without sampling,
+    every example is in one step per epoch: `ceil(num_epochs)` composed
+    steps. With Poisson sampling at rate q: `ceil(num_epochs / q)` steps of
+    the subsampled mechanism.
+    """
+    if num_epochs <= 0:
+        raise ValueError("num_epochs must be positive; got %r." % num_epochs)
+    if noise_multiplier < 0:
+        raise ValueError("noise_multiplier must be non-negative; got %r."
+                         % noise_multiplier)
+    if not 0 <= delta <= 1:
+        raise ValueError("delta must be in [0, 1]; got %r." % delta)
+    dpa = _dp_accounting()
+    sigma = noise_multiplier / 2 if used_microbatching else noise_multiplier
+    event = dpa.GaussianDpEvent(sigma)
+    if poisson_subsampling_probability is None:
+        steps = int(math.ceil(num_epochs))
+    else:
+        event = dpa.PoissonSampledDpEvent(
+            sampling_probability=poisson_subsampling_probability, event=event)
+        steps = int(math.ceil(num_epochs / poisson_subsampling_probability))
+    acc = _accountant_type(accountant_type).get_accountant()
+    acc.compose(dpa.SelfComposedDpEvent(count=steps, event=event))
+    return float(acc.get_epsilon(delta))
+
+
+def _log_expm1(x):
+    """log(e^x - 1) without overflow for large x."""
+    return x + math.log(-math.expm1(-x))
+
+
+def user_epsilon(num_epochs, noise_multiplier, user_delta,
+                 max_examples_per_user, used_microbatching=True,
+                 poisson_subsampling_probability=None,
+                 accountant_type=AccountantType.RDP):
+    """Add-or-remove-one-user ε from the example-level guarantee by group
+    privacy (Vadhan 2017, Lemma 2.2): an (ε, δ) guarantee for one example
+    gives `(k ε, δ (e^{kε} - 1) / (e^ε - 1))` for k examples. The
+    example-level δ is searched (bisection on log δ) so that the user-level
+    δ equals `user_delta`; inf when no finite bound exists.
+    """
+    k = max_examples_per_user
+    if isinstance(k, bool) or int(k) != k or k <= 0:
+        raise ValueError("max_examples_per_user must be a positive integer; "
+                         "got %r." % (k,))
+    args = (used_microbatching, poisson_subsampling_probability,
+            accountant_type)
+    if k == 1:
+        return example_epsilon(num_epochs, noise_multiplier, user_delta, *args)
+    target = math.log(user_delta)
+    cache = {}
+
+    def eps_at(log_delta):
+        if log_delta not in cache:
+            cache[log_delta] = example_epsilon(
+                num_epochs, noise_multiplier, math.exp(log_delta), *args)
+        return cache[log_delta]
+
+    def gap(log_delta):
+        eps = eps_at(log_delta)
+        if not math.isfinite(eps) or eps <= 0:
+            return math.inf if not math.isfinite(eps) else -math.inf
+        return log_delta + _log_expm1(k * eps) - _log_expm1(eps) - target
+
+    # gap grows with log_delta; at log_delta = target it is >= 0. Walk down
+    # by decades until it is negative, then bisect.
+    high, low = target, target - math.log(10)
+    g_low = gap(low)
+    while g_low > 0:
+        high, low = low, low - max(math.log(10), g_low)
+        g_low = gap(low)
+        if not math.isfinite(g_low) or low < -1e4:
+            return math.inf
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if gap(mid) > 0:
+            high = mid
+        else:
+            low = mid
+        if high - low < 1e-12:
+            break
+    if not math.isfinite(gap(low)):
+        raise UserLevelDPComputationError(
+            "the search for the example-level delta did not converge")
+    return k * eps_at(low)
+
+
+def compute_dp_sgd_privacy_statement(number_of_examples, batch_size,
+                                     num_epochs, noise_multiplier, delta,
+                                     used_microbatching=True,
+                                     max_examples_per_user=None,
+                                     accountant_type=AccountantType.RDP):
+    """A statement of DP-SGD's guarantee, TF Privacy's arguments and figures.
+
+    Gives the example-level ε (add-or-remove-one adjacency, every checkpoint
+    released) twice -- each example once per epoch (shuffled batches, no
+    amplification by sampling) and assuming Poisson sampling at rate
+    `batch_size / number_of_examples` -- and, with `max_examples_per_user`
+    and RDP, the user-level ε by group privacy.
+
+    Args:
+      number_of_examples: dataset size n.
+      batch_size: examples per step (whatever the microbatching).
+      num_epochs: epochs trained (may be fractional).
+      noise_multiplier: noise stddev / clip norm (constant; the clip may
+        adapt).
+      delta: the target δ.
+      used_microbatching: microbatches of more than one example (doubles the
+        sensitivity; see Ponomareva et al. 2023, "How to DP-fy ML", 5.6).
+      max_examples_per_user: a cap on any user's examples, for user-level ε.
+      accountant_type: `AccountantType.RDP` (default) or `.PLD` (also TF
+        Privacy's enum, or "RDP" / "PLD"); user-level ε needs RDP.
+
+    Returns:
+      The statement (str, several paragraphs).
+
+    Example:
+      >>> print(compute_dp_sgd_privacy_statement(60000, 256, 60, 1.1, 1e-5,
+      ...                                        used_microbatching=False))
+    """
+    acc = _accountant_type(accountant_type)
+    figures = dp_sgd_epsilons(number_of_examples, batch_size, num_epochs,
+                              noise_multiplier, delta, used_microbatching,
+                              max_examples_per_user, acc)
+
+    def fill(text):
+        return textwrap.fill(text, width=80)
+
+    def fmt(x):
+        return "    inf (**)" if math.isinf(x) else "%12.3f" % x
+
+    users = ("at most %d examples per user." % max_examples_per_user
+             if max_examples_per_user is not None else
+             "no bound on number of examples per user.")
+    parts = [
+        fill("DP-SGD performed over %s examples with %s examples per "
+             "iteration, noise multiplier %s for %s epochs %s microbatching, "
+             "and %s" % (number_of_examples, batch_size, noise_multiplier,
+                         num_epochs,
+                         "with" if used_microbatching else "without", users)),
+        fill("This privacy guarantee protects the release of all model "
+             "checkpoints in addition to the final model."),
+        fill("Example-level DP with add-or-remove-one adjacency at delta = %s "
+             "computed with %s accounting:" % (delta, acc.value)) +
+        "\n    Epsilon with each example occurring once per epoch:  %s"
+        "\n    Epsilon assuming Poisson sampling (*):               %s"
+        % (fmt(figures["example_epsilon"]),
+           fmt(figures["example_epsilon_poisson"]))]
+    if max_examples_per_user is None:
+        parts.append(fill("No user-level privacy guarantee is possible "
+                          "without a bound on the number of examples per "
+                          "user."))
+    elif acc is AccountantType.PLD:
+        parts.append(fill("User-level DP epsilon computation is not supported "
+                          "for PLD accounting at this time. Use RDP "
+                          "accounting to obtain user-level DP guarantees."))
+    else:
+        parts.append(
+            fill("User-level DP with add-or-remove-one adjacency at delta = "
+                 "%s computed using %s accounting and group privacy:"
+                 % (delta, acc.value)) +
+            "\n    Epsilon with each example occurring once per epoch:  %s"
+            "\n    Epsilon assuming Poisson sampling (*):               %s"
+            % (fmt(figures["user_epsilon"]),
+               fmt(figures["user_epsilon_poisson"])))
+    parts.append(fill(
+        "(*) Poisson sampling is not usually done in training pipelines, but "
+        "assuming that the data was randomly shuffled, it is believed that "
+        "the actual epsilon should be closer to this value than the "
+        "conservative assumption of an arbitrary data order."))
+    if any(math.isinf(figures.get(k, 0.0)) for k in
+           ("user_epsilon", "user_epsilon_poisson")):
+        parts.append(fill(
+            "(**) A finite example-level epsilon implies a finite user-level "
+            "epsilon at any `max_examples_per_user`, but because conversion "
+            "from example-level to user-level DP is not exact, it is possible "
+            "for the upper bound on the user-level epsilon to still be "
+            "infinite."))
+    return "\n\n".join(parts) + "\n"
+
+
+def dp_sgd_epsilons(number_of_examples, batch_size, num_epochs,
+                    noise_multiplier, delta, used_microbatching=True,
+                    max_examples_per_user=None,
+                    accountant_type=AccountantType.RDP):
+    """The statement's figures as a dict: `example_epsilon` (each example
+    once per epoch), `example_epsilon_poisson`, and with
+    `max_examples_per_user` and RDP `user_epsilon`, `user_epsilon_poisson`.
+    """
+    _check(number_of_examples, batch_size, noise_multiplier,
+           max(num_epochs, 1e-300), delta)
+    acc = _accountant_type(accountant_type)
+    q = batch_size / number_of_examples
+    out = {
+        "example_epsilon": example_epsilon(
+            num_epochs, noise_multiplier, delta, used_microbatching, None,
+            acc),
+        "example_epsilon_poisson": example_epsilon(
+            num_epochs, noise_multiplier, delta, used_microbatching, q, acc)}
+    if max_examples_per_user is not None and acc is AccountantType.RDP:
+        out["user_epsilon"] = user_epsilon(
+            num_epochs, noise_multiplier, delta, max_examples_per_user,
+            used_microbatching, None, acc)
+        out["user_epsilon_poisson"] = user_epsilon(
+            num_epochs, noise_multiplier, delta, max_examples_per_user,
+            used_microbatching, q, acc)
+    return out

@@ -39,10 +39,13 @@ materializing the `[M, ...]` microbatch gradients where a form exists;
 see docs/privacy.md), not from a loop of M backward passes, so
 `unroll_microbatches` and `while_loop_parallel_iterations` do not change
 the graph for them (they are accepted; other DPQuery objects still run one
-`accumulate_record` per microbatch, in a Python loop when
-`unroll_microbatches=True` and M is static, else a `tf.while_loop`). Graph
-mode only: a callable loss or a `gradient_tape` (TF Privacy's eager path)
-is an error. `cls` must be a `tf.compat.v1.train.Optimizer` subclass, not a
+`accumulate_record` per microbatch -- except normalized, nested
+(per-layer) and adaptive-clip queries of custagg's `dp_query` package,
+which get norms and clipped sums from the rules too (see
+`custagg.privacy._query_fast`) -- in a Python loop when
+`unroll_microbatches=True` and M is static, else a `tf.while_loop`). Eagerly (TF Privacy's
+callable loss, optionally with a `gradient_tape`) the microbatch gradients
+come from the tape and go through the query record by record. `cls` must be a `tf.compat.v1.train.Optimizer` subclass, not a
 Keras optimizer class.
 """
 
@@ -52,6 +55,7 @@ from absl import logging
 import tensorflow as tf
 
 from custagg import optimizers as _opt
+from custagg.privacy import _query_fast as _fast
 from custagg.privacy import gaussian_query
 
 __all__ = [
@@ -103,8 +107,18 @@ def make_optimizer_class(cls):
             self._while_loop_parallel_iterations = int(
                 while_loop_parallel_iterations)
             self._global_state = None
+            self._state_variables = None
+            self._global_state_read = None
             self._was_compute_gradients_called = False
             self._dp_norms = None
+
+        @property
+        def global_state(self):
+            """The query's global state after the last `compute_gradients`
+            (graph tensors; for adaptive queries the values that step
+            writes to the state variables). E.g.
+            `query.derive_metrics(opt.global_state)["clip"]`."""
+            return _opt.computed(self._global_state, self, "global_state")
 
         @property
         def per_microbatch_norms(self):
@@ -124,14 +138,17 @@ def make_optimizer_class(cls):
             del aggregation_method, colocate_gradients_with_ops
             name = type(self).__name__ + ".compute_gradients"
             self._was_compute_gradients_called = True
+            if tf.executing_eagerly():
+                return self._eager_gradients(loss, var_list, grad_loss,
+                                             gradient_tape, name)
             if gradient_tape is not None or (
                     callable(loss) and not isinstance(loss, tf.Tensor)):
-                raise TypeError(
-                    "%s: custagg builds TF1 graphs; a callable loss or a "
-                    "gradient_tape (eager mode) is not supported. Pass the "
-                    "per-example loss tensor in graph mode." % name)
+                raise ValueError(
+                    "%s: in graph mode pass the per-example loss tensor; a "
+                    "callable loss or a gradient_tape is for eager execution."
+                    % name)
             if self._global_state is None:
-                self._global_state = self._dp_sum_query.initial_global_state()
+                self._global_state = self._initial_state()
             loss, grad_loss = _opt.per_example_loss_vector(loss, grad_loss,
                                                            name)
             if grad_loss is not None:
@@ -160,11 +177,134 @@ def make_optimizer_class(cls):
             return super().apply_gradients(grads_and_vars,
                                            global_step=global_step, name=name)
 
+        def _initial_state(self):
+            """The query's initial global state; in graph mode, read from
+            variables when it changes between steps (adaptive clipping), so
+            it carries over from one `session.run` to the next."""
+            state = self._dp_sum_query.initial_global_state()
+            if tf.executing_eagerly() or not _fast.has_adaptive_state(
+                    self._dp_sum_query):
+                return state
+            with tf.name_scope(self._name + "_dp_query_state"):
+                self._state_variables = [
+                    tf.compat.v1.Variable(leaf, trainable=False,
+                                          use_resource=True,
+                                          name="global_state")
+                    for leaf in tf.nest.flatten(state)]
+            return tf.nest.pack_sequence_as(
+                state, [v.read_value() for v in self._state_variables])
+
+        def _save_state(self, new_state, grads):
+            """Assigns the new global state to its variables (graph mode,
+            adaptive queries) when the gradients are computed."""
+            self._global_state = new_state
+            if not getattr(self, "_state_variables", None):
+                return grads
+            reads = tf.nest.flatten(self._global_state_read)
+            with tf.control_dependencies(reads + [g for g in grads
+                                                  if g is not None]):
+                updates = [v.assign(tf.cast(x, v.dtype)) for v, x in
+                           zip(self._state_variables,
+                               tf.nest.flatten(new_state))]
+            with tf.control_dependencies(updates):
+                return [None if g is None else tf.identity(g) for g in grads]
+
         def _dp_gradients(self, loss, var_list):
             params = gaussian_query.gaussian_sum_params(self._dp_sum_query)
             if params is not None:
                 return self._gaussian_gradients(loss, var_list, *params)
+            if _fast.plan(self._dp_sum_query) is not None:
+                self._global_state_read = self._global_state
+                grads, new_state, self._dp_norms = _fast.fast_gradients(
+                    self._dp_sum_query, self._global_state, loss, var_list,
+                    self._num_microbatches, type(self).__name__)
+                return self._save_state(new_state, grads)
             return self._query_gradients(loss, var_list)
+
+        def _eager_gradients(self, loss, var_list, grad_loss, tape, name):
+            """TF Privacy's eager path: `loss` a callable (evaluated under
+            `tape`, or a tape of our own) or a tensor recorded by `tape`;
+            the microbatch gradients come from the tape's jacobian and go
+            through the query record by record."""
+            if var_list is None:
+                raise ValueError("%s: in eager mode pass var_list." % name)
+            var_list = tf.nest.flatten(var_list)
+            if not callable(loss) and tape is None:
+                raise ValueError(
+                    "%s: in eager mode pass the loss as a callable, or pass "
+                    "the gradient_tape that recorded it." % name)
+            if callable(loss):
+                if tape is None:
+                    with tf.GradientTape() as tape:
+                        loss = loss()
+                else:
+                    loss = loss()
+            records, m = self._eager_records(tf.convert_to_tensor(loss),
+                                             grad_loss, var_list, tape, name)
+            return self._eager_query(records, m, var_list)
+
+        def _eager_records(self, loss, grad_loss, var_list, tape, name):
+            """`([M, *v.shape] microbatch mean gradients or None, M)`, from
+            the tape's jacobian of the (recorded) loss itself, so nothing
+            computed here needs to be on the tape."""
+            batch = int(loss.shape[0])
+            m = batch if self._num_microbatches is None else \
+                self._num_microbatches
+            if batch % m:
+                raise ValueError("%s: num_microbatches=%d does not divide the "
+                                 "batch size %d." % (name, m, batch))
+            if getattr(tape, "_persistent", False) and m <= 64:
+                return self._eager_records_loop(loss, grad_loss, var_list,
+                                                tape, m), m
+            weights = None if grad_loss is None else tf.reshape(
+                tf.cast(grad_loss, loss.dtype), [-1])
+            records = []
+            for v, j in zip(var_list, tape.jacobian(loss, var_list)):
+                if j is None:
+                    records.append(None)
+                    continue
+                shape = v.shape.as_list()
+                j = tf.reshape(j, [-1] + shape)   # [B * trailing, *v]
+                if weights is not None:
+                    j = j * tf.reshape(weights, [-1] + [1] * len(shape))
+                records.append(tf.reduce_mean(tf.reshape(j, [m, -1] + shape),
+                                              axis=1))
+            return records, m
+
+        def _eager_records_loop(self, loss, grad_loss, var_list, tape, m):
+            """The same records from M `tape.gradient` calls (a persistent
+            tape, few microbatches: cheaper than the jacobian's trace), each
+            weighting the loss entries of one microbatch by 1/their count."""
+            size = tf.size(loss)
+            per_mb = size // m
+            scale = tf.cast(1.0, loss.dtype) / tf.cast(per_mb, loss.dtype)
+            if grad_loss is not None:
+                scale = scale * tf.reshape(tf.cast(grad_loss, loss.dtype),
+                                           tf.shape(loss))
+            owner = tf.reshape(tf.range(size) // per_mb, tf.shape(loss))
+            rows = []
+            for i in range(m):
+                w = tf.cast(tf.equal(owner, i), loss.dtype) * scale
+                rows.append(tape.gradient(loss, var_list, output_gradients=w))
+            return [None if rows[0][j] is None else
+                    tf.stack([tf.convert_to_tensor(r[j]) for r in rows])
+                    for j in range(len(var_list))]
+
+        def _eager_query(self, records, m, var_list):
+            query = self._dp_sum_query
+            if self._global_state is None:
+                self._global_state = query.initial_global_state()
+            params = query.derive_sample_params(self._global_state)
+            state = query.initial_sample_state(var_list)
+            for i in range(m):
+                state = query.accumulate_record(
+                    params, state,
+                    [None if r is None else r[i] for r in records])
+            sums, self._global_state, _ = query.get_noised_result(
+                state, self._global_state)
+            out = [None if s is None else s / tf.cast(m, s.dtype)
+                   for s in tf.nest.flatten(sums)]
+            return list(zip(out, var_list))
 
         def _gaussian_gradients(self, loss, var_list, clip, stddev):
             """One-pass clipped sum (no per-microbatch loop) plus noise."""
