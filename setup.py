@@ -1,5 +1,7 @@
 """custagg: per-example gradients and custom gradient aggregation for TF graph mode."""
 import os
+import subprocess
+import sys
 
 from setuptools import find_packages, setup
 
@@ -37,6 +39,8 @@ INSTALL_REQUIRES = [
 # Test dependencies that install next to any supported TensorFlow.
 TEST_BASE = [
     "pytest>=7",
+    # The README's test command runs the suite on 2 worker processes (-n 2).
+    "pytest-xdist>=3.5",
     # Executes notebooks/ in the test suite.
     "nbclient>=0.10",
     "nbformat>=5.9",
@@ -57,16 +61,67 @@ MNIST tutorial model with per-example gradients. See the README and docs/
 in the source repository.
 """
 
-# tf.compat.v1.layers / Keras 2 layers in graph mode: TF 2.16-2.21's tf.keras
-# is Keras 3, so the tests use the tf-keras package there (conftest sets
-# TF_USE_LEGACY_KERAS=1 when it is installed). Each tf-keras release
-# requires its own TensorFlow minor (tf-keras 2.15.1: TF 2.15; 2.21.0: TF
-# 2.21), and none exists before 2.14: with an older TensorFlow installed,
-# install the matching tf-keras first (`pip install "tf-keras==2.15.1"` for
-# TF 2.15; the installed one is kept), or on TF 2.12-2.13, whose tf.keras is
-# Keras 2, use the `test-base` extra. Unpinned, a fresh install takes the
-# newest of both.
-TEST_REQUIRES = TEST_BASE + ["tf-keras>=2.14.1,<2.22"]
+# Keras 2 for TF1 code. Most TF1 programs build their layers with
+# tf.compat.v1.layers or Keras 2; from TensorFlow 2.16 on tf.keras is Keras 3,
+# which has neither, and Keras 2 is the separate tf-keras package (with
+# TF_USE_LEGACY_KERAS=1, which `import custagg` sets when tf-keras is
+# installed). Each tf-keras release requires its own TensorFlow minor
+# (tf-keras 2.15.1: TF 2.15; 2.21.0: TF 2.21) and none exists before 2.14,
+# so which tf-keras fits depends on the TensorFlow being used, and a
+# requirement marker cannot say that. setup.py therefore asks the Python
+# that pip installs into which TensorFlow it has:
+#   none (a fresh environment), or one outside custagg's range that pip will
+#     replace: tf-keras unpinned; pip takes the newest TF and tf-keras pair;
+#   2.16-2.21: the tf-keras of the same minor (needed; pip keeps TF);
+#   2.14-2.15: tf.keras is Keras 2: no tf-keras; the test extra adds the
+#     same-minor tf-keras (the tests run on it there too, as .ci/run does);
+#   2.12-2.13: no tf-keras exists, none is needed.
+# A wheel built elsewhere (`python -m build`, in its own environment) sees no
+# TensorFlow and carries the unpinned requirement.
+TF_RANGE = ((2, 12), (2, 21))
+
+
+def _installed_tensorflow():
+    """`(major, minor)` of the TensorFlow in the target environment, or None.
+
+    pip runs this file in an isolated build environment that hides the
+    target's site-packages, but with the target's interpreter: `-I` starts
+    it without pip's overrides (PYTHONPATH, sitecustomize), so it sees the
+    packages pip installs next to.
+    """
+    probe = ("import importlib.metadata as m\n"
+             "for d in ('tensorflow', 'tensorflow-cpu', 'tensorflow-intel', "
+             "'tensorflow-macos', 'tf-nightly'):\n"
+             "    try:\n"
+             "        print(m.version(d)); break\n"
+             "    except m.PackageNotFoundError:\n"
+             "        pass\n")
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", probe],
+                             capture_output=True, text=True, timeout=60,
+                             check=False).stdout.split()
+        major, minor = out[0].split(".")[:2]
+        return int(major), int(minor)
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+
+
+def tf_keras_requirements(tf_version, for_tests):
+    """The tf-keras requirement (a list of 0 or 1) for `tf_version`."""
+    if tf_version is None or not TF_RANGE[0] <= tf_version <= TF_RANGE[1]:
+        return ["tf-keras>=2.14.1,<2.22"]
+    major, minor = tf_version
+    same_minor = "tf-keras>=%d.%d,<%d.%d" % (major, minor, major, minor + 1)
+    if tf_version >= (2, 16) or (for_tests and tf_version >= (2, 14)):
+        return [same_minor]
+    return []
+
+
+_TF = _installed_tensorflow()
+INSTALL_REQUIRES += tf_keras_requirements(_TF, for_tests=False)
+TEST_REQUIRES = TEST_BASE + [
+    r for r in tf_keras_requirements(_TF, for_tests=True)
+    if r not in INSTALL_REQUIRES]
 
 setup(
     name="custagg",

@@ -10,13 +10,31 @@ Importing the package is cheap: TensorFlow and the library modules are
 imported the first time a public name is used (`custagg.gradients`,
 `custagg.optimizers`, ...), so `python -m custagg --help` can answer, and
 set TensorFlow's log level, before TensorFlow loads.
+
+Keras 2 for TF1 code: on TensorFlow 2.16 and later `tf.keras` is Keras 3,
+which has no `tf.compat.v1.layers` and no graph-mode Keras; the tf-keras
+package (installed with custagg where TensorFlow needs it) is Keras 2, and
+TensorFlow routes to it when `TF_USE_LEGACY_KERAS=1`. Importing custagg sets
+that variable when tf-keras is installed and the variable is unset (a value
+the user set, `0` included, is kept). TensorFlow reads it the first time
+`tf.keras` or `tf.compat.v1.layers` is used, so this works whether custagg is
+imported before or after TensorFlow, as long as no Keras layer was touched
+before `import custagg` (README, "Keras 2 layers").
 """
 
 import importlib
+import importlib.util
+import os
 import sys
 import types
 
 from custagg._version import __version__
+
+# Without tf-keras the variable is left alone: TF 2.12-2.15's tf.keras is
+# Keras 2 already, and with the variable set TF 2.15 would look for tf-keras.
+if "TF_USE_LEGACY_KERAS" not in os.environ and \
+        importlib.util.find_spec("tf_keras") is not None:
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 # Public name -> the module that defines it. `custagg.<name>` imports all of
 # them at once on first use, so the package looks exactly as if this file
@@ -51,9 +69,13 @@ _API = {
 # Submodules that are part of the public surface (`custagg.testing`, ...).
 # The application (`custagg.app`: the CLI, its models and data) is not: the
 # library never imports it.
+# `custagg.privacy` (TF Privacy's TF1 surface and epsilon) loads on its own:
+# it also imports dp-accounting's modules when epsilon is computed.
 _SUBMODULES = ("optimizers", "testing")
+_LAZY_SUBMODULES = ("privacy",)
 
-__all__ = ["__version__"] + list(_API) + list(_SUBMODULES)
+__all__ = (["__version__"] + list(_API) + list(_SUBMODULES)
+           + list(_LAZY_SUBMODULES))
 
 
 def _load():
@@ -69,6 +91,9 @@ def __getattr__(name):
     if name in _API or name in _SUBMODULES:
         _load()
         return globals()[name]
+    if name in _LAZY_SUBMODULES:
+        # import_module binds the submodule on this package as it loads.
+        return importlib.import_module("custagg." + name)
     raise AttributeError("module 'custagg' has no attribute %r" % (name,))
 
 

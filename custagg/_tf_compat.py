@@ -144,6 +144,12 @@ def graph_control_flow_context(graph):
     return graph._get_control_flow_context()
 
 
+def set_graph_control_flow_context(graph, ctxt):
+    """Makes `ctxt` the graph's current v1 control-flow context.
+    `graph._set_control_flow_context(ctxt)`, 2.12-2.21."""
+    graph._set_control_flow_context(ctxt)
+
+
 def is_function(graph, name):
     """Whether `name` is a function defined in `graph` (an op type that is a
     call). `graph._is_function`, 2.12-2.21."""
@@ -277,3 +283,26 @@ def gradient_function(op):
 def set_gradient_function(op, fn):
     """Sets `op._gradient_function` (a copied call op keeps its gradient)."""
     op._gradient_function = fn
+
+
+def autograph_do_not_convert(package):
+    """Autograph calls functions of `package` as they are, unconverted.
+
+    Inside a `tf.function`, autograph rewrites the Python control flow of
+    every function it reaches unless its module is listed (TF's own modules
+    are). A library that builds graphs itself must not be rewritten: a loop
+    over a tensor would silently become a `tf.while_loop`.
+    `autograph.core.config.CONVERSION_RULES`, 2.12-2.21; nothing where
+    absent.
+    """
+    try:
+        from tensorflow.python.autograph.core import config as ag_config
+    except ImportError:
+        return
+    rules = getattr(ag_config, "CONVERSION_RULES", None)
+    if rules is None or any(
+            isinstance(r, ag_config.DoNotConvert) and
+            getattr(r, "_prefix", None) == package for r in rules):
+        return
+    ag_config.CONVERSION_RULES = (ag_config.DoNotConvert(package),) + tuple(
+        rules)

@@ -102,7 +102,8 @@ class _Backprop(object):
     """State of one reverse pass: what is between ys and xs, and what is pending."""
 
     def __init__(self, graph, ys, xs, stop_tensors, colocate, gate,
-                 sum_method, gradient_uid, scope_name, src_graph=None):
+                 sum_method, gradient_uid, scope_name, src_graph=None,
+                 optimize_identity_n=False):
         # `graph`: where the gradient ops go (the default graph);
         # `src_graph`: the graph of ys and xs, where called functions are
         # looked up (TF's `src_graph`: a function body whose gradient is
@@ -112,6 +113,9 @@ class _Backprop(object):
         # The gradients call's name scope ("gradients/"): TF names the XLA
         # scope of separately compiled gradients after it.
         self.scope_name = scope_name
+        # TF's helper option: IdentityN outputs without a gradient give
+        # their inputs None, not zeros (IdentityN passes gradients through).
+        self.optimize_identity_n = optimize_identity_n
         self.xs = xs
         self.xs_set = object_identity.ObjectIdentitySet(xs)
         self.colocate = colocate
@@ -285,11 +289,23 @@ class _Backprop(object):
         if self.loop_state is None:
             yield
             return
+        outside = _tf_compat.graph_control_flow_context(self.graph)
         self.loop_state.EnterGradWhileContext(op, before)
         try:
             yield
-        finally:
-            self.loop_state.ExitGradWhileContext(op, before)
+        except BaseException:
+            # The error of the gradient function (or of TF's loop state) is
+            # the one the user must see. A function that failed half-way can
+            # leave the gradient loop's context stack in a state its Exit
+            # cannot undo (IndexError: pop from empty list): its error is
+            # dropped and the graph's context put back as it was before.
+            try:
+                self.loop_state.ExitGradWhileContext(op, before)
+            except Exception:  # pylint: disable=broad-except
+                pass
+            _tf_compat.set_graph_control_flow_context(self.graph, outside)
+            raise
+        self.loop_state.ExitGradWhileContext(op, before)
 
     def _check_not_through_loop_entry(self, op):
         """A loop's Switch reached from outside the loop: TF can only
@@ -298,12 +314,35 @@ class _Backprop(object):
         if (control_flow_util.IsSwitch(op) and ctxt is not None
                 and ctxt.IsWhileContext() and ctxt ==
                 _tf_compat.graph_control_flow_context(self.graph)):
+            # The message names the x the user asked about (as TF's does),
+            # not the Switch: the nearest of xs' ops upstream of it.
+            asked = self._nearest_from_op(op)
             raise ValueError(
                 "Cannot compute gradient inside while loop with respect to op "
-                "'%s'. custagg.gradients: the initial value of a v1 while "
-                "loop variable cannot be differentiated with respect to or "
-                "through; take gradients through loop invariants or with "
-                "respect to the inputs of the loop body." % op.name)
+                "'%s'. We do not support taking the gradient wrt or through "
+                "the initial value of a loop variable. Gradients can be "
+                "computed through loop invariants or wrt the input parameters "
+                "to the loop body. custagg.gradients: the path from ys to "
+                "'%s' enters while loop '%s' through a loop variable's "
+                "initial value (at '%s'); inside the body, differentiate with "
+                "respect to the body's own loop variable, or compute the "
+                "gradient outside the loop."
+                % (asked.name, asked.name, ctxt.name, op.name))
+
+    def _nearest_from_op(self, op):
+        """The first of xs' ops met walking up from `op` (breadth first)."""
+        from_ops = set(self.from_ops)
+        queue = collections.deque([op])
+        seen = set()
+        while queue:
+            cur = queue.popleft()
+            if cur in from_ops:
+                return cur
+            if cur in seen:
+                continue
+            seen.add(cur)
+            queue.extend(t.op for t in self._graph_inputs(cur))
+        return op   # not reached: op is between ys and xs
 
     def visit(self, op):
         """Aggregates op's output gradients and sends its input gradients on."""
@@ -346,6 +385,10 @@ class _Backprop(object):
     def _call_gradient(self, op, grad_fn, func, out_grads):
         # The gradient of an output nothing depends on is zero; gradient
         # functions expect a tensor for every trainable output.
+        if self.optimize_identity_n and op.type == "IdentityN":
+            return op_gradients.call(op, grad_fn, func, out_grads, self.graph,
+                                     self.src_graph, self.gate,
+                                     self.gradient_uid, self.scope_name)
         for i, g in enumerate(out_grads):
             if g is None and ((grad_fn is None) or
                               backprop_util.IsTrainable(op.outputs[i])):
@@ -538,7 +581,8 @@ def gradients(ys,
               stop_gradients=None,
               unconnected_gradients=tf.UnconnectedGradients.NONE,
               gradient_factors=None,
-              src_graph=None):
+              src_graph=None,
+              optimize_identity_n=False):
     """Symbolic derivatives of `ys` w.r.t. `xs`; a drop-in for `tf.gradients`.
 
     Without `gradient_factors` this returns what `tf.compat.v1.gradients`
@@ -579,6 +623,8 @@ def gradients(ys,
         enclosing function graphs' captures are followed; the gradient ops
         go into the default graph. Default: the default graph (and, outside
         function graphs, custagg builds in the graph of ys).
+      optimize_identity_n: TF's internal helper's option: an `IdentityN`
+        output with no gradient gives its input `None` instead of zeros.
 
     Returns:
       A list aligned with `xs` of `Tensor`, `IndexedSlices` or `None`.
@@ -625,7 +671,8 @@ def gradients(ys,
             "pass one seed (or None) per y." % (len(grad_ys), len(ys)))
     args = _Args(name, colocate_gradients_with_ops, gate_gradients,
                  aggregation_method, sum_method, stop_gradients,
-                 unconnected_gradients, gradient_factors, src_graph)
+                 unconnected_gradients, gradient_factors, src_graph,
+                 optimize_identity_n)
     # As in tf.gradients, composite grad_ys alone (an IndexedSlices seed)
     # do not take this path: they are kept as they are.
     if any(isinstance(t, composite_tensor.CompositeTensor)
@@ -637,7 +684,8 @@ def gradients(ys,
 # The checked arguments of one gradients call, passed on unchanged.
 _Args = collections.namedtuple("_Args", [
     "name", "colocate", "gate", "aggregation_method", "sum_method",
-    "stop_gradients", "unconnected", "gradient_factors", "src_graph"])
+    "stop_gradients", "unconnected", "gradient_factors", "src_graph",
+    "optimize_identity_n"])
 
 
 def _composite_gradients(ys, xs, grad_ys, args):
@@ -685,9 +733,11 @@ def _tensor_gradients(ys, xs, grad_ys, args, y_kinds=None):
         # name="" means the root scope.
         with ops.name_scope_v1(args.name, "gradients") as scope_name:
             gradient_uid = ops.get_default_graph().unique_name("uid")
-            # Tensors convert to themselves: skip the conversion machinery
-            # for them (the CUSTOM list form passes B slices).
-            if not all(isinstance(y, tf.Tensor) for y in y_kinds):
+            # Graph tensors convert to themselves: skip the conversion
+            # machinery for them (the CUSTOM list form passes B slices).
+            # Eager tensors (inside a tf.function) are captured by it.
+            if not all(isinstance(y, tf.Tensor) and
+                       not isinstance(y, ops.EagerTensor) for y in y_kinds):
                 ys = indexed_slices_lib.convert_n_to_tensor_or_indexed_slices(
                     ys, name="y")
             xs = _convert_xs(xs)
@@ -700,7 +750,8 @@ def _tensor_gradients(ys, xs, grad_ys, args, y_kinds=None):
             backprop = _Backprop(ops.get_default_graph(), ys, xs,
                                  args.stop_gradients, args.colocate,
                                  args.gate, args.sum_method, gradient_uid,
-                                 scope_name, args.src_graph)
+                                 scope_name, args.src_graph,
+                                 args.optimize_identity_n)
             backprop.run(ys, grad_ys)
         # Outside the name scope, as in tf.gradients: the zeros made for
         # unconnected xs (unconnected_gradients=ZERO) get the same names.

@@ -58,15 +58,11 @@ def gradients_helper(ys, xs, grad_ys=None, name="gradients",
                      aggregation_method=None, stop_gradients=None,
                      unconnected_gradients=tf.UnconnectedGradients.NONE,
                      src_graph=None, optimize_identity_n=False):
-    """TF's internal helper's signature, computed by custagg.
-
-    `optimize_identity_n` (an optimization of TF's own traversal for
-    IdentityN ops) changes no result and is ignored.
-    """
-    del optimize_identity_n
+    """TF's internal helper's signature, computed by custagg."""
     return _gradients(ys, xs, grad_ys, name, colocate_gradients_with_ops,
                       gate_gradients, aggregation_method, stop_gradients,
-                      unconnected_gradients, src_graph=src_graph)
+                      unconnected_gradients, src_graph=src_graph,
+                      optimize_identity_n=optimize_identity_n)
 
 
 def _targets(internal):

@@ -84,17 +84,42 @@ def _is_number(x):
 
 
 def _check_positive(value, arg, cls_name, allow_zero=False):
-    """Python numbers are checked now; tensors are taken as they are."""
+    """Python numbers (and tensors of known constant value) are checked now;
+    other tensors are taken as they are (a clip norm tensor is checked at
+    run time by `clipped_gradients`).
+
+    Raises:
+      TypeError: a tensor of a non-numeric dtype.
+      ValueError: not a number, out of range, NaN or infinite; a tensor that
+        is no scalar.
+    """
+    kind = "non-negative" if allow_zero else "positive"
     if isinstance(value, (tf.Tensor, tf.Variable)):
+        dtype = value.dtype.base_dtype
+        if not (dtype.is_floating or dtype.is_integer):
+            raise TypeError("%s: %s must be a %s number or a numeric scalar "
+                            "tensor; got a tensor of dtype %s." % (
+                                cls_name, arg, kind, dtype.name))
         if value.shape.rank not in (None, 0):
             raise ValueError("%s: %s must be a scalar; got a tensor of shape "
                              "%s." % (cls_name, arg, value.shape))
+        static = (tf.get_static_value(value)
+                  if isinstance(value, tf.Tensor) else None)
+        if static is not None:
+            _check_positive(float(static), arg, cls_name, allow_zero)
         return value
-    if not _is_number(value) or not np.isfinite(value) or (
-            value < 0 if allow_zero else value <= 0):
-        raise ValueError("%s: %s must be a %s number; got %r." % (
-            cls_name, arg, "non-negative" if allow_zero else "positive",
-            value))
+    if not _is_number(value):
+        # ValueError, as this check always raised (TF Privacy raises none).
+        raise ValueError("%s: %s must be a %s number (a Python float) or a "
+                         "scalar tensor; got %r." % (cls_name, arg, kind,
+                                                     value))
+    if not np.isfinite(value) or (value < 0 if allow_zero else value <= 0):
+        raise ValueError("%s: %s must be a %s finite number; got %r.%s" % (
+            cls_name, arg, kind, value,
+            " DP-SGD needs noise_multiplier >= 0 (0: no noise)."
+            if arg == "noise_multiplier" else
+            " The clip norm C bounds each per-example gradient's L2 norm; "
+            "use e.g. 1.0." if arg.startswith("l2_norm_clip") else ""))
     return float(value)
 
 

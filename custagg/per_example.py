@@ -237,7 +237,9 @@ def _check_strategy(strategy, fn_name):
 
 def _as_tensor(x, i, fn_name):
     if resource_variable_ops.is_resource_variable(x):
-        return x.handle
+        # Inside a tf.function an eagerly created variable's handle is an
+        # eager tensor: the conversion below captures it.
+        x = x.handle
     errors.check_graph_tensor(x, "xs[%d]" % i, fn_name)
     return indexed_slices_lib.internal_convert_to_tensor_or_indexed_slices(
         x, as_ref=True)
@@ -1201,11 +1203,16 @@ def _total_squared_norms(plan, engine, group, groups=None):
 
 
 def _clip_factors(sq_norms, clip, dtype):
-    """min(1, C / norm), written C / max(norm, C) so norm 0 gives 1."""
+    """min(1, C / norm), written C / max(norm, C) so norm 0 gives 1.
+
+    C = 0 gives factor 0 for every example (norm 0 included: 0/0 is taken
+    as 0, never NaN), so every clipped gradient is exactly 0.
+    """
     # dtype_hint: a Python float must not pass through float32 on its way
     # to a float64 loss.
     c = tf.cast(tf.convert_to_tensor(clip, dtype_hint=dtype), dtype)
-    return tf.stop_gradient(c / tf.maximum(tf.sqrt(sq_norms), c))
+    return tf.stop_gradient(
+        tf.math.divide_no_nan(c, tf.maximum(tf.sqrt(sq_norms), c)))
 
 
 def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
@@ -1222,8 +1229,10 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
     Args:
       per_example_loss: `[B]` per-example losses.
       xs: variables/tensors.
-      l2_norm_clip: C, a float or scalar tensor (one global norm over all
-        xs), or a list aligned with xs (each x clipped by its own norm).
+      l2_norm_clip: C >= 0, a float or scalar tensor (one global norm over
+        all xs), or a list aligned with xs (each x clipped by its own norm).
+        C = 0 makes every clipped gradient exactly 0; a negative, NaN or
+        infinite C raises (tensors: a run-time assertion).
       strategy: as for `per_example_gradients`.
       return_norms: also return the `[B]` norms before clipping (global, or
         a list of per-x norms with per-x clip norms).
@@ -1239,6 +1248,7 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
       or `None`), and the norms if `return_norms`.
     """
     fn = "custagg.clipped_gradients"
+    l2_norm_clip = errors.checked_clip_norm(l2_norm_clip, fn)
     per_x = isinstance(l2_norm_clip, (list, tuple))
     with tf.name_scope(name):
         plan, engine = _engine(per_example_loss, xs, strategy, registry,

@@ -290,3 +290,52 @@ def test_python_dash_m(tmp_path):
     assert ": PASS" in proc.stdout
     assert proc.stderr == "", proc.stderr
     assert not TF_LOG_LINE.search(proc.stdout)
+
+
+def test_chosen_loop_strategy_is_not_warned_but_the_plan_says_the_cost(
+        capsys, caplog):
+    """`--strategy loop`: the user chose O(B^2), the plan line says so, no
+    warning; the library still warns its own callers afterwards."""
+    import logging
+    import tensorflow as tf
+    import custagg
+    with caplog.at_level(logging.WARNING, logger="custagg"):
+        status, out = run_main(capsys, "--strategy", "loop")
+        assert status == 0, out
+        assert "loop: one backward pass per example, O(B^2)" in out
+        assert not [r for r in caplog.records
+                    if "O(B^2)" in r.getMessage()], caplog.text
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+            w = tf.Variable(tf.ones([3, 2]))
+            custagg.per_example_norms(tf.reduce_sum(tf.matmul(x, w), 1),
+                                      [w], strategy="loop")
+        assert [r for r in caplog.records
+                if "cost O(B^2)" in r.getMessage()], caplog.text
+
+
+def test_weighted_says_which_weights_and_how_far_from_sum(capsys):
+    status, out = run_main(capsys, "--aggregation", "weighted", "--no-check")
+    assert status == 0, out
+    assert "weights: f_i = w[y_i] / sum_j w[y_j]" in out
+    assert "w[c] = 1 / (training images of class c)" in out
+    assert "of the plain mean's 1/32" in out
+    from custagg.app import train
+    counts = np.array([180, 175, 182, 178])
+    text = train._describe_weights(1.0 / counts, counts, 64)
+    assert "class counts 175-182" in text and "nearly balanced" in text
+    assert "stays close to --aggregation sum" in text
+    counts = np.array([500, 50, 0, 100])
+    text = train._describe_weights(1.0 / np.maximum(counts, 1), counts, 64)
+    assert "class counts 50-500" in text and "within a factor 10 " in text
+    assert "differs from --aggregation sum" in text
+
+
+def test_total_counts_the_tensorflow_import(capsys):
+    status, out = run_main(capsys, "--no-check")
+    assert status == 0, out
+    m = re.search(r"total ([\d.]+) s \(TensorFlow import and data ([\d.]+) s;"
+                  r" graph, training and check ([\d.]+) s\)", out)
+    assert m, out
+    total, before, after = (float(v) for v in m.groups())
+    assert abs(total - before - after) <= 0.11

@@ -2,7 +2,8 @@
 
 Each block runs alone in a fresh interpreter (its own imports, its own
 graph), from an empty directory. A block that is deliberately partial is
-preceded by a line `<!-- not-run: reason -->` and is only compiled.
+preceded by a visible line `*Not run on its own: reason.*` (rendered in
+italics, so a reader sees the block is partial) and is only compiled.
 """
 
 import glob
@@ -17,7 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md")] + sorted(
     glob.glob(os.path.join(ROOT, "docs", "*.md")))
 _FENCE = re.compile(r"^```(\w*)[ \t]*$")
-_NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.+?)\s*-->\s*$")
+_NOT_RUN = re.compile(r"^\*Not run on its own: (.+?)\.?\*\s*$")
+# The old marker, an HTML comment, is invisible when rendered.
+_HIDDEN_NOT_RUN = re.compile(r"<!--\s*not-run", re.I)
 
 
 def python_blocks(text):
@@ -64,8 +67,9 @@ def test_blocks_are_found():
 
 
 def test_block_parser():
-    text = ("intro\n```python\nprint(1)\n```\n\n<!-- not-run: needs data -->\n"
-            "```python\nload()\n```\n```bash\nls\n```\n```\nplain\n```\n")
+    text = ("intro\n```python\nprint(1)\n```\n\n*Not run on its own: needs "
+            "data.*\n```python\nload()\n```\n```bash\nls\n```\n```\nplain\n"
+            "```\n")
     assert python_blocks(text) == [(3, "print(1)\n", None),
                                    (8, "load()\n", "needs data")]
 
@@ -113,3 +117,107 @@ def test_readme_is_short_and_its_commands_are_the_ci_ones():
     marker = [i for i, l in enumerate(ci) if "keep the two identical" in l]
     assert marker, ".ci/run no longer marks the README's test command"
     assert commands[1] == ci[marker[0] + 1].strip()
+
+
+def _read(rel):
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_partial_blocks_say_so_visibly(path):
+    """An HTML comment is invisible when rendered: a partial block must be
+    marked by the visible `*Not run on its own: ...*` line."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert not _HIDDEN_NOT_RUN.search(text), (
+        "%s marks a partial block with an HTML comment; write the visible "
+        "line `*Not run on its own: reason.*` instead" % path)
+
+
+_RATIO_ROW = re.compile(r"^\|.*\|\s*[^|]*\b\d+(?:\.\d+)?x\b")
+_RESULTS_LINK = re.compile(r"\]\(((?:\.\./)?benchmarks/results/[^)]+)\)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_pages_with_measured_tables_cite_a_results_file(path):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not any(_RATIO_ROW.match(l) for l in text.split("\n")):
+        return
+    cited = [t for t in _RESULTS_LINK.findall(text) if os.path.exists(
+        os.path.normpath(os.path.join(os.path.dirname(path), t)))]
+    assert cited, ("%s has a table of measured ratios but links no "
+                   "benchmarks/results/ file" % path)
+
+
+def _step_table(text):
+    """{(model, B, M): (tfp s, custagg s, ratio)} of a seconds-per-step table."""
+    rows = {}
+    for line in text.split("\n"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 6 or not (cells[1].isdigit() and cells[2].isdigit()):
+            continue
+        try:
+            values = (float(cells[3]), float(cells[4]),
+                      float(cells[5].rstrip("x")))
+        except ValueError:  # "-": TF Privacy was not run there
+            continue
+        model = "mlp" if cells[0].lower().startswith("mlp") else "cnn"
+        rows[(model, int(cells[1]), int(cells[2]))] = values
+    return rows
+
+
+def test_tf_privacy_timings_agree_with_their_results_file():
+    """docs/optimizers.md and docs/privacy.md quote the seconds per step of
+    benchmarks/results/tf_privacy_compare.md (rounded, never other runs)."""
+    results = _read("benchmarks/results/tf_privacy_compare.md")
+    source = _step_table(results[results.index("## Seconds per DP-SGD"):])
+    assert len(source) >= 8
+    for page in ("docs/optimizers.md", "docs/privacy.md"):
+        quoted = _step_table(_read(page))
+        assert quoted, page
+        for key, (tfp, ours, ratio) in quoted.items():
+            want = source[key]
+            assert abs(tfp - want[0]) <= 0.01 * want[0] + 1e-4, (page, key)
+            assert abs(ours - want[1]) <= 0.01 * want[1] + 1e-4, (page, key)
+            assert abs(ratio - want[0] / want[1]) <= 0.1 * ratio, (page, key)
+
+
+def test_install_page_says_which_notebooks_are_stored_executed():
+    import json
+    executed = set()
+    for nb in glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")):
+        with open(nb, encoding="utf-8") as f:
+            cells = json.load(f)["cells"]
+        if any(c.get("outputs") for c in cells if c["cell_type"] == "code"):
+            executed.add(os.path.basename(nb)[:2])
+    text = " ".join(_read("docs/install.md").split())
+    said = re.search(r"((?:\d\d(?:, | and )?)+) (?:is|are) stored executed",
+                     text)
+    assert said, "docs/install.md does not say which notebooks carry outputs"
+    assert set(re.findall(r"\d\d", said.group(1))) == executed
+
+
+def test_main_job_sample_shows_the_total_the_cli_prints():
+    sample = _read("docs/main-job.md")
+    assert re.search(r"^total [\d.]+ s \(TensorFlow import and data [\d.]+ s; "
+                     r"graph, training and check [\d.]+ s\)$", sample, re.M)
+
+
+def test_readme_first_screen_has_keras2_and_test_times():
+    """What a TF1 user needs before the first program: how Keras 2 layers
+    work on TF >= 2.16, and how long the test commands take."""
+    readme = _read("README.md")
+    first = readme[:readme.index("## Why")]
+    assert "TF_USE_LEGACY_KERAS=1" in first and "tf-keras" in first
+    assert "tf.compat.v1.layers" in first
+    assert "TIMING" not in first
+    assert re.search(r"default suite.*?: about \d+ min", " ".join(
+        first.split()))
+    assert "-m slow" in first
+    # The slow set is run by CI right after the README's command.
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = f.read()
+    assert re.search(r"^(\w+=\S+ )*python -m pytest -q -n 2 -m slow$", ci,
+                     re.M)

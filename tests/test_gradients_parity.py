@@ -819,23 +819,61 @@ def test_while_v1_second_derivative_unsupported_like_tf(control_flow_v1):
 
 
 def test_while_v1_gradient_inside_the_loop_wrt_initial_value(control_flow_v1):
-    """TF's limit: no gradient through a loop variable's initial value."""
+    """TF's limit: no gradient through a loop variable's initial value.
+
+    custagg's message is TF's, word for word (naming the x asked about, not
+    the loop's Switch), then custagg's guidance.
+    """
     def build(grad_fn):
-        x = tf.compat.v1.placeholder(tf.float32, [3])
+        x = tf.compat.v1.placeholder(tf.float32, [3], name="asked_x")
 
         def body(i, h):
             g, = grad_fn(tf.reduce_sum(h * h), x)
             return i + 1, h + g
         tf.compat.v1.while_loop(lambda i, h: i < 2, body, [0, x])
 
-    with tf.Graph().as_default():
-        with pytest.raises(ValueError, match="while loop"):
-            build(tf.compat.v1.gradients)
-    with tf.Graph().as_default():
-        with pytest.raises(ValueError, match=r"^Cannot compute gradient "
-                           r"inside while loop with respect to op .*initial "
-                           r"value of a v1 while loop variable"):
-            build(custagg.gradients)
+    messages = []
+    for grad_fn in (tf.compat.v1.gradients, custagg.gradients):
+        with tf.Graph().as_default():
+            with pytest.raises(ValueError) as info:
+                build(grad_fn)
+            messages.append(str(info.value))
+    tf_msg, ours = messages
+    assert tf_msg.startswith("Cannot compute gradient inside while loop with "
+                             "respect to op 'asked_x'."), tf_msg
+    assert ours.startswith(tf_msg + " custagg.gradients:"), ours
+    assert "while/Switch" not in ours.split("custagg.gradients:")[0]
+
+
+def _v1_xla_loop_without_maximum_iterations(grad_fn):
+    from tensorflow.python.ops import control_flow_ops
+    x = tf.compat.v1.placeholder(tf.float32, [3])
+    xla = control_flow_ops.XLAControlFlowContext()
+    xla.Enter()
+    try:
+        _, y = tf.compat.v1.while_loop(lambda i, h: i < 3,
+                                       lambda i, h: (i + 1, h * h), [0, x])
+    finally:
+        xla.Exit()
+    return grad_fn(tf.reduce_sum(y), x)
+
+
+def test_while_v1_error_of_a_gradient_function_is_not_masked(control_flow_v1):
+    """An error raised while the gradient loop's context is entered (TF's
+    accumulator refuses an XLA loop without maximum_iterations) reaches the
+    user as TF raises it; the graph is usable afterwards."""
+    messages = []
+    for grad_fn in (tf.compat.v1.gradients, custagg.gradients):
+        with tf.Graph().as_default() as g:
+            with pytest.raises(ValueError) as info:
+                _v1_xla_loop_without_maximum_iterations(grad_fn)
+            messages.append(str(info.value))
+            if grad_fn is custagg.gradients:
+                # The graph's control-flow context was put back.
+                assert g._get_control_flow_context() is None
+    assert messages[0].startswith("Cannot create a gradient accumulator for "
+                                  "tensor"), messages[0]
+    assert messages[1] == messages[0]
 
 
 def test_disable_v2_behavior_in_subprocess(run_python):
@@ -1004,3 +1042,26 @@ def test_model_rnn_in_while_loop():
                     {x: rng.normal(size=(batch, steps, n_in)),
                      labels: rng.integers(0, 10, size=batch)})
     assert_parity(build)
+
+
+def test_optimize_identity_n_like_tfs_helper():
+    """TF's internal helper's `optimize_identity_n=True`: an IdentityN output
+    with no gradient gives its input None, not zeros; without it, zeros."""
+    from tensorflow.python.ops import gradients_util
+    from custagg import install
+    a = tf.constant([1.0, 2.0])
+    b = tf.constant(3.0)
+    c, d = tf.identity_n([a, b])
+    for helper in (gradients_util._GradientsHelper, install.gradients_helper):
+        assert helper(ys=d, xs=a, optimize_identity_n=True)[0] is None
+        assert helper(ys=c, xs=b, optimize_identity_n=True)[0] is None
+        assert helper(ys=d, xs=a)[0] is not None        # zeros
+        assert helper(ys=[c * b], xs=[a, b], optimize_identity_n=True)[0] \
+            is not None
+    with tf.compat.v1.Session() as sess:
+        ours = sess.run(install.gradients_helper(ys=c * b, xs=[a, b],
+                                                 optimize_identity_n=True))
+        ref = sess.run(gradients_util._GradientsHelper(
+            ys=c * b, xs=[a, b], optimize_identity_n=True))
+    np.testing.assert_allclose(ours[0], ref[0])
+    np.testing.assert_allclose(ours[1], ref[1])

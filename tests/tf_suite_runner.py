@@ -4,7 +4,7 @@ Usage (one mode and implementation per process: TF's v1/v2 switches are
 process-wide):
 
     python tests/tf_suite_runner.py FILE --mode v2|v1|v1_cfv2 \
-        --impl tf|custagg|custagg_helper [--json]
+        --impl tf|custagg|custagg_helper [--json] [--only A,B]
 
 * `--mode v2`: TF 2 behaviour (the test file's own default);
   `v1`: `tf.compat.v1.disable_v2_behavior()` first; `v1_cfv2`: that, then
@@ -76,6 +76,14 @@ def _old_names(tf):
         array_ops.stack = array_ops_stack.stack
 
 
+def _flatten(suite):
+    for t in suite:
+        if isinstance(t, unittest.TestSuite):
+            yield from _flatten(t)
+        else:
+            yield t
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("file")
@@ -84,6 +92,9 @@ def main(argv=None):
     parser.add_argument("--impl", choices=["tf", "custagg", "custagg_helper"],
                         default="custagg")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", default=None,
+                        help="run only tests whose id contains one of these "
+                        "comma-separated substrings")
     args = parser.parse_args(argv)
 
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -99,6 +110,10 @@ def main(argv=None):
 
     module = _load(os.path.abspath(args.file))
     suite = unittest.defaultTestLoader.loadTestsFromModule(module)
+    if args.only:
+        wanted = args.only.split(",")
+        suite = unittest.TestSuite(
+            t for t in _flatten(suite) if any(w in t.id() for w in wanted))
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=1)
     if args.impl == "tf":
         result = runner.run(suite)

@@ -37,6 +37,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 # Mirrors custagg.per_example.STRATEGIES (tests/test_cli.py checks they agree),
 # so that `--help` and flag errors need no TensorFlow.
@@ -244,9 +245,13 @@ def main(argv=None):
       0 on success, 1 when the final check fails; flag and data errors exit
       with 2 (argparse's usage message).
     """
+    started = time.time()
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    # The main job's closing "total" counts from here (TensorFlow's import
+    # included).
+    args.started = started
     # Before anything imports TensorFlow.
     from custagg.app import quiet  # pylint: disable=g-import-not-at-top
     quiet.import_tensorflow(verbose=args.verbose)

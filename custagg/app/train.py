@@ -4,6 +4,8 @@ Imports TensorFlow: `custagg.app.cli` imports this module only after it has
 parsed the flags and set TensorFlow's log level.
 """
 
+import contextlib
+import logging
 import sys
 import time
 
@@ -24,6 +26,54 @@ from custagg.app.models import per_example_loss
 
 class UsageError(Exception):
     """A flag value that only turns out wrong once the data is known."""
+
+
+class _DropChosenCostWarning(logging.Filter):
+    """Drops custagg's O(B^2) warning: with `--strategy loop` the user chose
+    that cost, and the printed plan says it."""
+
+    def filter(self, record):
+        return "cost O(B^2)" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _chosen_cost_is_not_warned(args):
+    if args.strategy != "loop":
+        yield
+        return
+    log, drop = logging.getLogger("custagg"), _DropChosenCostWarning()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
+def _describe_weights(class_weights, counts, batch_size):
+    """What `--aggregation weighted` feeds, and how far it is from `sum`.
+
+    The factors are `f_i = w[y_i] / sum_j w[y_j]` with `w[c] = 1 / (training
+    images of class c)`; `sum` is `f_i = 1/B`. They differ only as much as
+    the class counts do.
+    """
+    present = counts > 0
+    lo, hi = int(counts[present].min()), int(counts[present].max())
+    w = class_weights[present]
+    # In a batch, f_i * B lies between min(w)/max(w) and max(w)/min(w).
+    spread = float(w.max() / w.min())
+    text = ("weights: f_i = w[y_i] / sum_j w[y_j] over the batch, w[c] = 1 / "
+            "(training images of class c); class counts %d-%d, so each f_i "
+            "is within a factor %.3g of the plain mean's 1/%d" % (
+                lo, hi, spread, batch_size))
+    if spread < 1.25:
+        text += (": the classes are nearly balanced, so the weighted "
+                 "gradient stays close to --aggregation sum (it would differ "
+                 "on unbalanced classes)")
+    else:
+        text += (": rare classes weigh up to %.3gx more than common ones, "
+                 "so the weighted gradient differs from --aggregation sum"
+                 % spread)
+    return text
 
 
 def _describe_norms(norms):
@@ -71,6 +121,11 @@ def _evaluate(sess, acc_sum, x_eval, y_eval, x, y, chunk=1000):
 
 def run(args, out=None):
     """The main job for parsed `args`; returns the exit status."""
+    with _chosen_cost_is_not_warned(args):
+        return _run(args, out)
+
+
+def _run(args, out):
     out = out or sys.stdout
     say = lambda *a: print(*a, file=out, flush=True)
 
@@ -121,6 +176,8 @@ def run(args, out=None):
                 args.model, sum(int(np.prod(v.shape)) for v in variables),
                 len(variables), args.optimizer, lr))
         say("aggregation: %s" % _describe_aggregation(args))
+        if args.aggregation == "weighted":
+            say("  " + _describe_weights(class_weights, counts, bsz))
         say("batch size %d, %d steps per epoch, %d epochs, seed %d" % (
             bsz, len(data.x_train) // bsz, args.epochs, args.seed))
         say(str(plan))
@@ -169,7 +226,17 @@ def run(args, out=None):
             if not args.no_check:
                 status = _check(args, say, sess, data,
                                 variables)
-    say("total %.1f s" % (time.time() - t_start))
+    # From the start of `python -m custagg` when the CLI recorded it: the
+    # TensorFlow import is most of a short run's time.
+    started = getattr(args, "started", None)
+    if started is None:
+        say("total %.1f s (graph, training and check)"
+            % (time.time() - t_start))
+    else:
+        say("total %.1f s (TensorFlow import and data %.1f s; graph, "
+            "training and check %.1f s)" % (
+                time.time() - started, t_start - started,
+                time.time() - t_start))
     return status
 
 

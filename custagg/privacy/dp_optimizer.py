@@ -387,6 +387,12 @@ def make_gaussian_optimizer_class(cls):
         def __init__(self, l2_norm_clip, noise_multiplier,
                      num_microbatches=None, unroll_microbatches=False,
                      *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
+            owner = type(self).__name__
+            # Checked before the product below, so a bad value is named.
+            _opt._check_positive(l2_norm_clip, "l2_norm_clip", owner,  # pylint: disable=protected-access
+                                 allow_zero=True)
+            _opt._check_positive(noise_multiplier, "noise_multiplier",  # pylint: disable=protected-access
+                                 owner, allow_zero=True)
             self._l2_norm_clip = l2_norm_clip
             self._noise_multiplier = noise_multiplier
             self._base_optimizer_class = cls

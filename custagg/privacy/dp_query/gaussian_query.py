@@ -69,8 +69,13 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
                                           ["l2_norm_clip", "stddev"])
 
     def __init__(self, l2_norm_clip, stddev):
-        self._l2_norm_clip = l2_norm_clip
-        self._stddev = stddev
+        from custagg import optimizers as _opt  # pylint: disable=g-import-not-at-top
+        # TF Privacy checks neither; a negative or NaN one would train
+        # without the guarantee. l2_norm_clip = 0 clips every record to 0.
+        self._l2_norm_clip = _opt._check_positive(  # pylint: disable=protected-access
+            l2_norm_clip, "l2_norm_clip", "GaussianSumQuery", allow_zero=True)
+        self._stddev = _opt._check_positive(  # pylint: disable=protected-access
+            stddev, "stddev", "GaussianSumQuery", allow_zero=True)
 
     def make_global_state(self, l2_norm_clip, stddev):
         """The global state for a clip norm and a noise stddev (float32)."""
