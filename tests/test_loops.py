@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import custagg
 from custagg import loop_rules
+from custagg import testing
 from custagg import recompute
 
 import per_example_reference
@@ -137,12 +138,8 @@ MODELS = {
 
 
 def loop_reference(loss, xs, batch):
-    """`[batch, *x.shape]` per x: one tf.compat.v1.gradients per example."""
-    rows = [tf.compat.v1.gradients(loss[i], xs,
-                                   unconnected_gradients="zero")
-            for i in range(batch)]
-    return [tf.stack([tf.convert_to_tensor(r[j]) for r in rows])
-            for j in range(len(xs))]
+    """`[batch, *x.shape]` per x: `custagg.testing.loop_per_example`."""
+    return testing.loop_per_example(loss, xs, batch)
 
 
 def sliced_batches(sess, ref, feed, batches, seed):
