@@ -14,7 +14,7 @@ import tensorflow as tf
 import custagg
 from custagg import testing
 
-# Each per-example form's name scope in custagg/per_example.py.
+# Each per-example form's name scope in custagg/per_example/forms/ (each form's `scope`).
 FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",
                "whole-pass": "whole_pass_form", "loop": "per_example_loop",
                "recompute": "recompute_form",

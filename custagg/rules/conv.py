@@ -31,7 +31,7 @@ import os
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import registry
+from custagg.rules import registry
 from custagg.rules import _outer
 from custagg.rules import _reduce
 

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 from custagg import recompute
-from custagg import registry as registry_lib
+from custagg.rules import registry as registry_lib
 from custagg import separability
 from custagg.rules import _outer
 
@@ -88,7 +88,7 @@ class LoopUse(collections.namedtuple("LoopUse", [
         return self.loop.name
 
 
-def find(op, index, loss, loss_ancestors):
+def find(op, index, loss, loss_ancestors, registry=None, batch_size=None):
     """`(LoopUse, None)` when every use of `op.inputs[index]` in the loop
     body is a tap that keeps examples apart to the loss, else
     `(None, reason)`. `op`: a v2 While, or the Enter of a v1 frame."""
