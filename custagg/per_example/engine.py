@@ -69,9 +69,10 @@ class SharedPass(object):
                      for t, g in zip(targets, grads[len(outs):])}
             outers = loop_rules.build(uses, seeds, batch)
             for u in uses:
+                outer, dense = outers[(u.op, u.index)]
                 self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
                     u.op, u.index, None, batch,
-                    {"outer": outers[(u.op, u.index)], "param": u.value})
+                    {"outer": outer, "dense": dense, "param": u.value})
 
     def contexts(self, a):
         """(rule, RuleContext) pairs of an x planned as "rules" (its chains
