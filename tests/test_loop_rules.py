@@ -1,4 +1,5 @@
-"""Per-example rules inside while-loop bodies (custagg/per_example/forms/loop_rules.py).
+"""Per-example rules inside while-loop bodies
+(custagg/per_example/forms/loop_rules.py).
 
 Every RNN of tests/test_loops.py (dynamic batch, float64) takes the loop
 rules for its cell weights, and every public function (per-example

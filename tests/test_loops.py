@@ -286,7 +286,12 @@ def test_loop_models_match_the_loop_reference(graph, name):
     assert "copies of the forward pass" in text, text
     if name in PFOR_MODELS:
         assert "recompute" in plans[0].forms(), text
-    assert "while loop over per-example copies" in str(plans[1]), plans[1]
+    else:
+        # Planned as the while loop from the start (a static check); for
+        # the others check_model saw the build fall back to it (the graph's
+        # scopes), the plan staying as returned.
+        assert "while loop over per-example copies" in str(plans[1]), \
+            plans[1]
 
 
 def test_plan_says_why_and_what_costs(graph):

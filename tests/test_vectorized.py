@@ -1,5 +1,5 @@
-"""custagg.per_example.vectorized on its own: the chunked pfor, the batch region, the
-boundary ops, and both per-example forms against one tf.gradients per
+"""custagg.per_example.vectorized on its own: the chunked pfor, the batch
+region, the boundary ops, and both per-example forms against one tf.gradients per
 example (custagg.testing.loop_per_example)."""
 
 import collections

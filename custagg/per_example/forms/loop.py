@@ -29,8 +29,9 @@ class LoopForm(base.Form):
         loss = engine.loss
 
         def one(i):
-            grads = gradients(loss[i], tensors,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            grads = gradients(
+                loss[i], tensors,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO)
             return [tf.cast(sparse.dense(g), engine.x_dtype(a))
                     for g, a in zip(grads, group)]
 

@@ -317,7 +317,8 @@ class _TapFinder(object):
     def tap(self, c, t, slot):
         """(Tap, None) for an op whose rule applies here, or (None, why)."""
         # Imported here: the rules form imports this module for the loops.
-        from custagg.per_example.forms import rules as rules_form  # pylint: disable=g-import-not-at-top
+        # pylint: disable=g-import-not-at-top
+        from custagg.per_example.forms import rules as rules_form
         ks = [k for k, i in enumerate(c.inputs) if i is t]
         if len(ks) != 1:
             return None, "x is more than one input of the op"

@@ -20,7 +20,6 @@ import collections
 
 from custagg import _walk
 from custagg import separability
-from custagg.per_example import vectorized
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
 from custagg.rules import registry as registry_lib
