@@ -2,7 +2,7 @@
 
 Every model here has a dynamic batch (`[None, T, D]` placeholders) and its
 weights inside a `while_loop` body. Auto takes the loop rules there
-(tests/test_loop_rules.py); these tests turn them off, as for a loop they
+(tests/per_example/test_loop_rules.py); these tests turn them off, as for a loop they
 cannot read (v1 control flow, an op they do not know), so custagg copies
 each example's forward pass and vectorizes the copies ("recompute", pfor),
 or runs them in a while loop ("recompute-loop"). Each form is compared with

@@ -29,8 +29,8 @@ HEAD = ("readout/",)
 # Select keeps the state, and the taps' dz there is 0). The default run
 # checks these (one of each kind: hand-written with AddV2 bias and a weight
 # also used outside, Keras LSTM, Keras GRU with its Unpack bias, dynamic_rnn
-# with sequence_length); `python -m pytest -m slow tests/test_loop_rules.py`
-# the others (the loop reference at B=33 costs most of each test).
+# with sequence_length);
+# `python -m pytest -m slow tests/per_example/test_loop_rules.py` the others (the loop reference at B=33 costs most of each test).
 DEFAULT_MODELS = frozenset(["hand_while_rnn", "weight_inside_and_outside",
                             "keras_lstm_last", "keras_gru_sequence",
                             "dynamic_rnn_lstm_seqlen"])
@@ -272,6 +272,7 @@ import sys
 import tensorflow as tf
 tf.compat.v1.disable_v2_behavior()
 sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/per_example")
 import custagg
 import test_loop_rules
 import test_loops
