@@ -41,7 +41,8 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from custagg import _walk
+from custagg import batch_axis
+from custagg import graph as graph_lib
 from custagg import errors
 from custagg import loop_rules
 from custagg import recompute
@@ -250,7 +251,7 @@ def _find_consumers(x_tensor, loss_ancestors, live):
     under `tf.stop_gradient` or an integer cast is no consumer.
     """
     found = []
-    for t, stack in _walk.depth_first(x_tensor):
+    for t, stack in graph_lib.depth_first(x_tensor):
         for op in t.consumers():
             if op not in loss_ancestors or op not in live:
                 continue
@@ -270,7 +271,10 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
     (None, reason). Consumers are `_Consumer`s and, for ops that see no
     batch data, `_Chain`s through them."""
     if region is None:
-        region = vectorized.batch_region(loss_ancestors)
+        region = batch_axis.batch_region(loss, loss_ancestors)
+    if not region:
+        # No batch data at all: say why, not where a chain gave up.
+        return None, batch_axis.no_sources_reason(batch_axis.infer(loss))
     consumers, chained = [], set()
     for op, k in _find_consumers(x_tensor, loss_ancestors,
                                  shortcuts.live_ops(loss)):
@@ -359,7 +363,7 @@ def _chain(op, x_tensor, loss, loss_ancestors, registry, batch_size, region,
 def _reached_refs(x_tensor, loss_ancestors, live):
     """Refs of x and of the pass-through tensors `_find_consumers` follows."""
     refs = set()
-    for t, stack in _walk.depth_first(x_tensor, refs):
+    for t, stack in graph_lib.depth_first(x_tensor, refs):
         for op in t.consumers():
             if op in loss_ancestors and op.inputs[0] is t and \
                     shortcuts.passes_through(op, 0, live):
@@ -436,7 +440,7 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
         reason = None
         if strategy != "pfor":
             if region is None:
-                region = vectorized.batch_region(ancestors)
+                region = batch_axis.batch_region(loss, ancestors)
             consumers, reason = _rules_reason(t, loss, ancestors, registry,
                                               batch_size, region)
             if consumers is not None:
@@ -456,7 +460,7 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
         # pfor: the boundary form where the ops that meet batch data keep
         # examples apart downstream, else the whole backward pass.
         if region is None:
-            region = vectorized.batch_region(ancestors)
+            region = batch_axis.batch_region(loss, ancestors)
         bounds, why = vectorized.find_boundary(t, loss, ancestors, region,
                                                static_b)
         blocker = getattr(reason, "op", None)
