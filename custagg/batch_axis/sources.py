@@ -119,7 +119,7 @@ def inverse(op, out_index, desc, shapes=None):
     result = []
     for i, inp in enumerate(op.inputs):
         got = set()
-        for cand in table.candidates(inp, want):
+        for cand in table.candidates(inp, want, op.outputs[out_index]):
             out = separation.propagate(op, i, cand, shapes)
             if out is MIXES:
                 continue
@@ -155,7 +155,10 @@ def infer(loss):
         axes[t.ref()].add(desc)
         op = t.op
         if is_leaf(op):
-            sources.append((t, desc))
+            # A list made empty (TensorArray, TensorListReserve) holds no
+            # examples: its items are written later, from the sources.
+            if not isinstance(desc, table.ListOf):
+                sources.append((t, desc))
             continue
         ins = inverse(op, t.value_index, desc, shapes)
         if ins is MIXES:
@@ -203,10 +206,12 @@ def batch_region(loss, loss_ancestors=None, batch_axes=None):
 
 def no_sources_reason(batch_axes):
     """A sentence saying why no source was found (for errors)."""
-    text = ("no batch data feeds the loss: walking back from axis 0 of the "
-            "loss '%s' reached no placeholder, iterator, queue, variable or "
-            "constant holding one row per example" % batch_axes.loss.name)
-    if batch_axes.blocked:
-        text += "; the walk stopped where %s" % "; and where ".join(
-            batch_axes.blocked[:3])
-    return text
+    found = ("walking back from axis 0 of the loss '%s' reached no "
+             "placeholder, iterator, queue, variable or constant holding one "
+             "row per example" % batch_axes.loss.name)
+    if not batch_axes.blocked:
+        return "no batch data feeds the loss: " + found
+    return ("batch coupling (or an op custagg does not know) between the "
+            "batch data and the loss: %s; %s; the fast forms assume "
+            "examples do not interact" % (
+                "; ".join(batch_axes.blocked[:3]), found))

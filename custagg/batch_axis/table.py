@@ -37,12 +37,13 @@ Abs Acos Acosh Asin Asinh Atan Atanh Cast Ceil Cos Cosh Digamma Elu Erf Erfc
 Exp Expm1 Floor Identity IdentityN Inv Lgamma Log Log1p LeakyRelu Neg
 PreventGradient Reciprocal Relu Relu6 Round Rsqrt Selu Sigmoid Sign Sin Sinh
 Snapshot Softplus Softsign Sqrt Square StopGradient Tan Tanh CheckNumerics
-EnsureShape Gelu""".split())
+EnsureShape Gelu LogicalNot IsNan IsInf IsFinite""".split())
 
 _ELEMENTWISE_BINARY = frozenset("""
 Add AddV2 AddN Atan2 BiasAdd BiasAddV1 Div DivNoNan FloorDiv FloorMod Maximum
 Minimum Mod Mul MulNoNan Pow RealDiv SquaredDifference Sub TruncateDiv Xdivy
-Xlogy Select SelectV2 ClipByValue""".split())
+Xlogy Select SelectV2 ClipByValue Equal NotEqual Less LessEqual Greater
+GreaterEqual LogicalAnd LogicalOr""".split())
 
 _SPATIAL = frozenset("""
 Conv2D Conv3D DepthwiseConv2dNative MaxPool MaxPoolV2 AvgPool MaxPool3D
@@ -90,8 +91,15 @@ def _rank(t):
 
 def _elementwise(op, index, axis):
     """Broadcasting aligns axes from the right, so a batch axis counted from
-    the end survives operands of unknown rank (an unshaped `keep_prob`)."""
+    the end survives operands of unknown rank (an unshaped `keep_prob`).
+
+    v1 `Select` (`tf.compat.v1.where`) with a vector condition and matrix
+    branches does not broadcast: entry r of the condition picks row r
+    (dynamic_rnn's `time >= sequence_length`), so it keeps axis 0."""
     in_rank, out_rank = _rank(op.inputs[index]), _rank(op.outputs[0])
+    if op.type == "Select" and index == 0 and in_rank == 1 and \
+            (out_rank is None or out_rank > 1):
+        return 0 if axis == 0 else None
     if axis < 0:
         if out_rank is None:
             return axis
@@ -462,6 +470,7 @@ class ListOf(collections.namedtuple("ListOf", ["axis"])):
 # its axis; the back edge (NextIteration into Merge) carries it into the
 # next iteration.
 _CONTROL_FLOW = graph.V1_CONTROL_FLOW
+_SWITCHES = frozenset(["Switch", "RefSwitch"])
 
 
 # How a list of items (a TensorList, or a v1 TensorArray through its flow
@@ -621,7 +630,8 @@ def _forward(op, index, axis, shapes):
     axis = normalize(op.inputs[index], axis)
     try:
         if op.type in _CONTROL_FLOW:
-            return axis
+            # A Switch's predicate picks the branch for the whole batch.
+            return None if op.type in _SWITCHES and index == 1 else axis
         if isinstance(axis, ListOf) or op.type in _LIST_OPS:
             return _item_list(op, index, axis)
         if op.type in _FOLD_AWARE:
@@ -647,19 +657,32 @@ def _forward(op, index, axis, shapes):
         return None
 
 
-def candidates(t, like):
+def candidates(t, like, output=None):
     """The descriptors input `t` might hold the batch at, for an output
-    holding it at `like`: every axis of t (as `Folded` with like's middle
-    when `like` is folded), lists' item axes for variant scalars. Empty
-    when t's rank is unknown (nothing is guessed)."""
+    holding it at `like`: every axis of t; as `Folded` with like's middle
+    when `like` is folded, or, into a reshape `output` (unfolding
+    `[B*T, D]` back to `[B, T, D]`), with each static run of the output's
+    axes after the batch as the middle; lists' item axes for scalars
+    (lists, TensorArray flows). Empty when t's rank is unknown (nothing is guessed)."""
     rank = t.shape.rank
     if rank is None:
         return []
     out = []
+    middles = []
     if isinstance(like, Folded):
-        out.extend(Folded(like.middle, j) for j in range(rank))
+        middles.append(like.middle)
+    elif isinstance(like, int) and like >= 0 and output is not None and \
+            output.op.type == "Reshape" and output.shape.rank is not None:
+        after = output.shape.as_list()[like + 1:]
+        for n in range(1, len(after)):
+            if all(d is not None for d in after[:n]):
+                middles.append(tuple(after[:n]))
+    for middle in middles:
+        out.extend(Folded(middle, j) for j in range(rank))
     out.extend(range(rank))
-    if rank == 0 and t.dtype == tf.variant:
+    if rank == 0:
+        # A TensorList (variant) or a v1 TensorArray's flow (a float
+        # scalar): a list whose items hold the batch.
         depth = like.axis if isinstance(like, ListOf) else (
             like.axis if isinstance(like, Folded) else like)
         out.extend(ListOf(j) for j in range(max(depth, 0) + 2))
