@@ -202,10 +202,16 @@ def analyze(loss, loss_ancestors, static_b):
     Raises:
       Refused: with the op and what to try.
     """
-    inputs = batch_inputs(loss, loss_ancestors, static_b)
+    found = sources.infer(loss)
+    inputs = batch_inputs(loss, batch_axes=found)
     ops = _region(inputs, loss_ancestors)
     if loss.op not in ops:
         raise Refused("the loss does not depend on the batch inputs")
+    hidden = sources.untraced(found, set(ops) | {t.op for t in inputs})
+    if hidden:
+        # Rows no source explains: a copy would take them whole.
+        raise Refused("%s, so one example's forward pass alone cannot be "
+                      "copied" % hidden[0], getattr(hidden[0], "op", None))
     for op in ops:
         ctxt = _tf_compat.control_flow_context(op)
         if ctxt is not None and _frame_of(ctxt, None) is None:

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
+from custagg import batch_axis
 from custagg import recompute
 from custagg import rowwise
 from custagg import separability
@@ -115,12 +116,32 @@ def _row_index(loss, x):
 COUPLED = [
     # (name, what the proof must name, couple in the body, couple the loss)
     ("batch size as a number", "Cast", None, _divide_by_batch),
-    ("row index", "Range", None, _row_index),
     ("reversal over the batch in the body", "ReverseV2",
      lambda h, x: tf.reverse(h, [0]), None),
     ("batch mean under an integer path in the body", "batch size",
      lambda h, x: h * tf.cast(tf.shape(h)[0], tf.float64), None),
 ]
+
+
+def test_a_row_index_is_batch_data(graph):
+    """`loss * (1 + range(B))`: row b of the index belongs to example b, so
+    the index is a batch source (found backward from the loss), each copy
+    takes its own row, and the copies are exact -- not a coupling."""
+    loss, xs, feed = elementwise_rnn()
+    loss = _row_index(loss, tf.compat.v1.get_default_graph().get_tensor_by_name(
+        "x:0"))
+    found = batch_axis.infer(loss)
+    assert "Range" in [t.op.type for t, _ in found.sources], found.sources
+    ref = test_loops.loop_reference(loss, xs, 5)
+    got = custagg.per_example_gradients(loss, xs)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b, small, want in test_loops.sliced_batches(
+                sess, ref, feed, (1, 5), seed=3):
+            for gj, wj, x in zip(sess.run(got, small), want, xs):
+                np.testing.assert_allclose(
+                    gj, wj, rtol=1e-7, atol=1e-12,
+                    err_msg="B=%d %s" % (b, x.name))
 
 
 @pytest.mark.parametrize("name,names,body,after", COUPLED,

@@ -269,6 +269,11 @@ class _Interpreter(object):
                 raise NotProved("%s broadcasts operands of unknown rank"
                                 % _op_text(op))
             pos = axis - (out_rank - rank)
+            if op.type == "Select" and index == 0 and rank == 1 and \
+                    out_rank > 1:
+                pos = axis      # v1 where: entry r picks row r (table)
+                if pos > 0:
+                    continue
             if pos < 0:
                 continue
             if isinstance(v, Rows) and v.desc == (

@@ -27,50 +27,73 @@ from custagg.batch_axis.table import Reason
 LOOP_TYPES = graph.LOOP_TYPES
 
 
-def propagate(op, index, desc, shapes=None):
+def propagate(op, index, desc, shapes=None, data=False):
     """`table.forward`, with v2 loops followed through their bodies.
+
+    Args:
+      op, index, desc, shapes: as `table.forward`.
+      data: inside loop bodies, follow every tensor (integer and boolean
+        ones too: a sequence length compared with the step), not only those
+        a gradient flows along. Batch-source inference asks this.
 
     Returns:
       `MIXES`; or one descriptor for every output; or a list with one per
       output (`NO_BATCH` where that output does not depend on the input).
     """
     if op.type in LOOP_TYPES:
-        return _while(op, index, table.normalize(op.inputs[index], desc))
+        out, _ = _while(op, index, table.normalize(op.inputs[index], desc),
+                        data)
+        return out
     return table.forward(op, index, desc, shapes)
 
 
-def _while(op, index, batch):
+def loop_reason(op, index, desc, data=True):
+    """Why the batch at input `index` of While `op` does not come out of
+    it whole (a `Reason` naming the op in the body), or None."""
+    _, reason = _while(op, index, table.normalize(op.inputs[index], desc),
+                       data)
+    return reason
+
+
+def _while(op, index, batch, data=False):
     """A v2 loop: the batch followed through its body (every iteration) to
     each output, one descriptor per output (`MIXES` if an output would get
-    two, or the body mixes examples)."""
+    two, or the body mixes examples); and the reason when `MIXES`."""
     try:
         body = graph.func_graph(op, "body")
-    except graph.FunctionNotFound:
-        return MIXES
+    except graph.FunctionNotFound as e:
+        return MIXES, Reason(str(e), op)
     if len(body.inputs) != len(op.inputs) or \
             len(body.outputs) != len(op.outputs):
-        return MIXES
+        return MIXES, Reason("the body of op '%s' has another signature "
+                             "than the loop" % op.name, op)
     # Not the accumulators a gradient (or Keras) added: they collect
     # intermediates, nested lists included, for a gradient of the loop.
     live = graph.upstream([
         out for k, out in enumerate(body.outputs)
         if not graph.is_accumulator(op, body, k)], control=True)
-    reached, reason = walk_body(body, [(body.inputs[index], batch)], live)
+    reached, reason = walk_body(body, [(body.inputs[index], batch)], live,
+                                data)
     if reason is not None:
-        return MIXES
+        return MIXES, reason
     out = []
     for k in range(len(op.outputs)):
         got = reached.get(k, set())
         if len(got) > 1:
-            return MIXES
+            return MIXES, Reason(
+                "loop variable %d of op '%s' holds the batch on two axes"
+                % (k, op.name), op)
         out.append(got.pop() if got else NO_BATCH)
-    return out
+    return out, None
 
 
-def walk_body(body, starts, live):
+def walk_body(body, starts, live, data=False):
     """Follows the batch from `starts` ((body tensor, descriptor) pairs)
     through a loop body's ops in `live`, into the next iterations (an
     output is the next iteration's input at the same position).
+
+    With `data`, every tensor is followed (see `propagate`); else only the
+    float and list tensors a gradient flows along.
 
     Returns `({output position: {descriptors}}, None)`, or `(None, Reason)`
     naming the op that mixes examples or is not known to keep them apart.
@@ -86,12 +109,16 @@ def walk_body(body, starts, live):
             yield body.inputs[k], desc
 
     def outputs(c):
-        if c not in live or graph.blocks_gradient(c):
+        if c not in live:
+            return []
+        if data:
+            return list(c.outputs)
+        if graph.blocks_gradient(c):
             return []
         return [o for o in c.outputs
                 if o.dtype.is_floating or o.dtype == tf.variant]
 
-    reason = _follow(starts, outputs, also=next_iteration)
+    reason = _follow(starts, outputs, also=next_iteration, data=data)
     return (None, reason) if reason is not None else (reached, None)
 
 
@@ -117,7 +144,7 @@ def coupling(start, batch_axis, loss, loss_ancestors=None):
     return _follow([(start, batch_axis)], outputs, loss=loss)
 
 
-def _follow(starts, outputs, loss=None, also=None):
+def _follow(starts, outputs, loss=None, also=None, data=False):
     """The one forward walk of a batch descriptor through the table.
 
     Args:
@@ -156,14 +183,14 @@ def _follow(starts, outputs, loss=None, also=None):
                     "(tf.custom_gradient or gradient_override_map), which "
                     "may mix examples" % (consumer.name, consumer.type),
                     consumer)
-            nexts, reason = step(consumer, t, desc, outs, shapes)
+            nexts, reason = step(consumer, t, desc, outs, shapes, data)
             if reason is not None:
                 return reason
             queue.extend(nexts)
     return None
 
 
-def step(op, t, desc, outs, shapes=None):
+def step(op, t, desc, outs, shapes=None, data=False):
     """Where the batch goes from `t` (batch at `desc`) through `op`.
 
     Returns `(pairs, reason)`: the `(output, descriptor)` pairs of `outs`
@@ -175,7 +202,7 @@ def step(op, t, desc, outs, shapes=None):
     for index, inp in enumerate(op.inputs):
         if inp is not t:
             continue
-        out_desc = propagate(op, index, desc, shapes)
+        out_desc = propagate(op, index, desc, shapes, data)
         if out_desc is MIXES:
             return [], Reason(
                 "op '%s' (type %s) mixes examples or is not known to keep "

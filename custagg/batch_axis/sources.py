@@ -51,13 +51,22 @@ from custagg.batch_axis.table import MIXES
 from custagg.batch_axis.table import NO_BATCH
 from custagg.batch_axis.table import Reason
 
+# Ops that make a value from a shape and a fill value (zeros for an RNN's
+# first state, an empty list to fill): reached with the batch, their rows
+# are all equal and made, not read -- neither a source nor a stop. Whether
+# a copy of one example makes them right is the row-wise proof's question
+# (it follows the batch size into their shapes).
+_MAKERS = frozenset(["Fill", "TensorListReserve", "EmptyTensorList",
+                     "TensorArrayV3"])
+
 # Where a feed replaces a default value: the rows are taken there, not
 # from the default (a pipeline wrapped in placeholder_with_default).
 _FEED_POINTS = frozenset(["PlaceholderWithDefault"])
 
 
 class BatchAxes(collections.namedtuple(
-        "BatchAxes", ["loss", "axes", "sources", "blocked"])):
+        "BatchAxes", ["loss", "axes", "sources", "blocked",
+                      "blocked_tensors"])):
     """What `infer` found.
 
     Attributes:
@@ -70,6 +79,8 @@ class BatchAxes(collections.namedtuple(
         not in the table (what may hold batch data nobody found), or known
         with no input holding the batch (mixing, or rows made from shared
         data).
+      blocked_tensors: aligned with `blocked`: the tensor (reached with a
+        batch descriptor) whose op stopped the walk.
     """
 
     def source_tensors(self, axis=0):
@@ -120,7 +131,7 @@ def inverse(op, out_index, desc, shapes=None):
     for i, inp in enumerate(op.inputs):
         got = set()
         for cand in table.candidates(inp, want, op.outputs[out_index]):
-            out = separation.propagate(op, i, cand, shapes)
+            out = separation.propagate(op, i, cand, shapes, data=True)
             if out is MIXES:
                 continue
             here = out[out_index] if isinstance(out, list) else out
@@ -144,7 +155,7 @@ def infer(loss):
     """
     shapes = symbolic_shapes.ShapeCache()
     axes = collections.defaultdict(set)
-    sources, blocked = [], []
+    sources, blocked, blocked_tensors = [], [], []
     queue = collections.deque([(loss, 0)])
     seen = set()
     while queue:
@@ -154,6 +165,8 @@ def infer(loss):
         seen.add((t.ref(), desc))
         axes[t.ref()].add(desc)
         op = t.op
+        if op.type in _MAKERS:
+            continue
         if is_leaf(op):
             # A list made empty (TensorArray, TensorListReserve) holds no
             # examples: its items are written later, from the sources.
@@ -162,6 +175,7 @@ def infer(loss):
             continue
         ins = inverse(op, t.value_index, desc, shapes)
         if ins is MIXES:
+            blocked_tensors.append(t)
             blocked.append(Reason(
                 "op '%s' (type %s) is not in the batch-axis table, so which "
                 "of its inputs hold examples is not known" % (op.name,
@@ -174,13 +188,38 @@ def infer(loss):
             blocked.append(Reason(
                 "op '%s' (type %s) mixes examples or makes its rows from "
                 "no batch data (no input holds the batch where output %d "
-                "has it)" % (op.name, op.type, t.value_index), op))
+                "has it)%s" % (op.name, op.type, t.value_index,
+                               _inside(op)), op))
+            blocked_tensors.append(t)
         for inp, descs in zip(op.inputs, ins):
             queue.extend((inp, d) for d in descs)
     order = {op: k for k, op in enumerate(loss.graph.get_operations())}
     sources.sort(key=lambda p: (order.get(p[0].op, -1), p[0].value_index))
     return BatchAxes(loss, {k: frozenset(v) for k, v in axes.items()},
-                     sources, blocked)
+                     sources, blocked, blocked_tensors)
+
+
+def _inside(op):
+    """For a loop: what in its body keeps the batch from coming out whole
+    (the first input whose walk fails), as a clause; else ""."""
+    if op.type not in graph.LOOP_TYPES:
+        return ""
+    for i, inp in enumerate(op.inputs):
+        if inp.dtype == tf.resource or not inp.shape.rank:
+            continue
+        why = separation.loop_reason(op, i, 0)
+        if why is not None:
+            return "; in its body, from input %d: %s" % (i, why)
+    return ""
+
+
+def untraced(batch_axes, region):
+    """`Reason`s for tensors holding the batch that the walk could not
+    trace back to a source and that the sources' `region` does not compute
+    either: rows nobody can take one example of (the per-example copies
+    must refuse)."""
+    return [r for t, r in zip(batch_axes.blocked_tensors, batch_axes.blocked)
+            if t.op not in region]
 
 
 def batch_region(loss, loss_ancestors=None, batch_axes=None):
@@ -199,7 +238,10 @@ def batch_region(loss, loss_ancestors=None, batch_axes=None):
         loss_ancestors = graph.ancestors(loss)
     if batch_axes is None:
         batch_axes = infer(loss)
-    tensors = [t for t, _ in batch_axes.sources]
+    # The blocked tensors hold rows too (their ops made or mixed them): the
+    # boundary form must slice them, not copy them whole into each example.
+    tensors = [t for t, _ in batch_axes.sources] + list(
+        batch_axes.blocked_tensors)
     return {t.op for t in tensors} | graph.downstream(
         tensors, within=loss_ancestors)
 

@@ -37,7 +37,7 @@ Abs Acos Acosh Asin Asinh Atan Atanh Cast Ceil Cos Cosh Digamma Elu Erf Erfc
 Exp Expm1 Floor Identity IdentityN Inv Lgamma Log Log1p LeakyRelu Neg
 PreventGradient Reciprocal Relu Relu6 Round Rsqrt Selu Sigmoid Sign Sin Sinh
 Snapshot Softplus Softsign Sqrt Square StopGradient Tan Tanh CheckNumerics
-EnsureShape Gelu LogicalNot IsNan IsInf IsFinite""".split())
+EnsureShape Gelu LogicalNot IsNan IsInf IsFinite ZerosLike OnesLike""".split())
 
 _ELEMENTWISE_BINARY = frozenset("""
 Add AddV2 AddN Atan2 BiasAdd BiasAddV1 Div DivNoNan FloorDiv FloorMod Maximum
@@ -447,6 +447,13 @@ def _parse_example(op, index, axis):
     return out
 
 
+def _shape(op, index, axis):
+    """`tf.shape`, `tf.rank`, `tf.size`: the batch *size* flows on (the
+    row-wise proof follows it), no rows do."""
+    del index, axis
+    return [NO_PATH] * len(op.outputs)
+
+
 class Folded(collections.namedtuple("Folded", ["middle", "axis"])):
     """Rows folded from the batch: axis `axis` holds (example, t...) pairs.
 
@@ -541,6 +548,7 @@ _TABLE.update({
     "ResourceGather": _gather, "Tile": _tile, "Split": _split,
     "SplitV": _split, "Unpack": _unpack,
     "ParseExample": _parse_example, "ParseExampleV2": _parse_example,
+    "Shape": _shape, "ShapeN": _shape, "Rank": _shape, "Size": _shape,
 })
 
 
