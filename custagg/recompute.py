@@ -231,7 +231,11 @@ def analyze(loss, loss_ancestors, static_b):
             "constants the per-example copy cannot adjust; feed the batch "
             "through a placeholder of shape [None, ...] for the O(B) form"
             % static_b)
-    unproven = None if static_b == 1 else rowwise.prove(inputs, ops, loss)
+    try:
+        unproven = None if static_b == 1 else rowwise.prove(inputs, ops,
+                                                            loss)
+    except rowwise.Unexplained as e:
+        raise Refused("%s; the copies would not be exact" % e) from e
     return Forward(inputs, ops, loss, static_b, unproven)
 
 

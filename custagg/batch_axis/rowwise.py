@@ -77,6 +77,14 @@ class NotProved(Exception):
     """The graph is not proved row-wise; the message says where and why."""
 
 
+class Unexplained(Exception):
+    """Batch data no source explains meets the rows: an op's input lines up
+    with its output's batch axis (the table says so) but is not computed
+    from the batch sources, so a copy would read it whole. The copies are
+    not exact there, whatever the run-time check says; the message names
+    the op."""
+
+
 def _op_text(op):
     return "op '%s' (type %s)" % (op.name, op.type)
 
@@ -103,6 +111,10 @@ def prove(inputs, ops, loss):
       inputs: the batch inputs (`custagg.batch_axis.infer`), batch on axis 0.
       ops: the ops on paths from them to the loss, in creation order.
       loss: the per-example loss `[B]`.
+
+    Raises:
+      Unexplained: batch data the sources do not explain meets the rows
+        (the copies must not run; see the class).
     """
     try:
         _control_effects(inputs, [loss], "the loss")
@@ -246,7 +258,40 @@ class _Interpreter(object):
         if (op.type in _ELEMENTWISE or op.type in _BATCH_MATMUL) and \
                 len(op.inputs) > 1:
             self.no_broadcast(op, ins, result[0])
+        self.no_hidden_rows(op, ins, result)
         return result
+
+    def no_hidden_rows(self, op, ins, result):
+        """Raises `Unexplained` when an input that is not computed from the
+        batch sources sits where the table puts the batch of an output that
+        is rows (`xent(labels, logits)` with logits from data the walk from
+        the loss could not reach): each copy would read all its rows."""
+        for k, out in enumerate(result):
+            if not isinstance(out, Rows) or isinstance(out.desc,
+                                                       table.ListOf):
+                continue
+            for j, (t, v) in enumerate(zip(op.inputs, ins)):
+                if v not in (None, SAME) or t.dtype == tf.resource:
+                    continue
+                for cand in table.candidates(t, out.desc, op.outputs[k]):
+                    if isinstance(cand, table.ListOf):
+                        continue
+                    got = table.forward(op, j, cand, self.shapes)
+                    here = got[k] if isinstance(got, list) else got
+                    if here is MIXES or here is NO_BATCH or table.normalize(
+                            op.outputs[k], here) != out.desc:
+                        continue
+                    axis = cand.axis if isinstance(cand, table.Folded) \
+                        else cand
+                    if tf.compat.dimension_value(t.shape[axis]) == 1:
+                        continue
+                    raise Unexplained(
+                        "input %d of %s ('%s') lines up with the batch on "
+                        "axis %s but is not computed from the batch sources "
+                        "found from the loss (data behind an op that mixes "
+                        "examples, or that custagg does not know), so a "
+                        "per-example copy would read all of its rows"
+                        % (j, _op_text(op), t.name, axis))
 
     def no_broadcast(self, op, ins, out):
         """A broadcasting op spreads an operand's row over the batch when

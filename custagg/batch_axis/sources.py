@@ -129,18 +129,42 @@ def inverse(op, out_index, desc, shapes=None):
     want = table.normalize(op.outputs[out_index], desc)
     result = []
     for i, inp in enumerate(op.inputs):
-        got = set()
+        got, mixed_inside = set(), False
         for cand in table.candidates(inp, want, op.outputs[out_index]):
             out = separation.propagate(op, i, cand, shapes, data=True)
             if out is MIXES:
+                mixed_inside = mixed_inside or _mixes_inside(op, i, cand)
                 continue
             here = out[out_index] if isinstance(out, list) else out
             if here is MIXES or here is NO_BATCH:
                 continue
             if table.normalize(op.outputs[out_index], here) == want:
                 got.add(cand)
+        if not got and mixed_inside:
+            return MIXES
         result.append(frozenset(got))
     return result
+
+
+def _mixes_inside(op, index, desc):
+    """For a loop: whether the batch at input `index` (`desc`) is kept by
+    some op of the body before one mixes it.
+
+    A weight fails at once (its first use, a MatMul, contracts the axis);
+    data whose rows the body mixes (a reversal over the batch) flows some
+    way first. Such an input holds examples the walk cannot place, so the
+    loop stops the walk (`MIXES`) rather than calling it shared."""
+    if op.type not in graph.LOOP_TYPES or op.inputs[index].dtype in (
+            tf.resource, tf.variant):
+        return False
+    why = separation.loop_reason(op, index, desc)
+    if why is None or getattr(why, "op", None) is None:
+        return False
+    try:
+        body = graph.func_graph(op, "body")
+    except graph.FunctionNotFound:
+        return False
+    return why.op not in body.inputs[index].consumers()
 
 
 def infer(loss):
@@ -176,10 +200,14 @@ def infer(loss):
         ins = inverse(op, t.value_index, desc, shapes)
         if ins is MIXES:
             blocked_tensors.append(t)
-            blocked.append(Reason(
-                "op '%s' (type %s) is not in the batch-axis table, so which "
-                "of its inputs hold examples is not known" % (op.name,
-                                                              op.type), op))
+            if op.type in graph.LOOP_TYPES:
+                text = "op '%s' (type %s) mixes examples%s" % (
+                    op.name, op.type, _inside(op, desc))
+            else:
+                text = ("op '%s' (type %s) is not in the batch-axis table, "
+                        "so which of its inputs hold examples is not known"
+                        % (op.name, op.type))
+            blocked.append(Reason(text, op))
             continue
         if not any(ins):
             # Known, yet no input holds the rows: the op mixes examples
@@ -189,7 +217,7 @@ def infer(loss):
                 "op '%s' (type %s) mixes examples or makes its rows from "
                 "no batch data (no input holds the batch where output %d "
                 "has it)%s" % (op.name, op.type, t.value_index,
-                               _inside(op)), op))
+                               _inside(op, desc)), op))
             blocked_tensors.append(t)
         for inp, descs in zip(op.inputs, ins):
             queue.extend((inp, d) for d in descs)
@@ -199,17 +227,16 @@ def infer(loss):
                      sources, blocked, blocked_tensors)
 
 
-def _inside(op):
-    """For a loop: what in its body keeps the batch from coming out whole
-    (the first input whose walk fails), as a clause; else ""."""
+def _inside(op, like):
+    """For a loop: what in its body mixes examples (for the first input
+    the body keeps the batch of before mixing it), as a clause; else ""."""
     if op.type not in graph.LOOP_TYPES:
         return ""
     for i, inp in enumerate(op.inputs):
-        if inp.dtype == tf.resource or not inp.shape.rank:
-            continue
-        why = separation.loop_reason(op, i, 0)
-        if why is not None:
-            return "; in its body, from input %d: %s" % (i, why)
+        for cand in table.candidates(inp, like):
+            if _mixes_inside(op, i, cand):
+                return " in its body (input %d, batch on axis %s): %s" % (
+                    i, cand, separation.loop_reason(op, i, cand))
     return ""
 
 
