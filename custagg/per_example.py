@@ -272,9 +272,12 @@ def _rules_reason(x_tensor, loss, loss_ancestors, registry, batch_size,
     batch data, `_Chain`s through them."""
     if region is None:
         region = batch_axis.batch_region(loss, loss_ancestors)
-    if not region:
+    found = batch_axis.infer(loss)
+    if not found.sources:
         # No batch data at all: say why, not where a chain gave up.
-        return None, batch_axis.no_sources_reason(batch_axis.infer(loss))
+        return None, separability.Reason(
+            batch_axis.no_sources_reason(found),
+            getattr(found.blocked[0], "op", None) if found.blocked else None)
     consumers, chained = [], set()
     for op, k in _find_consumers(x_tensor, loss_ancestors,
                                  shortcuts.live_ops(loss)):

@@ -40,6 +40,7 @@ sources found here.
 from __future__ import annotations
 
 import collections
+import weakref
 
 import tensorflow as tf
 
@@ -167,6 +168,12 @@ def _mixes_inside(op, index, desc):
     return why.op not in body.inputs[index].consumers()
 
 
+# graph -> {(loss ref, graph version): BatchAxes}: weak on the graph and
+# keyed on its version (it grows as ops are added), so an answer is reused
+# only for the graph exactly as it was asked about.
+_FOUND = weakref.WeakKeyDictionary()
+
+
 def infer(loss):
     """The batch axes of the tensors behind `loss`, read backward from it.
 
@@ -177,6 +184,15 @@ def infer(loss):
     Returns:
       A `BatchAxes`.
     """
+    key = (loss.ref(), loss.graph.version)
+    cache = _FOUND.setdefault(loss.graph, {})
+    if key not in cache:
+        cache.clear()
+        cache[key] = _infer(loss)
+    return cache[key]
+
+
+def _infer(loss):
     shapes = symbolic_shapes.ShapeCache()
     axes = collections.defaultdict(set)
     sources, blocked, blocked_tensors = [], [], []
