@@ -167,10 +167,12 @@ def test_reversal_over_the_batch_hides_the_data_and_the_copies_refuse(graph):
     """`tf.reverse(h, [0])` in the body: example b's loss reads example
     B-1-b. Walking back from the loss, the loop's input sequence is not
     reached with a batch axis (the body mixes it), so x is no batch source;
-    the copies would read the loop's output whole, so they refuse (rather
-    than crash or be wrong), and auto falls back to an exact form."""
+    the copies would read the loop's output (the logits) whole, so they
+    refuse (rather than crash or be wrong), and auto falls back to an exact
+    form."""
     loss, xs, feed = elementwise_rnn(couple=lambda h, x: tf.reverse(h, [0]))
-    with pytest.raises(recompute.Refused, match="ReverseV2"):
+    with pytest.raises(recompute.Refused,
+                       match="not computed from the batch sources"):
         _forward(loss)
     plan = custagg.plan_per_example(loss, xs)
     assert not set(plan.forms()) & {"recompute", "recompute-loop"}, str(plan)

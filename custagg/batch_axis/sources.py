@@ -130,31 +130,24 @@ def inverse(op, out_index, desc, shapes=None):
     want = table.normalize(op.outputs[out_index], desc)
     result = []
     for i, inp in enumerate(op.inputs):
-        got, mixed_inside = set(), False
+        got = set()
         for cand in table.candidates(inp, want, op.outputs[out_index]):
             out = separation.propagate(op, i, cand, shapes, data=True)
             if out is MIXES:
-                mixed_inside = mixed_inside or _mixes_inside(op, i, cand)
                 continue
             here = out[out_index] if isinstance(out, list) else out
             if here is MIXES or here is NO_BATCH:
                 continue
             if table.normalize(op.outputs[out_index], here) == want:
                 got.add(cand)
-        if not got and mixed_inside:
-            return MIXES
         result.append(frozenset(got))
     return result
 
 
 def _mixes_inside(op, index, desc):
     """For a loop: whether the batch at input `index` (`desc`) is kept by
-    some op of the body before one mixes it.
-
-    A weight fails at once (its first use, a MatMul, contracts the axis);
-    data whose rows the body mixes (a reversal over the batch) flows some
-    way first. Such an input holds examples the walk cannot place, so the
-    loop stops the walk (`MIXES`) rather than calling it shared."""
+    some op of the body before one mixes it (for messages: a weight fails
+    at its first use, data the body mixes flows some way first)."""
     if op.type not in graph.LOOP_TYPES or op.inputs[index].dtype in (
             tf.resource, tf.variant):
         return False
@@ -249,7 +242,11 @@ def _inside(op, like):
     if op.type not in graph.LOOP_TYPES:
         return ""
     for i, inp in enumerate(op.inputs):
-        for cand in table.candidates(inp, like):
+        cands = table.candidates(inp, like)
+        if any(separation.propagate(op, i, c, data=True) is not MIXES
+               for c in cands):
+            continue
+        for cand in cands:
             if _mixes_inside(op, i, cand):
                 return " in its body (input %d, batch on axis %s): %s" % (
                     i, cand, separation.loop_reason(op, i, cand))
@@ -266,8 +263,7 @@ def untraced(batch_axes, region):
 
 
 def batch_region(loss, loss_ancestors=None, batch_axes=None):
-    """Ops among the loss's ancestors that depend on batch data: the
-    sources' ops and every op downstream of a source, up to the loss.
+    """Ops among the loss's ancestors that hold or depend on batch data.
 
     Args:
       loss: the per-example loss `[B]`.
@@ -275,18 +271,22 @@ def batch_region(loss, loss_ancestors=None, batch_axes=None):
       batch_axes: `infer(loss)` (computed if None).
 
     Returns:
-      A set of ops.
+      A set of ops: those with an output the walk from the loss reached
+      (it holds rows), the sources', and every op downstream of them.
     """
     if loss_ancestors is None:
         loss_ancestors = graph.ancestors(loss)
     if batch_axes is None:
         batch_axes = infer(loss)
-    # The blocked tensors hold rows too (their ops made or mixed them): the
-    # boundary form must slice them, not copy them whole into each example.
-    tensors = [t for t, _ in batch_axes.sources] + list(
-        batch_axes.blocked_tensors)
-    return {t.op for t in tensors} | graph.downstream(
-        tensors, within=loss_ancestors)
+    # Every tensor the walk reached holds rows of the batch, traced to a
+    # source or not (behind an op that mixes them, or made by a `Fill`):
+    # the boundary form must slice them, never copy them whole into each
+    # example.
+    ops = {op for op in loss_ancestors for t in op.outputs
+           if batch_axes.carries_batch(t)}
+    ops |= {t.op for t, _ in batch_axes.sources}
+    return ops | graph.downstream(
+        [t for op in ops for t in op.outputs], within=loss_ancestors)
 
 
 def no_sources_reason(batch_axes):
