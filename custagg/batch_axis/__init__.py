@@ -17,6 +17,7 @@ Imports go one way: `custagg.graph` <- `table` <- `separation` <-
 """
 
 from custagg.batch_axis.rowwise import NotProved
+from custagg.batch_axis.rowwise import Unexplained
 from custagg.batch_axis.rowwise import prove as prove_rowwise
 from custagg.batch_axis.separation import LOOP_TYPES
 from custagg.batch_axis.separation import coupling
@@ -29,6 +30,7 @@ from custagg.batch_axis.sources import infer
 from custagg.batch_axis.sources import inverse
 from custagg.batch_axis.sources import is_leaf
 from custagg.batch_axis.sources import no_sources_reason
+from custagg.batch_axis.sources import untraced
 from custagg.batch_axis.table import ELEMENTWISE
 from custagg.batch_axis.table import MIXES
 from custagg.batch_axis.table import NO_BATCH
@@ -41,7 +43,7 @@ from custagg.batch_axis.table import known
 from custagg.batch_axis.table import normalize
 
 __all__ = [
-    "NotProved", "prove_rowwise", "LOOP_TYPES", "coupling", "propagate",
+    "NotProved", "Unexplained", "untraced", "prove_rowwise", "LOOP_TYPES", "coupling", "propagate",
     "step", "walk_body", "BatchAxes", "batch_region", "infer", "inverse",
     "is_leaf", "no_sources_reason", "ELEMENTWISE", "MIXES", "NO_BATCH",
     "RANDOM", "Folded", "ListOf", "Reason", "forward", "known", "normalize",
