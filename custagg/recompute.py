@@ -220,6 +220,15 @@ def analyze(loss, loss_ancestors, static_b):
                 "Merge under disable_v2_behavior), which custagg does not "
                 "copy; tf.compat.v1.enable_control_flow_v2() builds conds it "
                 "can copy" % (op.name, op.type), op)
+    for op in ops:
+        if op.type in RANDOM:
+            # Anywhere in the copied ops, not only on the batch's path: a
+            # mask drawn from tf.shape(x) is copied too, and draws anew.
+            raise Refused(
+                "op '%s' (type %s) draws random numbers between the inputs "
+                "and the loss, and a per-example copy would draw new ones; "
+                "pass the random tensor in as a placeholder, or use "
+                "strategy='loop'" % (op.name, op.type), op)
     _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b)
     if static_b is not None and static_b > 1:
         # A static batch is folded into constants (tensordot's reshape

@@ -218,6 +218,16 @@ def _infer(loss):
                         % (op.name, op.type))
             blocked.append(Reason(text, op))
             continue
+        for inp, descs in zip(op.inputs, ins):
+            if inp.shape.rank is None and inp.dtype != tf.resource and \
+                    not descs:
+                # No axis to try: whether it holds the batch is not known.
+                blocked_tensors.append(inp)
+                blocked.append(Reason(
+                    "input '%s' (op type %s) of op '%s' has unknown rank, so "
+                    "custagg cannot tell whether it holds the batch; give it "
+                    "a shape such as [None, ...]" % (inp.name, inp.op.type,
+                                                     op.name), inp.op))
         if not any(ins):
             # Known, yet no input holds the rows: the op mixes examples
             # (a reshape across the batch) or makes rows from shared data
