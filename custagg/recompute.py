@@ -7,7 +7,7 @@ copy of the forward pass run on example i alone:
     g_i = d/dx  loss'(inputs[i:i+1])
 
 where `loss'` is the forward subgraph between the batch inputs (the
-placeholders and iterator outputs whose leading axis is the batch) and the
+sources `custagg.batch_axis.infer` finds backward from the loss) and the
 loss, re-created op by op with those inputs replaced by one example's rows.
 Ops that do not depend on batch data (variable reads, constants) are not
 copied: the copy reads the same variables, so gradients reach x. Each
@@ -44,24 +44,16 @@ import numpy as np
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import rowwise
-from custagg import separability
+from custagg import graph as graph_lib
+from custagg.batch_axis import rowwise
+from custagg.batch_axis import separation
+from custagg.batch_axis import sources
+from custagg.batch_axis import table
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import pfor_ops  # noqa: F401  (documented above)
 
-# Ops that bring batch data into a graph (as in `vectorized`).
-BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
-                           "IteratorGetNext", "IteratorGetNextSync",
-                           "OptionalGetValue"])
-
 # Ops whose copy would draw new random numbers.
-RANDOM = frozenset([
-    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
-    "TruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
-    "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
-    "StatefulUniform", "StatefulUniformInt", "StatefulStandardNormalV2",
-    "StatefulTruncatedNormal", "StatefulUniformFullInt",
-    "StatefulRandomBinomial", "RandomShuffleQueueV2"])
+RANDOM = table.RANDOM
 
 # Attrs a copy must not take: colocation with the original's neighbours.
 _DROP_ATTRS = frozenset(["_class"])
@@ -82,15 +74,22 @@ class whole_batch(object):
 
     def __init__(self, hooks):
         self.hooks = hooks
+        self._saved = None
 
     def __enter__(self):
+        # Restored, not reset, on exit: a whole-batch rebuild inside another
+        # one (or inside a one-row copy) leaves the outer state as it was.
+        self._saved = (_STATE["one_row"], {op: _HOOKS[op] for op in self.hooks
+                                           if op in _HOOKS})
         _STATE["one_row"] = False
         _HOOKS.update(self.hooks)
 
     def __exit__(self, *exc):
-        _STATE["one_row"] = True
+        one_row, hooks = self._saved
+        _STATE["one_row"] = one_row
         for op in self.hooks:
             _HOOKS.pop(op, None)
+        _HOOKS.update(hooks)
 
 class Forward(collections.namedtuple("Forward", ["inputs", "ops", "loss",
                                                  "static_b", "unproven"])):
@@ -120,58 +119,50 @@ def _leading_is_batch(t, static_b):
     return lead is None or static_b is None or lead == static_b
 
 
-def batch_inputs(loss, loss_ancestors, static_b):
-    """The tensors whose leading axis is the batch and that feed the loss.
+def batch_inputs(loss, loss_ancestors=None, static_b=None, batch_axes=None):
+    """The batch sources feeding the loss (`custagg.batch_axis.infer`):
+    the tensors the copies take one example's rows of.
+
+    Args:
+      loss: the per-example loss `[B]`.
+      loss_ancestors: unused (kept for callers); the walk starts at loss.
+      static_b: unused (kept for callers).
+      batch_axes: `batch_axis.infer(loss)` (computed if None).
 
     Raises:
-      Refused: none found, or a batch source of unknown rank.
+      Refused: none found, or a source holding the batch on another axis
+        than 0 (the copies take rows of axis 0).
     """
-    found = []
-    for op in sorted(loss_ancestors, key=lambda o: o.name):
-        if op.type not in BATCH_SOURCES:
-            continue
-        for out in op.outputs:
-            if out.shape.rank is None:
-                raise Refused(
-                    "input '%s' (op type %s) has unknown rank, so custagg "
-                    "cannot tell whether its leading axis is the batch; give "
-                    "the placeholder a shape such as [None, ...]"
-                    % (out.name, op.type), op)
-            if _leading_is_batch(out, static_b) and any(
-                    c in loss_ancestors for c in out.consumers()):
-                found.append(out)
-    if not found:
-        raise Refused(
-            "no batch inputs feed the loss (no placeholder or iterator output "
-            "with the batch on axis 0), so there is no example to recompute")
-    return found
+    del loss_ancestors, static_b
+    found = batch_axes if batch_axes is not None else sources.infer(loss)
+    for t, desc in found.sources:
+        if desc != 0:
+            raise Refused(
+                "batch source '%s' (op type %s) holds the examples on axis "
+                "%s, and the per-example copies take rows of axis 0; "
+                "transpose it to batch-major before the model"
+                % (t.name, t.op.type, desc), t.op)
+    if not found.sources:
+        raise Refused(sources.no_sources_reason(found) +
+                      ", so there is no example to recompute")
+    return [t for t, _ in found.sources]
 
 
 def _region(inputs, loss_ancestors):
     """Ops on a path from the batch inputs to the loss, in creation order."""
-    region = set()
-    queue = collections.deque(c for t in inputs for c in t.consumers())
-    while queue:
-        op = queue.popleft()
-        if op in region or op not in loss_ancestors:
-            continue
-        region.add(op)
-        for out in op.outputs:
-            queue.extend(out.consumers())
-    graph = next(iter(inputs)).graph
-    return [op for op in graph.get_operations() if op in region]
+    region = graph_lib.downstream(inputs, within=loss_ancestors)
+    return graph_lib.in_creation_order(region, next(iter(inputs)).graph)
 
 
 def _known(op):
-    return op.type in separability._TABLE or \
-        op.type in separability._FOLD_AWARE  # pylint: disable=protected-access
+    return table.known(op)
 
 
 def _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b):
     """Raises `Refused` where a known op mixes examples; ops the analysis
     does not know (loops, calls) are assumed to keep the batch on axis 0 of
     their batch-shaped outputs, which the run-time check confirms."""
-    live = separability.gradient_paths(loss, loss_ancestors)
+    live = graph_lib.gradient_paths(loss, loss_ancestors)
     in_region = set(ops)
     seen = set()
     queue = collections.deque((t, 0) for t in inputs)
@@ -197,7 +188,7 @@ def _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b):
                 continue
             if not outs:
                 continue
-            nexts, reason = separability.step(op, t, axis, outs)
+            nexts, reason = separation.step(op, t, axis, outs)
             if reason is not None:
                 raise Refused(
                     "%s, so one example's forward pass alone does not give "
@@ -211,10 +202,16 @@ def analyze(loss, loss_ancestors, static_b):
     Raises:
       Refused: with the op and what to try.
     """
-    inputs = batch_inputs(loss, loss_ancestors, static_b)
+    found = sources.infer(loss)
+    inputs = batch_inputs(loss, batch_axes=found)
     ops = _region(inputs, loss_ancestors)
     if loss.op not in ops:
         raise Refused("the loss does not depend on the batch inputs")
+    hidden = sources.untraced(found, set(ops) | {t.op for t in inputs})
+    if hidden:
+        # Rows no source explains: a copy would take them whole.
+        raise Refused("%s, so one example's forward pass alone cannot be "
+                      "copied" % hidden[0], getattr(hidden[0], "op", None))
     for op in ops:
         ctxt = _tf_compat.control_flow_context(op)
         if ctxt is not None and _frame_of(ctxt, None) is None:
@@ -223,6 +220,15 @@ def analyze(loss, loss_ancestors, static_b):
                 "Merge under disable_v2_behavior), which custagg does not "
                 "copy; tf.compat.v1.enable_control_flow_v2() builds conds it "
                 "can copy" % (op.name, op.type), op)
+    for op in ops:
+        if op.type in RANDOM:
+            # Anywhere in the copied ops, not only on the batch's path: a
+            # mask drawn from tf.shape(x) is copied too, and draws anew.
+            raise Refused(
+                "op '%s' (type %s) draws random numbers between the inputs "
+                "and the loss, and a per-example copy would draw new ones; "
+                "pass the random tensor in as a placeholder, or use "
+                "strategy='loop'" % (op.name, op.type), op)
     _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b)
     if static_b is not None and static_b > 1:
         # A static batch is folded into constants (tensordot's reshape
@@ -234,7 +240,11 @@ def analyze(loss, loss_ancestors, static_b):
             "constants the per-example copy cannot adjust; feed the batch "
             "through a placeholder of shape [None, ...] for the O(B) form"
             % static_b)
-    unproven = None if static_b == 1 else rowwise.prove(inputs, ops, loss)
+    try:
+        unproven = None if static_b == 1 else rowwise.prove(inputs, ops,
+                                                            loss)
+    except rowwise.Unexplained as e:
+        raise Refused("%s; the copies would not be exact" % e) from e
     return Forward(inputs, ops, loss, static_b, unproven)
 
 
@@ -429,31 +439,18 @@ def _copy_op(op, mapping):
 
 
 def _func_graph(op, attr):
-    name = op.get_attr(attr).name
-    graph = op.graph
-    while graph is not None:
-        func = _tf_compat.get_function(graph, name)
-        if func is not None and getattr(func, "graph", None) is not None:
-            return func.graph
-        graph = getattr(graph, "outer_graph", None)
-    raise Refused("cannot find the %s function '%s' of op '%s' (type %s)"
-                  % (attr, name, op.name, op.type), op)
+    try:
+        return graph_lib.func_graph(op, attr)
+    except graph_lib.FunctionNotFound as e:
+        raise Refused(str(e), e.op) from e
 
 
 def _ancestors_in(graph_outputs, stop=(), skip=()):
-    """Ops behind `graph_outputs`, not past the tensors whose refs are in
-    `stop` (bound values: a loop's variables) nor into the ops in `skip`
-    (a v1 frame's Merge/Switch, which control edges reach)."""
-    seen = set(skip)
-    stack = [t.op for t in graph_outputs if t.ref() not in stop]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs if t.ref() not in stop)
-        stack.extend(op.control_inputs)
-    return seen - set(skip)
+    """Ops behind `graph_outputs` through data and control edges, not past
+    the tensors whose refs are in `stop` (bound values: a loop's variables)
+    nor into the ops in `skip` (a v1 frame's Merge/Switch)."""
+    return graph_lib.upstream(graph_outputs, control=True,
+                          stop_tensors=frozenset(stop), skip=frozenset(skip))
 
 
 def _run_func_graph(func, outputs, bound):
@@ -578,13 +575,7 @@ def _rebuild_v1_while(ctxt, mapping, wanted=None):
         mapping[e.ref()] = t
 
 
-def _is_accumulator(op, body, k):
-    """Whether loop variable k of While `op` only collects an intermediate
-    for a gradient: an empty TensorList in, one push per iteration."""
-    out = body.outputs[k]
-    return (op.inputs[k].op.type == "EmptyTensorList" and
-            out.op.type == "TensorListPushBack" and
-            out.op.inputs[0] is body.inputs[k])
+_is_accumulator = graph_lib.is_accumulator
 
 
 def _live_vars(body, cond, var_idx, used):
@@ -830,7 +821,7 @@ def varying_loop(forward):
     are static, and the converted loop then fails at run time reading its
     unstacked inputs ("Trying to access element 0 in a list with 0
     elements"), so these copies run in the while loop over examples."""
-    valued = rowwise.downstream(forward.inputs, _SHAPE_ONLY)
+    valued = graph_lib.downstream(forward.inputs, stop_types=_SHAPE_ONLY)
     inputs = {t.ref() for t in forward.inputs}
     for op in forward.ops:
         if op.type not in ("While", "StatelessWhile"):
@@ -846,12 +837,13 @@ def varying_loop(forward):
                if t.op in valued or t.ref() in inputs}
         while True:
             more = {k for k, out in enumerate(body.outputs) if k not in dep
-                    and any(body.inputs[j].op in rowwise.upstream([out], _SHAPE_ONLY)
+                    and any(body.inputs[j].op in graph_lib.upstream(
+                        [out], stop_types=_SHAPE_ONLY)
                             for j in dep)}
             if not more:
                 break
             dep |= more
-        needed = rowwise.upstream([cond.outputs[0]], _SHAPE_ONLY)
+        needed = graph_lib.upstream([cond.outputs[0]], stop_types=_SHAPE_ONLY)
         if any(cond.inputs[k].op in needed for k in dep):
             return op
     return None

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
+from custagg import batch_axis
 from custagg import recompute
 from custagg import rowwise
 from custagg import separability
@@ -115,12 +116,30 @@ def _row_index(loss, x):
 COUPLED = [
     # (name, what the proof must name, couple in the body, couple the loss)
     ("batch size as a number", "Cast", None, _divide_by_batch),
-    ("row index", "Range", None, _row_index),
-    ("reversal over the batch in the body", "ReverseV2",
-     lambda h, x: tf.reverse(h, [0]), None),
     ("batch mean under an integer path in the body", "batch size",
      lambda h, x: h * tf.cast(tf.shape(h)[0], tf.float64), None),
 ]
+
+
+def test_a_row_index_is_batch_data(graph):
+    """`loss * (1 + range(B))`: row b of the index belongs to example b, so
+    the index is a batch source (found backward from the loss), each copy
+    takes its own row, and the copies are exact -- not a coupling."""
+    loss, xs, feed = elementwise_rnn()
+    loss = _row_index(loss, tf.compat.v1.get_default_graph().get_tensor_by_name(
+        "x:0"))
+    found = batch_axis.infer(loss)
+    assert "Range" in [t.op.type for t, _ in found.sources], found.sources
+    ref = test_loops.loop_reference(loss, xs, 5)
+    got = custagg.per_example_gradients(loss, xs)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b, small, want in test_loops.sliced_batches(
+                sess, ref, feed, (1, 5), seed=3):
+            for gj, wj, x in zip(sess.run(got, small), want, xs):
+                np.testing.assert_allclose(
+                    gj, wj, rtol=1e-7, atol=1e-12,
+                    err_msg="B=%d %s" % (b, x.name))
 
 
 @pytest.mark.parametrize("name,names,body,after", COUPLED,
@@ -144,13 +163,51 @@ def test_hidden_couplings_are_not_proved_and_fail_loudly(graph, name, names,
             sess.run(got, feed(4, np.random.default_rng(0)))
 
 
-def test_broadcast_of_a_constant_over_the_batch_is_not_proved(graph):
+def test_reversal_over_the_batch_hides_the_data_and_the_copies_refuse(graph):
+    """`tf.reverse(h, [0])` in the body: example b's loss reads example
+    B-1-b. Walking back from the loss, the loop's input sequence is not
+    reached with a batch axis (the body mixes it), so x is no batch source;
+    the copies would read the loop's output (the logits) whole, so they
+    refuse (rather than crash or be wrong), and auto falls back to an exact
+    form."""
+    loss, xs, feed = elementwise_rnn(couple=lambda h, x: tf.reverse(h, [0]))
+    with pytest.raises(recompute.Refused,
+                       match="not computed from the batch sources"):
+        _forward(loss)
+    plan = custagg.plan_per_example(loss, xs)
+    assert not set(plan.forms()) & {"recompute", "recompute-loop"}, str(plan)
+    ref = test_loops.loop_reference(loss, xs, 5)
+    got = custagg.per_example_gradients(loss, xs)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b, small, want in test_loops.sliced_batches(
+                sess, ref, feed, (5,), seed=4):
+            for gj, wj, x in zip(sess.run(got, small), want, xs):
+                np.testing.assert_allclose(gj, wj, rtol=1e-7, atol=1e-12,
+                                           err_msg=x.name)
+
+
+def test_a_constant_holding_a_batch_is_a_source(graph):
     """`h + c` with c `[4, D]`: fed 4 examples the batch adds row b of c to
-    example b, a copy of one example would add all four rows."""
+    example b. c lines up with the batch, so it is batch data (a constant
+    holding a batch): each copy takes its row, and the inputs' leading
+    dimensions are asserted equal at run time."""
     c = tf.constant(np.arange(4.0 * D).reshape(4, D))
-    loss, _, _ = elementwise_rnn(couple=lambda h, x: h + c)
-    why = _forward(loss).unproven
-    assert why is not None and "broadcast" in why, why
+    loss, xs, feed = elementwise_rnn(couple=lambda h, x: h + c)
+    forward = _forward(loss)
+    assert c in forward.inputs and forward.unproven is None
+    ref = test_loops.loop_reference(loss, xs, 4)
+    got = custagg.per_example_gradients(loss, xs)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b, small, want in test_loops.sliced_batches(
+                sess, ref, feed, (4,), seed=4):
+            for gj, wj, x in zip(sess.run(got, small), want, xs):
+                np.testing.assert_allclose(gj, wj, rtol=1e-7, atol=1e-12,
+                                           err_msg=x.name)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="other leading dimensions"):
+            sess.run(got, feed(5, np.random.default_rng(0)))
 
 
 def test_condition_on_batch_data_is_not_proved(graph):

@@ -16,9 +16,9 @@ import weakref
 
 import tensorflow as tf
 
+from custagg import batch_axis
 from custagg import recompute
 from custagg import separability
-from custagg.per_example import vectorized
 from custagg.per_example.forms import CHAINS
 from custagg.per_example.forms import FORMS
 from custagg.per_example.forms import Refused
@@ -185,9 +185,10 @@ class PlanContext(object):
         self._varying = {}
 
     def region(self):
-        """The ops that carry batch data (`vectorized.batch_region`)."""
+        """The ops that carry batch data (`batch_axis.batch_region`: the
+        walk from the loss, whatever op types bring the batch in)."""
         if self._region is None:
-            self._region = vectorized.batch_region(self.ancestors)
+            self._region = batch_axis.batch_region(self.loss, self.ancestors)
         return self._region
 
     def forward(self):

@@ -28,7 +28,7 @@ import collections
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import _walk
+from custagg import graph as graph_lib
 from custagg import separability
 from custagg import sparse
 from custagg._tf_compat import attr_value_pb2
@@ -37,27 +37,7 @@ from custagg._tf_compat import pfor_ops
 from custagg._tf_compat import resource_variable_ops
 from custagg.gradients import gradients
 
-# Ops that bring batch data into a graph.
-_BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
-                            "IteratorGetNext", "IteratorGetNextSync",
-                            "OptionalGetValue"])
-
 _Boundary = collections.namedtuple("_Boundary", ["op", "batch_inputs"])
-
-
-def batch_region(loss_ancestors):
-    """Ops among the loss's ancestors that depend on batch data."""
-    region = set()
-    queue = collections.deque(op for op in loss_ancestors
-                              if op.type in _BATCH_SOURCES)
-    while queue:
-        op = queue.popleft()
-        if op in region:
-            continue
-        region.add(op)
-        for out in op.outputs:
-            queue.extend(c for c in out.consumers() if c in loss_ancestors)
-    return region
 
 
 def _is_batch_tensor(t, region, batch_static):
@@ -70,7 +50,7 @@ def _is_batch_tensor(t, region, batch_static):
 def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
     """The boundary ops of x, or (None, reason) when the fast form does not apply."""
     found, seen_ops, seen = [], set(), set()
-    for t, stack in _walk.depth_first(x_tensor, seen):
+    for t, stack in graph_lib.depth_first(x_tensor, seen):
         if t is loss:
             return None, "x reaches the loss without meeting batch data"
         for op in t.consumers():

@@ -252,7 +252,7 @@ def test_list_descriptors():
             input_handle=lst, element_shape=tf.constant([-1, 2]),
             element_dtype=tf.float32)
         assert separability.propagate(lst.op, 0, 1) == separability.ListOf(0)
-        assert separability.propagate(lst.op, 0, 0) is None
+        assert separability.propagate(lst.op, 0, 0) is separability.MIXES
         assert separability.propagate(item.op, 0,
                                       separability.ListOf(0)) == 0
         assert separability.propagate(stacked.op, 0,

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from custagg import testing
+from custagg import batch_axis
 from custagg.per_example import vectorized
 
 
@@ -110,7 +111,7 @@ def test_output_shapes_come_from_a_trace_that_never_runs(sess):
 def test_batch_region_and_boundary(rng):
     x, w1, w2, loss = mlp(rng, 5)
     anc = ancestors(loss)
-    region = vectorized.batch_region(anc)
+    region = batch_axis.batch_region(loss, anc)
     assert x.op in region and loss.op in region
     assert w1.op not in region and w2.op not in region
     bounds, why = vectorized.find_boundary(w1, loss, anc, region, 5)
@@ -122,17 +123,25 @@ def test_batch_region_and_boundary(rng):
 def test_no_boundary_without_batch_data(rng):
     x = tf.compat.v1.placeholder(tf.float64, [3, 2])
     v = tf.constant(2.0, tf.float64)
-    loss = tf.reduce_sum(x, axis=1) + tf.ones([3], tf.float64) * v
+    loss = tf.reduce_sum(x, axis=1) + v
     anc = ancestors(loss)
-    region = vectorized.batch_region(anc)
+    region = batch_axis.batch_region(loss, anc)
     bounds, why = vectorized.find_boundary(v, loss, anc, region, 3)
     # v meets batch data only at the final Add, whose other input is a
     # batch tensor: that Add is the boundary.
     assert why is None and [b.op.type for b in bounds] == ["AddV2"]
-    loss2 = tf.ones([3], tf.float64) * v
+    # A [3] constant holds one value per example: batch data (a constant
+    # holding a batch), so v meets it at the Mul.
+    loss1 = tf.ones([3], tf.float64) * v
+    anc1 = ancestors(loss1)
+    bounds, why = vectorized.find_boundary(
+        v, loss1, anc1, batch_axis.batch_region(loss1, anc1), 3)
+    assert why is None and [b.op.type for b in bounds] == ["Mul"]
+    # Tiling a scalar makes B equal rows from no batch data: no source.
+    loss2 = tf.tile(tf.reshape(v, [1]), [3])
     anc2 = ancestors(loss2)
     bounds, why = vectorized.find_boundary(
-        v, loss2, anc2, vectorized.batch_region(anc2), 3)
+        v, loss2, anc2, batch_axis.batch_region(loss2, anc2), 3)
     assert bounds is None and "without meeting batch data" in why
 
 
@@ -142,7 +151,7 @@ def test_coupled_batch_has_no_boundary_form(rng):
     loss = tf.reduce_sum(z - tf.reduce_mean(z, axis=0), axis=1)
     anc = ancestors(loss)
     bounds, why = vectorized.find_boundary(
-        w1, loss, anc, vectorized.batch_region(anc), 4)
+        w1, loss, anc, batch_axis.batch_region(loss, anc), 4)
     assert bounds is None and why
 
 
@@ -150,7 +159,7 @@ def test_coupled_batch_has_no_boundary_form(rng):
 def test_both_forms_match_the_loop(sess, rng, batch, chunk):
     x, w1, w2, loss = mlp(rng, batch)
     anc = ancestors(loss)
-    region = vectorized.batch_region(anc)
+    region = batch_axis.batch_region(loss, anc)
     Group = collections.namedtuple("Group", ["tensor"])
     group = [Group(w1), Group(w2)]
     bounds = [vectorized.find_boundary(g.tensor, loss, anc, region, batch)[0]

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 
-from custagg import _walk
+from custagg import batch_axis
+from custagg import graph as graph_lib
 from custagg import separability
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
@@ -56,7 +57,7 @@ def find_consumers(x_tensor, loss_ancestors, live):
     under `tf.stop_gradient` or an integer cast is no consumer.
     """
     found = []
-    for t, stack in _walk.depth_first(x_tensor):
+    for t, stack in graph_lib.depth_first(x_tensor):
         for op in t.consumers():
             if op not in loss_ancestors or op not in live:
                 continue
@@ -73,7 +74,7 @@ def find_consumers(x_tensor, loss_ancestors, live):
 def _reached_refs(x_tensor, loss_ancestors, live):
     """Refs of x and of the pass-through tensors `find_consumers` follows."""
     refs = set()
-    for t, stack in _walk.depth_first(x_tensor, refs):
+    for t, stack in graph_lib.depth_first(x_tensor, refs):
         for op in t.consumers():
             if op in loss_ancestors and op.inputs[0] is t and \
                     shortcuts.passes_through(op, 0, live):
@@ -119,6 +120,12 @@ def find_rule_consumers(x_tensor, ctx, depth=0):
     """x's rule consumers (`Consumer`s, `LoopUse`s, `Chain`s), or raises
     `Refused` naming the op that has no usable rule."""
     loss, loss_ancestors = ctx.loss, ctx.ancestors
+    found = batch_axis.infer(loss)
+    if not found.sources:
+        # No batch data at all: say why, not where a chain gave up.
+        raise base.Refused(separability.Reason(
+            batch_axis.no_sources_reason(found),
+            getattr(found.blocked[0], "op", None) if found.blocked else None))
     region = ctx.region()
     consumers, chained = [], set()
     for op, k in find_consumers(x_tensor, loss_ancestors, ctx.live):

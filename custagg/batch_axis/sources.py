@@ -1,0 +1,312 @@
+"""Which tensors carry the examples, and on which axis: read from the loss.
+
+Axis 0 of the `[B]` per-example loss is the batch by contract. `infer`
+walks backward from it through the batch-axis table
+(`custagg.batch_axis.table`, read by `inverse`): the loss's op, told that
+output k holds the batch at descriptor d, says which of its inputs hold it
+and where. Every tensor reached gets its descriptor(s); a *leaf* reached
+with a batch descriptor is a batch source, whatever its op type:
+placeholders, iterator and queue outputs (`IteratorGetNext`,
+`QueueDequeueManyV2`), variable reads and constants holding a batch,
+`py_function` outputs with a set shape, the serialized input of
+`ParseExample`, ...
+
+A leaf is an op none of whose inputs could hold rows of examples: no
+inputs at all (placeholders, constants, ref variables), or only handles and
+scalars (a resource, an iterator, a queue, a dequeue count) -- a scalar has
+no axis for the batch to be on. `PlaceholderWithDefault` is a leaf too: it
+is where a feed replaces its default, so rows are taken there.
+
+Why a weight never becomes a source. The walk only enters input i of an op
+when some axis j of that input, pushed forward through the same table
+entry, lands where the output holds the batch. For `z = a @ W` with the
+batch on axis 0 of z, the table says: a's axis 0 -> z's axis 0, W's axis 0
+-> mixes (it is the contracted axis), W's axis 1 -> z's axis 1. No axis of
+W lands on z's axis 0, so W carries no batch and the walk does not enter
+it; likewise a bias (broadcast from the right onto the feature axis), a
+convolution filter, an embedding table (the ids carry the batch, the
+params' gathered axis mixes). Only a tensor whose rows line up with the
+loss's rows is reached -- which is what "holds a batch" means: a variable
+`[B, D]` multiplied elementwise into the activations is one (each row
+touches one example), and then it is treated as batch data, as it should.
+
+Nothing is guessed: an op the table does not know, met on the way back,
+stops the walk there (`BatchAxes.blocked` says which); its inputs are not
+sources. Treating a tensor as shared (not batch data) is always safe: every
+form that relies on separation proves or checks it forward, from the
+sources found here.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+
+import tensorflow as tf
+
+from custagg import graph
+from custagg.batch_axis import separation
+from custagg.batch_axis import symbolic_shapes
+from custagg.batch_axis import table
+from custagg.batch_axis.table import MIXES
+from custagg.batch_axis.table import NO_BATCH
+from custagg.batch_axis.table import Reason
+
+# Ops that make a value from a shape and a fill value (zeros for an RNN's
+# first state, an empty list to fill): reached with the batch, their rows
+# are all equal and made, not read -- neither a source nor a stop. Whether
+# a copy of one example makes them right is the row-wise proof's question
+# (it follows the batch size into their shapes).
+_MAKERS = frozenset(["Fill", "TensorListReserve", "EmptyTensorList",
+                     "TensorArrayV3"])
+
+# Where a feed replaces a default value: the rows are taken there, not
+# from the default (a pipeline wrapped in placeholder_with_default).
+_FEED_POINTS = frozenset(["PlaceholderWithDefault"])
+
+
+class BatchAxes(collections.namedtuple(
+        "BatchAxes", ["loss", "axes", "sources", "blocked",
+                      "blocked_tensors"])):
+    """What `infer` found.
+
+    Attributes:
+      loss: the `[B]` per-example loss.
+      axes: dict `tensor.ref()` -> frozenset of batch descriptors, for every
+        tensor the walk reached (the loss's ancestors that carry examples).
+      sources: the leaves reached, as `(tensor, descriptor)` pairs in the
+        graph's creation order.
+      blocked: `Reason`s naming the ops the walk could not go back through:
+        not in the table (what may hold batch data nobody found), or known
+        with no input holding the batch (mixing, or rows made from shared
+        data).
+      blocked_tensors: aligned with `blocked`: the tensor (reached with a
+        batch descriptor) whose op stopped the walk.
+    """
+
+    def source_tensors(self, axis=0):
+        """The source tensors holding the batch on `axis`."""
+        return [t for t, d in self.sources if d == axis]
+
+    def carries_batch(self, t):
+        """Whether `t` was reached with a batch descriptor."""
+        return t.ref() in self.axes
+
+
+def _handle_or_scalar(t):
+    """An input that cannot hold rows of examples: a handle (resource, a
+    ref-typed string queue handle) or a scalar (no axis for a batch)."""
+    if t.dtype == tf.resource or t.dtype != t.dtype.base_dtype:
+        return True
+    return t.shape.rank == 0
+
+
+def is_leaf(op):
+    """Whether `op`'s outputs take their rows from none of its inputs (see
+    the module): a leaf reached with a batch descriptor is a source."""
+    if op.type in _FEED_POINTS:
+        return True
+    if table.known(op) or op.type in graph.LOOP_TYPES:
+        return False
+    return all(_handle_or_scalar(t) for t in op.inputs)
+
+
+def inverse(op, out_index, desc, shapes=None):
+    """Which inputs of `op` hold the batch, given output `out_index` holds
+    it at `desc`; the table's entries read backward.
+
+    Input i holds it at candidate descriptor c (each axis of the input,
+    `table.candidates`) when `separation.propagate(op, i, c)` puts output
+    `out_index`'s batch at `desc`.
+
+    Returns:
+      `MIXES` when the table does not know `op`; else a list with, per
+      input, a frozenset of descriptors (empty: that input carries no
+      batch).
+    """
+    if not (table.known(op) or op.type in graph.LOOP_TYPES):
+        return MIXES
+    shapes = shapes if shapes is not None else symbolic_shapes.ShapeCache()
+    want = table.normalize(op.outputs[out_index], desc)
+    result = []
+    for i, inp in enumerate(op.inputs):
+        got = set()
+        for cand in table.candidates(inp, want, op.outputs[out_index]):
+            out = separation.propagate(op, i, cand, shapes, data=True)
+            if out is MIXES:
+                continue
+            here = out[out_index] if isinstance(out, list) else out
+            if here is MIXES or here is NO_BATCH:
+                continue
+            if table.normalize(op.outputs[out_index], here) == want:
+                got.add(cand)
+        result.append(frozenset(got))
+    return result
+
+
+def _mixes_inside(op, index, desc):
+    """For a loop: whether the batch at input `index` (`desc`) is kept by
+    some op of the body before one mixes it (for messages: a weight fails
+    at its first use, data the body mixes flows some way first)."""
+    if op.type not in graph.LOOP_TYPES or op.inputs[index].dtype in (
+            tf.resource, tf.variant):
+        return False
+    why = separation.loop_reason(op, index, desc)
+    if why is None or getattr(why, "op", None) is None:
+        return False
+    try:
+        body = graph.func_graph(op, "body")
+    except graph.FunctionNotFound:
+        return False
+    return why.op not in body.inputs[index].consumers()
+
+
+# graph -> {(loss ref, graph version): BatchAxes}: weak on the graph and
+# keyed on its version (it grows as ops are added), so an answer is reused
+# only for the graph exactly as it was asked about.
+_FOUND = weakref.WeakKeyDictionary()
+
+
+def infer(loss):
+    """The batch axes of the tensors behind `loss`, read backward from it.
+
+    Args:
+      loss: the per-example loss, a graph tensor of rank >= 1 whose axis 0
+        is the batch.
+
+    Returns:
+      A `BatchAxes`.
+    """
+    key = (loss.ref(), loss.graph.version)
+    cache = _FOUND.setdefault(loss.graph, {})
+    if key not in cache:
+        cache.clear()
+        cache[key] = _infer(loss)
+    return cache[key]
+
+
+def _infer(loss):
+    shapes = symbolic_shapes.ShapeCache()
+    axes = collections.defaultdict(set)
+    sources, blocked, blocked_tensors = [], [], []
+    queue = collections.deque([(loss, 0)])
+    seen = set()
+    while queue:
+        t, desc = queue.popleft()
+        if (t.ref(), desc) in seen:
+            continue
+        seen.add((t.ref(), desc))
+        axes[t.ref()].add(desc)
+        op = t.op
+        if op.type in _MAKERS:
+            continue
+        if is_leaf(op):
+            # A list made empty (TensorArray, TensorListReserve) holds no
+            # examples: its items are written later, from the sources.
+            if not isinstance(desc, table.ListOf):
+                sources.append((t, desc))
+            continue
+        ins = inverse(op, t.value_index, desc, shapes)
+        if ins is MIXES:
+            blocked_tensors.append(t)
+            if op.type in graph.LOOP_TYPES:
+                text = "op '%s' (type %s) mixes examples%s" % (
+                    op.name, op.type, _inside(op, desc))
+            else:
+                text = ("op '%s' (type %s) is not in the batch-axis table, "
+                        "so which of its inputs hold examples is not known"
+                        % (op.name, op.type))
+            blocked.append(Reason(text, op))
+            continue
+        for inp, descs in zip(op.inputs, ins):
+            if inp.shape.rank is None and inp.dtype != tf.resource and \
+                    not descs:
+                # No axis to try: whether it holds the batch is not known.
+                blocked_tensors.append(inp)
+                blocked.append(Reason(
+                    "input '%s' (op type %s) of op '%s' has unknown rank, so "
+                    "custagg cannot tell whether it holds the batch; give it "
+                    "a shape such as [None, ...]" % (inp.name, inp.op.type,
+                                                     op.name), inp.op))
+        if not any(ins):
+            # Known, yet no input holds the rows: the op mixes examples
+            # (a reshape across the batch) or makes rows from shared data
+            # (a tile): either way no source lies behind it.
+            blocked.append(Reason(
+                "op '%s' (type %s) mixes examples or makes its rows from "
+                "no batch data (no input holds the batch where output %d "
+                "has it)%s" % (op.name, op.type, t.value_index,
+                               _inside(op, desc)), op))
+            blocked_tensors.append(t)
+        for inp, descs in zip(op.inputs, ins):
+            queue.extend((inp, d) for d in descs)
+    order = {op: k for k, op in enumerate(loss.graph.get_operations())}
+    sources.sort(key=lambda p: (order.get(p[0].op, -1), p[0].value_index))
+    return BatchAxes(loss, {k: frozenset(v) for k, v in axes.items()},
+                     sources, blocked, blocked_tensors)
+
+
+def _inside(op, like):
+    """For a loop: what in its body mixes examples (for the first input
+    the body keeps the batch of before mixing it), as a clause; else ""."""
+    if op.type not in graph.LOOP_TYPES:
+        return ""
+    for i, inp in enumerate(op.inputs):
+        cands = table.candidates(inp, like)
+        if any(separation.propagate(op, i, c, data=True) is not MIXES
+               for c in cands):
+            continue
+        for cand in cands:
+            if _mixes_inside(op, i, cand):
+                return " in its body (input %d, batch on axis %s): %s" % (
+                    i, cand, separation.loop_reason(op, i, cand))
+    return ""
+
+
+def untraced(batch_axes, region):
+    """`Reason`s for tensors holding the batch that the walk could not
+    trace back to a source and that the sources' `region` does not compute
+    either: rows nobody can take one example of (the per-example copies
+    must refuse)."""
+    return [r for t, r in zip(batch_axes.blocked_tensors, batch_axes.blocked)
+            if t.op not in region]
+
+
+def batch_region(loss, loss_ancestors=None, batch_axes=None):
+    """Ops among the loss's ancestors that hold or depend on batch data.
+
+    Args:
+      loss: the per-example loss `[B]`.
+      loss_ancestors: `graph.ancestors(loss)` (computed if None).
+      batch_axes: `infer(loss)` (computed if None).
+
+    Returns:
+      A set of ops: those with an output the walk from the loss reached
+      (it holds rows), the sources', and every op downstream of them.
+    """
+    if loss_ancestors is None:
+        loss_ancestors = graph.ancestors(loss)
+    if batch_axes is None:
+        batch_axes = infer(loss)
+    # Every tensor the walk reached holds rows of the batch, traced to a
+    # source or not (behind an op that mixes them, or made by a `Fill`):
+    # the boundary form must slice them, never copy them whole into each
+    # example.
+    ops = {op for op in loss_ancestors for t in op.outputs
+           if batch_axes.carries_batch(t)}
+    ops |= {t.op for t, _ in batch_axes.sources}
+    return ops | graph.downstream(
+        [t for op in ops for t in op.outputs], within=loss_ancestors)
+
+
+def no_sources_reason(batch_axes):
+    """A sentence saying why no source was found (for errors)."""
+    found = ("walking back from axis 0 of the loss '%s' reached no "
+             "placeholder, iterator, queue, variable or constant holding one "
+             "row per example" % batch_axes.loss.name)
+    if not batch_axes.blocked:
+        return "no batch data feeds the loss: " + found
+    return ("batch coupling (or an op custagg does not know) between the "
+            "batch data and the loss: %s; %s; the fast forms assume "
+            "examples do not interact" % (
+                "; ".join(batch_axes.blocked[:3]), found))

@@ -1,0 +1,711 @@
+"""THE batch-axis table: where the examples go through one op.
+
+An entry answers, for an op, the index of one of its inputs and the batch
+descriptor of that input (which axis holds the examples):
+
+* a descriptor for the op's outputs (an int axis, a `Folded` axis, a
+  `ListOf` for TensorLists), or a list with one per output;
+* `MIXES`: the op may mix examples (a reduction over the batch axis, batch
+  statistics), or the table does not know it -- an unknown op counts as
+  mixing, so nothing is guessed;
+* `NO_BATCH` (per output, in a list): that output does not depend on this
+  input, so it carries no batch from it.
+
+`forward(op, index, desc)` reads the table in the direction the data
+flows (separation proofs, the row-wise proof, the boundary and copy forms,
+loop rules). `inverse(op, out_index, desc)` reads the same entries the other
+way (batch-source inference from the loss): input i holds the batch on
+axis j exactly when `forward(op, i, j)` puts it where output `out_index` has
+it; an input for which no axis does carries no batch.
+
+The whitelist is the safety argument: a wrong "keeps examples apart" would
+give wrong per-example gradients, a missing entry only a slower exact form.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+
+from custagg import graph
+from custagg._tf_compat import tensor_util
+from custagg.batch_axis import symbolic_shapes
+
+_ELEMENTWISE_UNARY = frozenset("""
+Abs Acos Acosh Asin Asinh Atan Atanh Cast Ceil Cos Cosh Digamma Elu Erf Erfc
+Exp Expm1 Floor Identity IdentityN Inv Lgamma Log Log1p LeakyRelu Neg
+PreventGradient Reciprocal Relu Relu6 Round Rsqrt Selu Sigmoid Sign Sin Sinh
+Snapshot Softplus Softsign Sqrt Square StopGradient Tan Tanh CheckNumerics
+EnsureShape Gelu LogicalNot IsNan IsInf IsFinite ZerosLike OnesLike""".split())
+
+_ELEMENTWISE_BINARY = frozenset("""
+Add AddV2 AddN Atan2 BiasAdd BiasAddV1 Div DivNoNan FloorDiv FloorMod Maximum
+Minimum Mod Mul MulNoNan Pow RealDiv SquaredDifference Sub TruncateDiv Xdivy
+Xlogy Select SelectV2 ClipByValue Equal NotEqual Less LessEqual Greater
+GreaterEqual LogicalAnd LogicalOr""".split())
+
+_SPATIAL = frozenset("""
+Conv2D Conv3D DepthwiseConv2dNative MaxPool MaxPoolV2 AvgPool MaxPool3D
+AvgPool3D LRN""".split())
+
+_REDUCTIONS = frozenset("Sum Mean Max Min Prod All Any EuclideanNorm".split())
+
+
+class _Sentinel(object):
+    """A named constant, distinct from None and from every descriptor."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+    def __reduce__(self):
+        return self.name
+
+
+# The op may mix examples, or is not in the table (see the module).
+MIXES = _Sentinel("MIXES")
+# This output (or input) carries no batch.
+NO_BATCH = _Sentinel("NO_BATCH")
+
+
+class Reason(str):
+    """A reason string that also names the op it is about (or None)."""
+
+    def __new__(cls, text, op=None):
+        self = super(Reason, cls).__new__(cls, text)
+        self.op = op
+        return self
+
+
+def _const(t):
+    value = tensor_util.constant_value(t)
+    return None if value is None else [int(v) for v in value.reshape(-1)]
+
+
+def _rank(t):
+    return t.shape.rank
+
+
+def _elementwise(op, index, axis):
+    """Broadcasting aligns axes from the right, so a batch axis counted from
+    the end survives operands of unknown rank (an unshaped `keep_prob`).
+
+    v1 `Select` (`tf.compat.v1.where`) with a vector condition and matrix
+    branches does not broadcast: entry r of the condition picks row r
+    (dynamic_rnn's `time >= sequence_length`), so it keeps axis 0."""
+    in_rank, out_rank = _rank(op.inputs[index]), _rank(op.outputs[0])
+    if op.type == "Select" and index == 0 and in_rank == 1 and \
+            (out_rank is None or out_rank > 1):
+        return 0 if axis == 0 else None
+    if axis < 0:
+        if out_rank is None:
+            return axis
+        return out_rank + axis if out_rank + axis >= 0 else None
+    if in_rank is None:
+        return None
+    if out_rank is None:
+        return axis - in_rank
+    out_axis = axis + out_rank - in_rank
+    # A size-1 axis broadcast against a longer one is not the batch: every
+    # example would see the same entry (a [1, D] parameter times a [1, D]
+    # constant, then times the activations).
+    in_dim = tf.compat.dimension_value(op.inputs[index].shape[axis])
+    out_dim = tf.compat.dimension_value(op.outputs[0].shape[out_axis])
+    if in_dim == 1 and out_dim != 1:
+        return None
+    return out_axis
+
+
+def _last_axis_op(op, index, axis):
+    rank = _rank(op.inputs[index])
+    return None if rank is None or axis == rank - 1 else axis
+
+
+def _matmul(op, index, axis):
+    ta, tb = op.get_attr("transpose_a"), op.get_attr("transpose_b")
+    if index == 0:
+        row_axis = 1 if ta else 0
+        return 0 if axis == row_axis else None
+    col_axis = 0 if tb else 1
+    return 1 if axis == col_axis else None
+
+
+def _batch_matmul(op, index, axis):
+    rank, out_rank = _rank(op.inputs[index]), _rank(op.outputs[0])
+    if rank is None or out_rank is None:
+        return None
+    if axis < rank - 2:
+        out_axis = axis + out_rank - rank
+        in_dim = tf.compat.dimension_value(op.inputs[index].shape[axis])
+        out_dim = tf.compat.dimension_value(op.outputs[0].shape[out_axis])
+        return None if in_dim == 1 and out_dim != 1 else out_axis
+    adj = op.get_attr("adj_x" if index == 0 else "adj_y")
+    kept = (rank - 1 if adj else rank - 2) if index == 0 else \
+        (rank - 2 if adj else rank - 1)
+    if axis != kept:
+        return None
+    return out_rank - 2 if index == 0 else out_rank - 1
+
+
+def _einsum(op, index, axis):
+    eq = op.get_attr("equation").decode().replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return None
+    ins, out = eq.split("->")
+    sub = ins.split(",")[index]
+    letter = sub[axis]
+    return out.index(letter) if letter in out else None
+
+
+def _reshape(op, index, batch, shapes):
+    """Reshapes keep row-major order: the batch survives when each example's
+    entries stay one contiguous block of the output.
+
+    With every axis before the batch of static size 1 and S the number of
+    entries of one example, output axis a is the batch when the axes before
+    a have size 1 and the axes after it hold exactly S entries; it holds
+    rows (example, t...) -- a fold -- when the axes after it hold the
+    entries of one `t`. Sizes are compared as symbolic expressions of the
+    graph's dimensions (`symbolic_shapes`), so `[-1, C]`,
+    `[tf.shape(x)[0], -1]` and Keras LayerNormalization's
+    `[1, B*T, D, 1]` are all proved from the graph.
+    """
+    if index != 0:
+        return None
+    in_shape = shapes.shape(op.inputs[0])
+    out_shape = shapes.shape(op.outputs[0])
+    pos = batch.axis if isinstance(batch, Folded) else batch
+    if in_shape is None or out_shape is None or pos < 0:
+        return None
+    middle = batch.middle if isinstance(batch, Folded) else ()
+    if any(d is None or d.static != 1 for d in in_shape[:pos]):
+        return None
+    row = symbolic_shapes.product(in_shape[pos + 1:])
+    if row is None:
+        return None
+    example = row * symbolic_shapes.Dim.of(_prod(middle))
+    for out_axis in range(len(out_shape)):
+        after = symbolic_shapes.product(out_shape[out_axis + 1:])
+        if after is not None:
+            if after == example:
+                return out_axis
+            if middle and after == row:
+                return Folded(middle, out_axis)
+            if not middle:
+                fold = _new_fold(in_shape[pos + 1:], after)
+                if fold is not None:
+                    return Folded(fold, out_axis)
+        dim = out_shape[out_axis]
+        if dim is None or dim.static != 1:
+            break
+    return None
+
+
+def _new_fold(example_dims, after):
+    """The leading example dims T... when the rest hold `after` entries."""
+    for j in range(1, len(example_dims)):
+        lead = example_dims[:j]
+        if any(d is None or d.static is None for d in lead):
+            return None
+        if symbolic_shapes.product(example_dims[j:]) == after:
+            return tuple(d.static for d in lead)
+    return None
+
+
+def _prod(dims):
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def _squeeze(op, index, axis):
+    dims = list(op.get_attr("squeeze_dims"))
+    rank = _rank(op.inputs[0])
+    if not dims:
+        if rank is None or not op.inputs[0].shape.is_fully_defined():
+            return None
+        dims = [i for i, d in enumerate(op.inputs[0].shape.as_list())
+                if d == 1]
+    if rank is not None:
+        dims = [d % rank for d in dims]
+    if axis in dims:
+        return None
+    return axis - sum(1 for d in dims if d < axis)
+
+
+def _expand_dims(op, index, axis):
+    dim = _const(op.inputs[1])
+    out_rank = _rank(op.outputs[0])
+    if index != 0 or dim is None or out_rank is None:
+        return None
+    d = dim[0] % out_rank
+    return axis + 1 if d <= axis else axis
+
+
+def _transpose(op, index, axis):
+    perm = _const(op.inputs[1])
+    if index != 0 or perm is None:
+        return None
+    return perm.index(axis)
+
+
+def _reduction(op, index, axis):
+    axes = _const(op.inputs[1])
+    rank = _rank(op.inputs[0])
+    if index != 0 or axes is None or rank is None:
+        return None
+    axes = [a % rank for a in axes]
+    if axis in axes:
+        return None
+    if op.get_attr("keep_dims"):
+        return axis
+    return axis - sum(1 for a in axes if a < axis)
+
+
+def _first_axis_only(op, index, axis):
+    return 0 if index == 0 and axis == 0 else None
+
+
+def _xent(op, index, axis):
+    return 0 if axis == 0 else None
+
+
+def _batch_norm(op, index, batch, shapes):
+    """FusedBatchNorm: inference mode is a per-channel affine map; training
+    mode takes statistics per channel, which keeps examples apart only when
+    the batch (or rows folded from it, as in Keras LayerNormalization's
+    `[1, B*T, D, 1]` NCHW call) is the channel axis."""
+    del shapes
+    if index != 0:
+        return None
+    n_out = len(op.outputs)
+    if not op.get_attr("is_training"):
+        return [batch] + [NO_PATH] * (n_out - 1)
+    rank = _rank(op.inputs[0])
+    pos = batch.axis if isinstance(batch, Folded) else batch
+    if rank is None or pos < 0:
+        return None
+    channel = 1 if op.get_attr("data_format").decode().startswith("NC") \
+        else rank - 1
+    if pos != channel:
+        return None
+    stats = Folded(batch.middle, 0) if isinstance(batch, Folded) else 0
+    # y, batch mean, batch variance; the reserve outputs carry no gradient.
+    return [batch, stats, stats] + [NO_PATH] * (n_out - 3)
+
+
+def _pad(op, index, axis):
+    pads = _const(op.inputs[1])
+    if index != 0 or pads is None or pads[2 * axis] or pads[2 * axis + 1]:
+        return None
+    return axis
+
+
+def _concat(op, index, axis):
+    n = op.get_attr("N")
+    concat_axis = _const(op.inputs[n])
+    rank = _rank(op.outputs[0])
+    if index >= n or concat_axis is None or rank is None:
+        return None
+    return None if concat_axis[0] % rank == axis else axis
+
+
+def _pack(op, index, axis):
+    pack_axis = op.get_attr("axis")
+    rank = _rank(op.outputs[0])
+    if rank is None:
+        return None
+    pack_axis %= rank
+    return axis + 1 if pack_axis <= axis else axis
+
+
+def _strided_slice(op, index, axis):
+    """The batch axis survives a slice that takes all of it (begin and end
+    masks, stride 1); new axes (`h[:, None, :]`), shrunk axes and an
+    ellipsis move it."""
+    if index != 0:
+        return None
+    # Only the number of entries matters, not where slices begin: the batch
+    # axis must be taken whole, by the masks (`x[:, t, :]` with a loop
+    # counter t is fine).
+    n = tf.compat.dimension_value(op.inputs[1].shape[0]) \
+        if op.inputs[1].shape.rank == 1 else None
+    strides = _const(op.inputs[3])
+    if n is None:
+        return None
+    ellipsis, new_axis, shrink = (op.get_attr(a) for a in (
+        "ellipsis_mask", "new_axis_mask", "shrink_axis_mask"))
+    begin_mask, end_mask = op.get_attr("begin_mask"), op.get_attr("end_mask")
+    rank = _rank(op.inputs[0])
+    if ellipsis and rank is None:
+        return None
+    in_dim = out_dim = 0
+    for i in range(n):
+        bit = 1 << i
+        if ellipsis & bit:
+            # Covers the input axes the entries after it do not take.
+            later = sum(1 for j in range(i + 1, n)
+                        if not (new_axis | ellipsis) & (1 << j))
+            covered = rank - in_dim - later
+            if in_dim <= axis < in_dim + covered:
+                return out_dim + axis - in_dim
+            in_dim += covered
+            out_dim += covered
+        elif new_axis & bit:
+            out_dim += 1
+        elif shrink & bit:
+            if in_dim == axis:
+                return None
+            in_dim += 1
+        else:
+            if in_dim == axis:
+                full = begin_mask & bit and end_mask & bit
+                if not full or strides is None or strides[i] != 1:
+                    return None
+                return out_dim
+            in_dim += 1
+            out_dim += 1
+    return out_dim + axis - in_dim
+
+
+def _slice(op, index, axis):
+    begin, size = _const(op.inputs[1]), _const(op.inputs[2])
+    if index != 0 or begin is None or size is None:
+        return None
+    if begin[axis] != 0 or size[axis] != -1:
+        return None
+    return axis
+
+
+def _gather(op, index, axis):
+    if op.get_attr("batch_dims") != 0:
+        return None
+    if op.type == "GatherV2":
+        gaxis = _const(op.inputs[2])
+        if gaxis is None:
+            return None
+        gaxis = gaxis[0]
+    else:
+        gaxis = 0
+    if index == 1:          # the ids carry the batch: out = ids.shape + rest
+        return axis + gaxis
+    if index == 0 and op.inputs[0].dtype != tf.resource:
+        rank = _rank(op.inputs[0])
+        if rank is None or axis == gaxis % rank:
+            return None
+        ids_rank = _rank(op.inputs[1])
+        if ids_rank is None:
+            return None
+        return axis if axis < gaxis % rank else axis + ids_rank - 1
+    return None
+
+
+def _split(op, index, axis):
+    value_index, axis_index = (1, 0) if op.type == "Split" else (0, 2)
+    split_axis = _const(op.inputs[axis_index])
+    rank = _rank(op.inputs[value_index])
+    if index != value_index or split_axis is None or rank is None:
+        return None
+    return None if split_axis[0] % rank == axis else axis
+
+
+def _unpack(op, index, axis):
+    rank = _rank(op.inputs[0])
+    if rank is None:
+        return None
+    unpack_axis = op.get_attr("axis") % rank
+    if unpack_axis == axis:
+        return None
+    return axis - 1 if unpack_axis < axis else axis
+
+
+def _tile(op, index, axis):
+    multiples = _const(op.inputs[1])
+    if index != 0 or multiples is None or multiples[axis] != 1:
+        return None
+    return axis
+
+
+def _parse_example(op, index, axis):
+    """Example b's features come from serialized record b alone: the dense
+    values hold the batch on axis 0; the sparse (and ragged) outputs list
+    the entries of all examples together, so they mix."""
+    if index != 0 or axis != 0:
+        return None
+    if op.type == "ParseExample":
+        n_sparse, n_dense = op.get_attr("Nsparse"), op.get_attr("Ndense")
+    else:
+        n_sparse = op.get_attr("num_sparse")
+        n_dense = len(op.get_attr("Tdense"))
+    out = [None] * len(op.outputs)
+    for k in range(3 * n_sparse, 3 * n_sparse + n_dense):
+        out[k] = 0
+    return out
+
+
+def _shape(op, index, axis):
+    """`tf.shape`, `tf.rank`, `tf.size`: the batch *size* flows on (the
+    row-wise proof follows it), no rows do."""
+    del index, axis
+    return [NO_PATH] * len(op.outputs)
+
+
+class Folded(collections.namedtuple("Folded", ["middle", "axis"])):
+    """Rows folded from the batch: axis `axis` holds (example, t...) pairs.
+
+    `tf.tensordot` (Keras Dense on `[B, T..., D]`) reshapes to `[B*T, D]`,
+    multiplies, and reshapes back; Keras LayerNormalization reshapes to
+    `[1, B*T, D, 1]`. `middle` is the static `T...` shape. Ops that move or
+    keep an axis treat a folded axis like a plain one; reshapes and
+    batch normalization look at the fold itself.
+    """
+
+    def __new__(cls, middle, axis=0):
+        return super(Folded, cls).__new__(cls, tuple(middle), axis)
+
+
+class ListOf(collections.namedtuple("ListOf", ["axis"])):
+    """A TensorList (variant) whose items hold the batch at `axis` (an RNN's
+    unstacked inputs `[T, B, D]` -> items `[B, D]`, its output sequence)."""
+
+
+# v1 control flow passes its data through unchanged, so the batch stays on
+# its axis; the back edge (NextIteration into Merge) carries it into the
+# next iteration.
+_CONTROL_FLOW = graph.V1_CONTROL_FLOW
+_SWITCHES = frozenset(["Switch", "RefSwitch"])
+
+
+# How a list of items (a TensorList, or a v1 TensorArray through its flow
+# tensor, which TF's own gradients follow) carries the batch, by (op type,
+# input index): "put" an item with the batch at axis a into a list (items:
+# a), "split" a tensor into items along axis 0 (a - 1), "keep" a list,
+# "item" read one (a), "stack" them all (a + 1), "pop" (list and item).
+_LIST_STEPS = {
+    ("TensorListFromTensor", 0): "split", ("TensorArrayScatterV3", 2): "split",
+    ("TensorListSetItem", 2): "put", ("TensorListPushBack", 1): "put",
+    ("TensorArrayWriteV3", 2): "put",
+    ("TensorListSetItem", 0): "keep", ("TensorListPushBack", 0): "keep",
+    ("TensorArrayWriteV3", 3): "keep", ("TensorArrayScatterV3", 3): "keep",
+    ("Identity", 0): "keep",
+    ("TensorListGetItem", 0): "item", ("TensorArrayReadV3", 2): "item",
+    ("TensorListStack", 0): "stack", ("TensorListGather", 0): "stack",
+    ("TensorArrayGatherV3", 2): "stack",
+    ("TensorListPopBack", 0): "pop",
+}
+_LIST_OPS = frozenset(t for t, _ in _LIST_STEPS) - {"Identity"}
+
+
+def _item_list(op, index, batch):
+    """Lists of items keep each item's batch axis (`_LIST_STEPS`); a list
+    reaching any other op mixes (None)."""
+    step = _LIST_STEPS.get((op.type, index))
+    if isinstance(batch, ListOf):
+        if step == "keep":
+            return batch
+        if step == "item":
+            return batch.axis
+        if step == "stack":
+            return batch.axis + 1
+        if step == "pop":
+            return [batch, batch.axis]
+        return None
+    if isinstance(batch, Folded) or batch < 0:
+        return None
+    if step == "put":
+        return ListOf(batch)
+    if step == "split":
+        return ListOf(batch - 1) if batch >= 1 else None
+    return None
+
+
+# Inside the per-op functions, None means MIXES and NO_PATH means
+# NO_BATCH; `forward` turns them into the sentinels.
+NO_PATH = NO_BATCH
+
+_TABLE = {}
+for _t in _ELEMENTWISE_UNARY | _ELEMENTWISE_BINARY:
+    _TABLE[_t] = _elementwise
+for _t in _SPATIAL:
+    _TABLE[_t] = _first_axis_only
+for _t in _REDUCTIONS:
+    _TABLE[_t] = _reduction
+_TABLE.update({
+    "Softmax": _last_axis_op, "LogSoftmax": _last_axis_op,
+    "MatMul": _matmul, "BatchMatMul": _batch_matmul,
+    "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
+    "Einsum": _einsum, "Squeeze": _squeeze,
+    "ExpandDims": _expand_dims, "Transpose": _transpose,
+    "SparseSoftmaxCrossEntropyWithLogits": _xent,
+    "SoftmaxCrossEntropyWithLogits": _xent,
+    "Pad": _pad, "PadV2": _pad,
+    "MirrorPad": _pad, "ConcatV2": _concat, "Pack": _pack,
+    "StridedSlice": _strided_slice, "Slice": _slice, "GatherV2": _gather,
+    "ResourceGather": _gather, "Tile": _tile, "Split": _split,
+    "SplitV": _split, "Unpack": _unpack,
+    "ParseExample": _parse_example, "ParseExampleV2": _parse_example,
+    "Shape": _shape, "ShapeN": _shape, "Rank": _shape, "Size": _shape,
+})
+
+
+# Ops whose rule needs the whole batch descriptor (fold included) and the
+# symbolic shapes; every other entry sees only the axis position.
+_FOLD_AWARE = {
+    "Reshape": _reshape,
+    "FusedBatchNorm": _batch_norm, "FusedBatchNormV2": _batch_norm,
+    "FusedBatchNormV3": _batch_norm,
+}
+
+
+def _fold(op, x, z):
+    """Folded(middle) when reshape `x` `[B, T..., D]` -> `z` `[B*T, D]`.
+
+    For targets the symbolic shapes cannot read: the row width is then
+    known only where it is used, as the inner dimension of a MatMul.
+    """
+    if x.shape.rank is None or x.shape.rank < 3 or z.shape.rank != 2:
+        return None
+    middle = x.shape[1:-1]
+    depth = tf.compat.dimension_value(x.shape[-1])
+    if not middle.is_fully_defined() or depth is None:
+        return None
+    width = tf.compat.dimension_value(z.shape[-1])
+    if width is None:
+        def fixes_width(c):
+            if c.type != "MatMul" or c.get_attr("transpose_a") or \
+                    c.inputs[0] is not z:
+                return False
+            inner = c.inputs[1].shape[1 if c.get_attr("transpose_b") else 0]
+            return tf.compat.dimension_value(inner) == depth
+        if not any(fixes_width(c) for c in z.consumers()):
+            return None
+    elif width != depth:
+        return None
+    return Folded(tuple(middle.as_list()), 0)
+
+
+def normalize(t, axis):
+    """A negative (from the end) position made positive where t's rank is known."""
+    rank = _rank(t)
+    if rank is None or isinstance(axis, ListOf):
+        return axis
+    if isinstance(axis, Folded):
+        return axis if axis.axis >= 0 else Folded(axis.middle,
+                                                  axis.axis + rank)
+    return axis + rank if axis < 0 else axis
+
+
+
+
+def known(op):
+    """Whether the table has an entry for `op`'s type (loops aside)."""
+    return (op.type in _TABLE or op.type in _FOLD_AWARE or
+            op.type in _CONTROL_FLOW or op.type in _LIST_OPS)
+
+
+def forward(op, index, desc, shapes=None):
+    """Batch descriptor(s) of `op`'s outputs given the batch at input `index`.
+
+    v2 loops are not in the table (their bodies are followed by
+    `custagg.batch_axis.separation.propagate`); here they are `MIXES`.
+
+    Args:
+      op: the consumer.
+      index: which input carries the batch.
+      desc: an int axis (negative: counted from the end, rank unknown), a
+        `Folded` or a `ListOf`.
+      shapes: a `symbolic_shapes.ShapeCache` (a new one if None).
+
+    Returns:
+      `MIXES`; or one descriptor for every output; or a list with one per
+      output (`NO_BATCH` where that output does not depend on the input,
+      `MIXES` where it mixes).
+    """
+    out = _forward(op, index, desc, shapes)
+    if out is None:
+        return MIXES
+    if isinstance(out, list):
+        return [MIXES if d is None else d for d in out]
+    return out
+
+
+def _forward(op, index, axis, shapes):
+    shapes = shapes if shapes is not None else symbolic_shapes.ShapeCache()
+    axis = normalize(op.inputs[index], axis)
+    try:
+        if op.type in _CONTROL_FLOW:
+            # A Switch's predicate picks the branch for the whole batch.
+            return None if op.type in _SWITCHES and index == 1 else axis
+        if isinstance(axis, ListOf) or op.type in _LIST_OPS:
+            return _item_list(op, index, axis)
+        if op.type in _FOLD_AWARE:
+            out = _FOLD_AWARE[op.type](op, index, axis, shapes)
+            if out is None and op.type == "Reshape" and axis == 0 and \
+                    index == 0:
+                out = _fold(op, op.inputs[0], op.outputs[0])
+            return out
+        fn = _TABLE.get(op.type)
+        if fn is None:
+            return None
+        position = axis.axis if isinstance(axis, Folded) else axis
+        if position < 0 and fn is not _elementwise:
+            return None     # only broadcasting knows axes from the end
+        if isinstance(axis, Folded):
+            out = fn(op, index, axis.axis)
+            return None if out is None else Folded(axis.middle, out)
+        return fn(op, index, axis)
+    except (ValueError, TypeError, IndexError):
+        # Attrs or constant inputs the entry cannot read (a missing attr
+        # on an old release, an axis out of range): not known to keep
+        # examples apart.
+        return None
+
+
+def candidates(t, like, output=None):
+    """The descriptors input `t` might hold the batch at, for an output
+    holding it at `like`: every axis of t; as `Folded` with like's middle
+    when `like` is folded, or, into a reshape `output` (unfolding
+    `[B*T, D]` back to `[B, T, D]`), with each static run of the output's
+    axes after the batch as the middle; lists' item axes for scalars
+    (lists, TensorArray flows). Empty when t's rank is unknown (nothing is guessed)."""
+    rank = t.shape.rank
+    if rank is None:
+        return []
+    out = []
+    middles = []
+    if isinstance(like, Folded):
+        middles.append(like.middle)
+    elif isinstance(like, int) and like >= 0 and output is not None and \
+            output.op.type == "Reshape" and output.shape.rank is not None:
+        after = output.shape.as_list()[like + 1:]
+        for n in range(1, len(after)):
+            if all(d is not None for d in after[:n]):
+                middles.append(tuple(after[:n]))
+    for middle in middles:
+        out.extend(Folded(middle, j) for j in range(rank))
+    out.extend(range(rank))
+    if rank == 0:
+        # A TensorList (variant) or a v1 TensorArray's flow (a float
+        # scalar): a list whose items hold the batch.
+        depth = like.axis if isinstance(like, ListOf) else (
+            like.axis if isinstance(like, Folded) else like)
+        out.extend(ListOf(j) for j in range(max(depth, 0) + 2))
+    return out
+
+
+# Public views of the op sets, for the analyses that build on the table.
+ELEMENTWISE = _ELEMENTWISE_UNARY | _ELEMENTWISE_BINARY
+const_ints = _const
+
+# Ops whose copy (or second run) would draw new random numbers.
+RANDOM = frozenset([
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal",
+    "TruncatedNormal", "Multinomial", "RandomShuffle", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
+    "StatefulUniform", "StatefulUniformInt", "StatefulStandardNormalV2",
+    "StatefulTruncatedNormal", "StatefulUniformFullInt",
+    "StatefulRandomBinomial", "RandomShuffleQueueV2"])

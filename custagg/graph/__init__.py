@@ -1,0 +1,28 @@
+"""Graph plumbing below every analysis: walks and function lookup.
+
+Nothing here knows about batches or gradients of examples; `batch_axis`
+and the per-example engine build on it. Imports go one way: `graph`
+imports only TensorFlow and `custagg._tf_compat`.
+"""
+
+from custagg.graph.functions import CALL_TYPES
+from custagg.graph.functions import FunctionNotFound
+from custagg.graph.functions import LOOP_TYPES
+from custagg.graph.functions import V1_CONTROL_FLOW
+from custagg.graph.functions import func_graph
+from custagg.graph.functions import is_accumulator
+from custagg.graph.walks import ancestors
+from custagg.graph.walks import blocks_gradient
+from custagg.graph.walks import depth_first
+from custagg.graph.walks import downstream
+from custagg.graph.walks import gradient_paths
+from custagg.graph.walks import has_replaced_gradient
+from custagg.graph.walks import in_creation_order
+from custagg.graph.walks import upstream
+
+__all__ = [
+    "CALL_TYPES", "FunctionNotFound", "LOOP_TYPES", "V1_CONTROL_FLOW",
+    "func_graph", "is_accumulator", "ancestors", "blocks_gradient",
+    "depth_first", "downstream", "gradient_paths", "has_replaced_gradient",
+    "in_creation_order", "upstream",
+]

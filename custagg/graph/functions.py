@@ -1,0 +1,61 @@
+"""Function bodies of v2 control flow and calls, and what a loop keeps."""
+
+from __future__ import annotations
+
+from custagg import _tf_compat
+
+# v2 loops: one FuncGraph for the body, one for the condition.
+LOOP_TYPES = frozenset(["While", "StatelessWhile"])
+# Function calls: one FuncGraph, attr "f".
+CALL_TYPES = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
+# v1 control flow (Enter/Exit frames, v1 cond): each passes its data
+# through unchanged (a Merge picks one input whole, a Switch forwards it to
+# one side).
+V1_CONTROL_FLOW = frozenset([
+    "Enter", "RefEnter", "Exit", "RefExit", "Merge", "RefMerge", "Switch",
+    "RefSwitch", "NextIteration", "RefNextIteration"])
+
+
+class FunctionNotFound(ValueError):
+    """An op's function attr names no function of its graph (or of the
+    graphs around it). `op` is the op."""
+
+    def __init__(self, message, op=None):
+        super().__init__(message)
+        self.op = op
+
+
+def func_graph(op, attr):
+    """The FuncGraph of `op`'s function attr `attr` ("body", "cond", "f").
+
+    Looked up in `op`'s graph and the graphs around it (a loop inside a
+    function body).
+
+    Raises:
+      FunctionNotFound: naming the op and the function.
+    """
+    name = op.get_attr(attr).name
+    graph = op.graph
+    while graph is not None:
+        func = _tf_compat.get_function(graph, name)
+        if func is not None and getattr(func, "graph", None) is not None:
+            return func.graph
+        graph = getattr(graph, "outer_graph", None)
+    raise FunctionNotFound(
+        "cannot find the %s function '%s' of op '%s' (type %s)"
+        % (attr, name, op.name, op.type), op)
+
+
+def is_accumulator(op, body, k):
+    """Whether loop variable k of While `op` only collects an intermediate
+    for a gradient: an empty TensorList in, one push per iteration.
+
+    Args:
+      op: the While op.
+      body: its body FuncGraph (`func_graph(op, "body")`).
+      k: the loop variable's position.
+    """
+    out = body.outputs[k]
+    return (op.inputs[k].op.type == "EmptyTensorList" and
+            out.op.type == "TensorListPushBack" and
+            out.op.inputs[0] is body.inputs[k])
