@@ -122,7 +122,16 @@ def find_rule_consumers(x_tensor, ctx, depth=0):
     loss, loss_ancestors = ctx.loss, ctx.ancestors
     found = batch_axis.infer(loss)
     if not found.sources:
-        # No batch data at all: say why, not where a chain gave up.
+        # No batch data at all: say why, not where a chain gave up. A rule
+        # op that x meets and that refuses on its own terms ("training
+        # mode", a coupling from its output) names the cause more precisely
+        # than the op where the walk back from the loss stopped.
+        for op, k in find_consumers(x_tensor, loss_ancestors, ctx.live):
+            if ctx.registry.lookup(op.type) is not None:
+                why = rule_reason(op, k, ctx.registry, ctx.batch_size, loss,
+                                  loss_ancestors)
+                if why:
+                    raise base.Refused(why)
         raise base.Refused(separability.Reason(
             batch_axis.no_sources_reason(found),
             getattr(found.blocked[0], "op", None) if found.blocked else None))
