@@ -49,7 +49,7 @@ _MODEL_COST = {"lstm": 6, "gru": 6, "keras_lstm": 6, "keras_gru": 6, "norule_rnn
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
                "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
-               "check")
+               "peak_mb", "floor_peak_mb", "peak_ratio", "check")
 # Systems whose three tasks all go through the same materialized per-example
 # gradients: a timeout in one task predicts the others at the same B.
 MATERIALIZING = {"tf_loop", "tf_vmap", "tf_jacobian", "jax_vmap", "torch_func", "opacus"}
@@ -367,8 +367,11 @@ def _progress(i, n, rec, wall):
     head = "[%3d/%d] %-11s B=%-4d %-6s %-22s" % (i, n, rec["model"], rec["batch_size"],
                                                  rec["task"], rec["system"])
     if rec["status"] == "ok":
-        body = "ok      %9.2f ms  x%-7.2f build %6.2fs  check %s" % (
-            rec["median_ms"], rec["ratio_to_floor"], rec["build_s"] or 0.0, rec["check"])
+        body = "ok      %9.2f ms  x%-7.2f %s build %6.2fs  check %s" % (
+            rec["median_ms"], rec["ratio_to_floor"],
+            "mem %8.2f MB x%-6.2f" % (rec["peak_mb"], rec["peak_ratio"])
+            if rec.get("peak_ratio") is not None else "mem -" + " " * 18,
+            rec["build_s"] or 0.0, rec["check"])
     else:
         body = "%-7s %s" % (rec["status"], (rec["note"] or "")[:160])
     print("%s %s  (%.1fs)" % (head, body, wall), flush=True)
