@@ -85,3 +85,18 @@ def step_peak_bytes(sess, fetches, feed_dict=None):
 def mb(nbytes):
     """Bytes as MB (10**6), rounded for tables; None stays None."""
     return None if nbytes is None else round(nbytes / 1e6, 3)
+
+
+def largest_allocations(step_stats, count=8):
+    """The ops that allocated the most bytes in a traced step, to say where a
+    peak comes from: a list of (bytes, op name, op type) for the `count` ops
+    with the largest `total_bytes`, largest first."""
+    rows = []
+    for dev in step_stats.dev_stats:
+        for node in dev.node_stats:
+            total = sum(mem.total_bytes for mem in node.memory)
+            if total:
+                rows.append((total, node.node_name, node.timeline_label.split(" = ")[-1]
+                             .split("(")[0]))
+    rows.sort(reverse=True)
+    return rows[:count]

@@ -66,6 +66,27 @@ def _cell(rec):
     return text
 
 
+def _mem_cell(rec):
+    """`ratio (peak MB / floor peak MB)`: the step's peak bytes of live
+    tensors over the floor's, both traced in the record's own process
+    (benchmarks/memory.py)."""
+    if rec is None:
+        return ""
+    if rec["status"] != "ok":
+        return _SHORT.get(rec["status"], rec["status"])
+    ratio = rec.get("peak_ratio")
+    if ratio is None:
+        return "-"
+    text = ("%.2fx" if ratio < 10 else "%.0fx") % ratio
+    return text + " (%s / %s)" % (_fmt_mb(rec.get("peak_mb")), _fmt_mb(rec.get("floor_peak_mb")))
+
+
+def _fmt_mb(mb):
+    if mb is None:
+        return "-"
+    return "%.3g" % mb if mb < 1000 else "%.0f" % mb
+
+
 def _index(records):
     return {(r["model"], r["batch_size"], r["task"], r["system"]): r for r in records}
 
@@ -75,8 +96,14 @@ def _ordered(values, order):
     return [v for v in order if v in values] + sorted(values - set(order))
 
 
-def task_tables(records, tasks=None, heading="##"):
-    """Markdown lines: one table per task, a row per (model, B), a column per system."""
+def task_tables(records, tasks=None, heading="##", cell=None, title=None):
+    """Markdown lines: one table per task, a row per (model, B), a column per system.
+
+    `cell(record) -> str` fills a cell (default: time ratio to the floor);
+    `title(task) -> str` heads each table (default: the task's description).
+    """
+    cell = cell or _cell
+    title = title or (lambda task: TASKS.get(task, task))
     models = _ordered((r["model"] for r in records),
                       ["softmax", "mlp", "cnn", "text", "lstm", "transformer"])
     sizes = sorted({r["batch_size"] for r in records})
@@ -86,7 +113,7 @@ def task_tables(records, tasks=None, heading="##"):
         if tasks is not None and task not in tasks:
             continue
         systems = _ordered((r["system"] for r in records if r["task"] == task), list(SYSTEMS))
-        lines += ["%s %s" % (heading, TASKS.get(task, task)), ""]
+        lines += ["%s %s" % (heading, title(task)), ""]
         lines.append("| model | B | " + " | ".join(systems) + " |")
         lines.append("|---|---:|" + "---:|" * len(systems))
         for model in models:
@@ -95,9 +122,21 @@ def task_tables(records, tasks=None, heading="##"):
                 if not any(row):
                     continue
                 lines.append("| %s | %d | %s |" % (
-                    model, b, " | ".join(_cell(r) for r in row)))
+                    model, b, " | ".join(cell(r) for r in row)))
         lines.append("")
     return lines
+
+
+def memory_tables(records, tasks=None, heading="##"):
+    """Markdown lines: the peak-memory ratios, one table per task that has
+    any memory figure (records from before the memory column have none)."""
+    measured = [r for r in records if r.get("peak_ratio") is not None]
+    if not measured:
+        return []
+    keep = {(r["model"], r["task"], r["system"]) for r in measured}
+    rows = [r for r in records if (r["model"], r["task"], r["system"]) in keep]
+    return task_tables(rows, tasks=tasks, heading=heading, cell=_mem_cell,
+                       title=lambda task: "Peak memory, %s" % TASKS.get(task, task))
 
 
 README_START = ("<!-- benchmark-tables:start (python -m benchmarks --report-only "
@@ -133,6 +172,12 @@ def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")
                  versions or "versions not recorded", runs, results_md, results_md),
              ""]
     block += task_tables(records, tasks=tasks, heading="####")
+    mem = memory_tables(records, tasks=tasks, heading="####")
+    if mem:
+        block += ["Peak memory: the step's peak bytes of live tensors over the floor's "
+                  "(TF: allocation records of one traced step; JAX: XLA's buffer assignment; "
+                  "PyTorch: the profiler's memory events), then (peak MB / floor peak MB); "
+                  "variables and inputs are not in it.", ""] + mem
     block.append(README_END)
     with open(path, "w") as f:
         f.write(head + "\n".join(block) + tail)
@@ -163,6 +208,15 @@ def write_markdown(path, records, meta):
         "",
     ]
     lines += task_tables(records, heading="##")
+    mem = memory_tables(records, heading="##")
+    if mem:
+        lines += ["Peak memory tables: each cell is the step's peak bytes of live tensors over "
+                  "the floor's peak (x), then (peak MB / floor peak MB), one traced step of each "
+                  "in the record's own process after the timed runs: TF from the allocation "
+                  "records of `RunMetadata.step_stats` (benchmarks/memory.py), JAX from XLA's "
+                  "buffer assignment (`memory_analysis()`: temporaries + outputs), PyTorch from "
+                  "`torch.profiler` memory events. Variables and fed inputs are not in it. "
+                  "Unlike times, these do not depend on the machine's load.", ""] + mem
 
     bad = [r for r in records if r.get("check") == "fail"]
     lines += ["## Check failures", ""]
@@ -189,14 +243,17 @@ def write_markdown(path, records, meta):
                                                 SYSTEMS[name].description))
     lines += ["", "## All records", "",
               "| model | B | task | system | status | median ms | x floor | floor ms | first run ms "
-              "| build s | ops | peak RSS MB | check |",
-              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| build s | ops | peak MB | x floor peak | floor peak MB | peak RSS MB | check |",
+              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
-        lines.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
+                     "| %s | %s |" % (
             r["model"], r["batch_size"], r["task"], r["system"], r["status"],
             _fmt_ms(r.get("median_ms")), _num(r.get("ratio_to_floor"), "%.2f"),
             _fmt_ms(r.get("floor_ms")), _fmt_ms(r.get("first_run_ms")),
             _num(r.get("build_s"), "%.2f"), _num(r.get("n_ops"), "%d"),
+            _fmt_mb(r.get("peak_mb")), _num(r.get("peak_ratio"), "%.2f"),
+            _fmt_mb(r.get("floor_peak_mb")),
             _num(r.get("peak_rss_mb"), "%.0f"), r.get("check") or ""))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
