@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import custagg  # noqa: E402
-from custagg import datasets  # noqa: E402
+from custagg.app import datasets  # noqa: E402
 from custagg.privacy import dp_optimizer as custagg_dp  # noqa: E402
 from custagg.privacy import accounting as custagg_accounting  # noqa: E402
 

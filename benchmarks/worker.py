@@ -41,7 +41,7 @@ def import_framework(framework):
             # every configuration's graph-construction time (pure Python, no
             # TF session, so still safe to fork after).
             t0 = time.perf_counter()
-            from custagg import registry
+            from custagg.rules import registry
             registry.default_registry()
             versions["custagg_rules_first_load_s"] = round(time.perf_counter() - t0, 2)
         except Exception as e:  # the lead may be mid-edit; children retry the import

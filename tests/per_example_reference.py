@@ -14,7 +14,7 @@ import tensorflow as tf
 import custagg
 from custagg import testing
 
-# Each per-example form's name scope in custagg/per_example.py.
+# Each per-example form's name scope in custagg/per_example/forms/ (each form's `scope`).
 FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",
                "whole-pass": "whole_pass_form", "loop": "per_example_loop",
                "recompute": "recompute_form",
@@ -75,12 +75,7 @@ def references(sess, loss, xs, feed, batch):
     """(connected flags, [B, *x] arrays) from TF's traversal."""
     total = tf.compat.v1.gradients(tf.reduce_sum(loss), xs)
     connected = [g is not None for g in total]
-    rows = []
-    for i in range(batch):
-        grads = tf.compat.v1.gradients(
-            loss[i], xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        rows.append([tf.convert_to_tensor(g) for g in grads])
-    per_ex = [tf.stack(list(col)) for col in zip(*rows)]
+    per_ex = testing.loop_per_example(loss, xs, batch)
     values = sess.run(per_ex, feed)
     return connected, [v.astype(np.float64) for v in values]
 
@@ -152,11 +147,7 @@ def check(sess, loss, xs, feed, built, weights_ph, rtol=1e-6, label="",
                     not _dense_shape_ok(got[j], w.shape):
                 return "%s: IndexedSlices dense_shape %s, expected %s" % (
                     where, got[j].dense_shape, w.shape)
-            g = testing.to_numpy(got[j])
-            if g.shape != w.shape:
-                return "%s: shape %s, expected %s" % (where, g.shape, w.shape)
-            scale = float(np.max(np.abs(w))) if w.size else 0.0
-            if not np.allclose(g, w, rtol=rtol, atol=rtol * max(scale, 1e-12)):
-                return "%s: max |diff| %.3g (scale %.3g)" % (
-                    where, float(np.max(np.abs(g - w))), scale)
+            why = testing.compare(got[j], w, rtol, where)
+            if why:
+                return why
     return None

@@ -37,18 +37,6 @@ def _cases():
     return out
 
 
-def _reference(loss, xs, batch, m):
-    """`[M, *x.shape]` gradients of each microbatch's summed loss."""
-    k = batch // m
-    rows = []
-    for i in range(m):
-        grads = tf.compat.v1.gradients(
-            tf.reduce_sum(loss[i * k:(i + 1) * k]), xs,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        rows.append([tf.convert_to_tensor(g) for g in grads])
-    return rows
-
-
 def _scale(arrays):
     return max(float(np.max(np.abs(a))) if a.size else 0.0 for a in arrays)
 
@@ -72,7 +60,7 @@ def test_zoo_microbatches_match_per_microbatch_gradients(name, dtype):
                        loss, xs, clip, return_norms=True,
                        num_microbatches=m)}
                for m in MICROBATCHES}
-        refs = {(b, m): _reference(loss, xs, b, m)
+        refs = {(b, m): testing.loop_per_example(loss, xs, b, m)
                 for b in BATCHES for m in MICROBATCHES if b % m == 0}
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
@@ -80,7 +68,7 @@ def test_zoo_microbatches_match_per_microbatch_gradients(name, dtype):
                 feed = model.feed(rng, b)
                 feed[clip] = 1.0
                 values = sess.run({"ref": ref, "got": got[m]}, feed)
-                per_unit = [np.stack(col) for col in zip(*values["ref"])]
+                per_unit = values["ref"]
                 norms = testing.numpy_norms(per_unit)
                 label = "%s B=%d M=%d" % (name, b, m)
                 testing.assert_close(values["got"]["norms"], norms,
@@ -88,7 +76,7 @@ def test_zoo_microbatches_match_per_microbatch_gradients(name, dtype):
                 # Clip about half the microbatches: the median norm.
                 feed[clip] = float(np.median(norms))
                 values = sess.run({"ref": ref, "got": got[m]}, feed)
-                per_unit = [np.stack(col) for col in zip(*values["ref"])]
+                per_unit = values["ref"]
                 sums, norms = testing.numpy_clipped(per_unit, feed[clip])
                 clipped, clip_norms = values["got"]["clipped"]
                 testing.assert_close(clip_norms, norms, RTOL[dtype],
@@ -133,11 +121,11 @@ def test_dense_group_forms_every_strategy_and_both_gram_choices(
                     custagg.clipped_gradients(loss, xs, clips, strategy,
                                               return_norms=True,
                                               num_microbatches=m))
-        refs[m] = _reference(loss, xs, batch, m)
+        refs[m] = testing.loop_per_example(loss, xs, batch, m)
     sess.run(tf.compat.v1.global_variables_initializer())
     values = sess.run({"got": fetch, "ref": refs}, feed_fn(batch))
     for m in fetch:
-        per_unit = [np.stack(col) for col in zip(*values["ref"][m])]
+        per_unit = values["ref"][m]
         norms, (clipped, per_x_norms) = values["got"][m]
         testing.assert_close(norms, testing.numpy_norms(per_unit), 1e-9,
                              "M=%d norms" % m)
@@ -194,14 +182,13 @@ def test_dp_optimizer_microbatch_step_is_tf_privacy_s(m, sess):
         learning_rate=lr)
     grads_and_vars = opt.compute_gradients(loss, var_list=xs)
     k = batch // m
-    ref = [tf.compat.v1.gradients(tf.reduce_mean(loss[i * k:(i + 1) * k]), xs)
-           for i in range(m)]
-    ref = [[tf.convert_to_tensor(g) for g in row] for row in ref]
+    # TF Privacy's microbatch loss is the mean over the microbatch.
+    ref = testing.loop_per_example(loss / k, xs, batch, m)
     sess.run(tf.compat.v1.global_variables_initializer())
     feed = model.feed(rng, batch)
     got, ref_v = sess.run([[tf.convert_to_tensor(g)
                             for g, _ in grads_and_vars], ref], feed)
-    per_unit = [np.stack(col) for col in zip(*ref_v)]
+    per_unit = ref_v
     sums, norms = testing.numpy_clipped(per_unit, clip)
     assert (norms > clip).any()          # some microbatch is clipped
     for j, s in enumerate(sums):
@@ -235,12 +222,12 @@ def test_batch_matmul_einsum_and_broadcast_group_forms(static, sess):
         fetch[m] = custagg.clipped_gradients(loss, xs, clip, "rules",
                                              return_norms=True,
                                              num_microbatches=m)
-        refs[m] = _reference(loss, xs, batch, m)
+        refs[m] = testing.loop_per_example(loss, xs, batch, m)
     sess.run(tf.compat.v1.global_variables_initializer())
     feed = {x: rng.normal(size=[batch, t, d]), clip: 1.0}
     ref_v = sess.run(refs, feed)
     for m in fetch:
-        per_unit = [np.stack(col) for col in zip(*ref_v[m])]
+        per_unit = ref_v[m]
         feed[clip] = float(np.median(testing.numpy_norms(per_unit)))
         clipped, norms = sess.run(fetch[m], feed)
         sums, ref_norms = testing.numpy_clipped(per_unit, feed[clip])
@@ -266,13 +253,13 @@ def test_rnn_in_a_while_loop_falls_back_and_matches(sess):
     fetch = {m: custagg.clipped_gradients(loss, xs, 0.2, return_norms=True,
                                           num_microbatches=m)
              for m in (1, 2, 3, 6)}
-    refs = {m: _reference(loss, xs, 6, m) for m in fetch}
+    refs = {m: testing.loop_per_example(loss, xs, 6, m) for m in fetch}
     sess.run(tf.compat.v1.global_variables_initializer())
     values = sess.run({"got": fetch, "ref": refs},
                       {x: rng.normal(size=[6, 4, 3]),
                        y: rng.integers(0, 2, 6)})
     for m in fetch:
-        per_unit = [np.stack(col) for col in zip(*values["ref"][m])]
+        per_unit = values["ref"][m]
         sums, norms = testing.numpy_clipped(per_unit, 0.2)
         clipped, got_norms = values["got"][m]
         testing.assert_close(got_norms, norms, 1e-9, "M=%d norms" % m)

@@ -17,7 +17,13 @@ Two generators, each case built from one seed:
   sizes at and off multiples of 32) for every strategy and every public
   function against one tf.compat.v1.gradients(loss[i]) per example
   (tests/per_example_reference.py). strategy="rules" may decline a model
-  with its "strategy='rules' cannot ..." error; nothing else may raise.
+  with its "strategy='rules' cannot ..." error; nothing else may raise. A
+  refusal is not a pass: the model is then checked under "auto", and the
+  report counts it apart.
+
+Each test prints what it checked (`-s` shows it): how many cases were
+compared value by value, how many were refused by "rules" (and checked
+under "auto" instead), how many raised the same error in TF and custagg.
 
 The default suite runs a few fixed seeds; `-m slow` runs
 `CUSTAGG_RANDOM_CASES` (default 1000) per generator. A failure is shrunk by
@@ -29,6 +35,7 @@ them): random graphs 1000 cases, 0 failures; random per-example models 1000
 cases, 0 failures.
 """
 
+import collections
 import os
 
 import numpy as np
@@ -224,7 +231,7 @@ def check_program(prog):
     if tf_side[0] == "error" or ca_side[0] == "error":
         if tf_side[0] != ca_side[0] or tf_side[1] != ca_side[1]:
             return "TF: %s; custagg: %s" % (tf_side[:3], ca_side[:3])
-        return None
+        return SAME_ERROR
     for order, (a, b) in enumerate([(tf_side[2], ca_side[2]),
                                     (tf_side[3] or [], ca_side[3] or [])]):
         if _describe(a) != _describe(b):
@@ -236,7 +243,8 @@ def check_program(prog):
         try:
             _run_side(ca_graph, ca_side)
         except tf.errors.OpError as e2:
-            return None if type(e) is type(e2) else "run errors differ"
+            return SAME_ERROR if type(e) is type(e2) else \
+                "run errors differ"
         return "TF fails at run time (%s), custagg does not" % type(e).__name__
     ca_vals = _run_side(ca_graph, ca_side)
     for order in range(2):
@@ -259,7 +267,7 @@ def _shrink_program(prog, why):
             if cand is None:
                 continue
             w = check_program(cand)
-            if w is not None:
+            if _failed(w):
                 prog, why, changed = cand, w, True
                 break
     return prog, why
@@ -283,18 +291,41 @@ def _drop_op(prog, k):
                 stop=[remap(i) for i in prog["stop"]])
 
 
+# What a check returns besides None (compared value by value and equal) and
+# a failure message: outcomes that are no value comparison of the case as
+# drawn, counted apart in the report.
+SAME_ERROR = "same error"           # TF and custagg raised the same error
+REFUSED = "refused by rules"        # checked under "auto" instead
+
+
+def _failed(why):
+    return why is not None and why not in (SAME_ERROR, REFUSED)
+
+
 def _cases(seeds, make, check, shrink, what):
-    """Failure reports for the cases `make(seed)` that `check` rejects, each
-    with the smallest failing case `shrink` finds."""
-    failures = []
+    """(failure reports, counts) for the cases `make(seed)`: a report for
+    each case `check` rejects, with the smallest failing case `shrink`
+    finds; counts of each outcome ("compared" for a value-by-value match)."""
+    failures, counts = [], collections.Counter()
     for seed in seeds:
         case = make(seed)
         why = check(case)
-        if why is not None:
+        if _failed(why):
+            counts["failed"] += 1
             small, why = shrink(case, why)
             failures.append("seed %d: %s\n  smallest failing %s: %s" % (
                 seed, why, what, small))
-    return failures
+        else:
+            counts[why or "compared"] += 1
+    return failures, counts
+
+
+def _report(what, counts):
+    """The line a test prints: what it checked, by outcome."""
+    line = "%s: %d cases: %s" % (what, sum(counts.values()), ", ".join(
+        "%d %s" % (n, k) for k, n in sorted(counts.items())))
+    print(line)
+    return line
 
 
 def _graph_cases(seeds):
@@ -304,16 +335,19 @@ def _graph_cases(seeds):
 
 @pytest.mark.parametrize("seed", range(FAST_CASES))
 def test_random_graph(seed):
-    failures = _graph_cases([1000 + seed])
+    failures, counts = _graph_cases([1000 + seed])
+    _report("random graph seed %d" % (1000 + seed), counts)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
 def test_random_graphs_many():
-    failures = _graph_cases(range(20000, 20000 + SLOW_CASES))
-    print("random graphs: %d cases, %d failures" % (SLOW_CASES,
-                                                     len(failures)))
+    failures, counts = _graph_cases(range(20000, 20000 + SLOW_CASES))
+    _report("random graphs", counts)
     assert not failures, "\n".join(failures[:5])
+    # Cases where both sides raised check only that they agree on raising:
+    # most cases must compare values.
+    assert counts["compared"] >= SLOW_CASES // 2, counts
 
 
 # --------------------------------------------------------------------------
@@ -404,6 +438,18 @@ def build_model(spec, graph):
 
 
 def check_model(spec):
+    """None when every public function matches the loop reference; REFUSED
+    when strategy="rules" declined the model with its documented error and
+    the same model then matched under "auto"; else a failure message."""
+    why = _check_model(spec)
+    if why is REFUSED:
+        again = _check_model(dict(spec, strategy="auto"))
+        return REFUSED if again is None else "under auto after the rules' " \
+            "refusal: %s" % again
+    return why
+
+
+def _check_model(spec):
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(spec["seed"])
@@ -414,7 +460,7 @@ def check_model(spec):
         except ValueError as e:
             if spec["strategy"] == "rules" and str(e).startswith(
                     "custagg: strategy='rules' cannot"):
-                return None      # a clear refusal, as documented
+                return REFUSED   # a clear refusal, as documented
             return "raised %s: %s" % (type(e).__name__, e)
         except Exception as e:  # pylint: disable=broad-except
             return "raised %s: %s" % (type(e).__name__, e)
@@ -436,13 +482,13 @@ def _shrink_model(spec, why):
         for k in range(len(spec["layers"])):
             cand = dict(spec, layers=spec["layers"][:k] + spec["layers"][k + 1:])
             w = check_model(cand)
-            if w is not None:
+            if _failed(w):
                 spec, why, changed = cand, w, True
                 break
         if spec["conv"] and not changed:
             cand = dict(spec, conv=None)
             w = check_model(cand)
-            if w is not None:
+            if _failed(w):
                 spec, why, changed = cand, w, True
     return spec, why
 
@@ -453,13 +499,14 @@ def _model_cases(seeds):
 
 @pytest.mark.parametrize("seed", range(FAST_CASES))
 def test_random_per_example_model(seed):
-    failures = _model_cases([5000 + seed])
+    failures, counts = _model_cases([5000 + seed])
+    _report("random per-example model seed %d (%s)" % (
+        5000 + seed, random_model(5000 + seed)["strategy"]), counts)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.slow
 def test_random_per_example_models_many():
-    failures = _model_cases(range(40000, 40000 + SLOW_CASES))
-    print("random per-example models: %d cases, %d failures" % (
-        SLOW_CASES, len(failures)))
+    failures, counts = _model_cases(range(40000, 40000 + SLOW_CASES))
+    _report("random per-example models", counts)
     assert not failures, "\n".join(failures[:5])

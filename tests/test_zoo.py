@@ -45,16 +45,6 @@ def _cases():
     return cases
 
 
-def _reference_rows(loss, xs, count):
-    """`count` lists of per-example gradients, one tf.gradients each."""
-    rows = []
-    for i in range(count):
-        grads = tf.compat.v1.gradients(
-            loss[i], xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        rows.append([tf.convert_to_tensor(g) for g in grads])
-    return rows
-
-
 def _fetches(loss, xs, strategy, clip, weights):
     return {
         "per_example": custagg.per_example_gradients(loss, xs, strategy),
@@ -120,7 +110,7 @@ def test_zoo_matches_loop(name, dtype, strategies):
 
         clip = tf.compat.v1.placeholder(loss.dtype, [])
         weights = tf.compat.v1.placeholder(loss.dtype, [None])
-        rows = _reference_rows(loss, xs, max(BATCHES))
+        rows = testing.loop_per_example(loss, xs, max(BATCHES), rows=True)
         fetches = {}
         for strategy in strategies:
             use = free if strategy == "rules" else xs

@@ -13,7 +13,7 @@ the rule declines (the planner falls back to an exact strategy).
 
 import tensorflow as tf
 
-from custagg import registry
+from custagg.rules import registry
 from custagg.rules import _reduce
 
 

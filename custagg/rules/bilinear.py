@@ -17,7 +17,7 @@ sums without materializing); otherwise a generic einsum materializes.
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import registry
+from custagg.rules import registry
 from custagg._tf_compat import tensor_util
 from custagg.rules import _outer
 

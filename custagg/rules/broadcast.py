@@ -10,7 +10,7 @@ the activations, so the reductions are taken from them directly.
 
 import tensorflow as tf
 
-from custagg import registry
+from custagg.rules import registry
 from custagg.rules import _outer
 from custagg.rules import _reduce
 

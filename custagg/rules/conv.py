@@ -31,7 +31,7 @@ import os
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import registry
+from custagg.rules import registry
 from custagg.rules import _outer
 from custagg.rules import _reduce
 
@@ -378,6 +378,22 @@ class Conv2DRule(_ConvBase):
         # extract_patches orders each patch as (kh, kw, Cin).
         return _outer.Outer(patches, g,
                             _outer.layout([kh, kw, cin], [cout], None))
+
+    def outer(self, ctx):
+        """`sum_p patch_bp (x) dz_bp` over output positions p, like the
+        bilinear rules: cross terms with other uses of the filter, and the
+        loop rules' sum over iterations, without materializing. None when
+        the image's channels are not the filter's Cin (a grouped
+        convolution: a patch would mix the groups)."""
+        fmt = ctx.op.get_attr("data_format").decode()
+        image = ctx.op.inputs[0]
+        if image.shape.rank != 4:
+            return None
+        channels = tf.compat.dimension_value(
+            image.shape[1 if fmt == "NCHW" else 3])
+        if channels != _outer.static_dims(ctx.param)[2]:
+            return None
+        return self._outer(ctx)
 
     def per_example(self, ctx):
         for form in (self._windows_per_example, self._grouped_per_example,

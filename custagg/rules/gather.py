@@ -16,7 +16,7 @@ builds the dense `[B, V, *D]`.
 """
 
 import tensorflow as tf
-from custagg import registry
+from custagg.rules import registry
 from custagg._tf_compat import resource_variable_ops
 from custagg._tf_compat import tensor_util
 

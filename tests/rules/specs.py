@@ -642,7 +642,7 @@ SPECS = (
      Spec("fused_batch_norm_training", "FusedBatchNormV3",
           fused_batch_norm(True), expect="pfor", skip=BN_FLOAT64_SKIP,
           rules_error="training mode")] +
-    # The loop rules (custagg/loop_rules.py): the cell's MatMul and bias
+    # The loop rules (custagg/per_example/forms/loop_rules.py): the cell's MatMul and bias
     # inside a while-loop body, summed over the iterations.
     [Spec("while_rnn_add_bias", "While", while_rnn("add")),
      Spec("while_rnn_bias_add_unstacked", "While", while_rnn("unstack"))])

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from custagg import registry, testing
+from custagg import testing
+from custagg.rules import registry
 from custagg.rules import conv
 
 

@@ -14,7 +14,7 @@ import custagg
 import ab_common  # this folder's
 m, B, task = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 chunks = sys.argv[4].split(",")   # "32": default passes; "32old": PASS_BYTES=0 (every pass 32)
-from custagg import vectorized
+from custagg.per_example import vectorized
 reps = int(sys.argv[5]) if len(sys.argv) > 5 else 5
 x, y, p, vl, loss, fetches = ab_common.model(m, B)
 builds = {}

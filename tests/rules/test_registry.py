@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
-from custagg import registry as registry_lib
+from custagg.rules import registry as registry_lib
 from custagg import testing
 
 

@@ -1,4 +1,5 @@
-"""Per-example rules inside while-loop bodies (custagg/loop_rules.py).
+"""Per-example rules inside while-loop bodies
+(custagg/per_example/forms/loop_rules.py).
 
 Every RNN of tests/test_loops.py (dynamic batch, float64) takes the loop
 rules for its cell weights, and every public function (per-example
@@ -14,6 +15,7 @@ import tensorflow as tf
 
 import custagg
 from custagg import separability
+from custagg import testing
 
 import per_example_reference
 import test_loops
@@ -27,8 +29,8 @@ HEAD = ("readout/",)
 # Select keeps the state, and the taps' dz there is 0). The default run
 # checks these (one of each kind: hand-written with AddV2 bias and a weight
 # also used outside, Keras LSTM, Keras GRU with its Unpack bias, dynamic_rnn
-# with sequence_length); `python -m pytest -m slow tests/test_loop_rules.py`
-# the others (the loop reference at B=33 costs most of each test).
+# with sequence_length);
+# `python -m pytest -m slow tests/per_example/test_loop_rules.py` the others (the loop reference at B=33 costs most of each test).
 DEFAULT_MODELS = frozenset(["hand_while_rnn", "weight_inside_and_outside",
                             "keras_lstm_last", "keras_gru_sequence",
                             "dynamic_rnn_lstm_seqlen"])
@@ -270,6 +272,7 @@ import sys
 import tensorflow as tf
 tf.compat.v1.disable_v2_behavior()
 sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/per_example")
 import custagg
 import test_loop_rules
 import test_loops
@@ -300,3 +303,101 @@ def test_v1_control_flow_loops_take_loop_rules(run_python, names):
                         timeout=1200)
     assert result.stdout.count("V1-OK") == len(names.split(",")), (
         result.stdout[-3000:] + result.stderr[-5000:])
+
+
+# --------------------------------------------------------------------------
+# The loop rules ask the registry: a user's rule applies inside a body.
+
+
+class _SquaredDifferenceRule(custagg.Rule):
+    """`z = (a - c)^2` with `c` `[N]` broadcast over `a` `[B, N]`:
+    `g_b = dz_b * 2 (c - a_b)` (a user's rule, `per_example` only)."""
+
+    def unsupported(self, ctx):
+        a = ctx.op.inputs[1 - ctx.input_index]
+        if ctx.param.shape.rank != 1 or a.shape.rank != 2:
+            return "not a [B, N] and [N] pair"
+        return None
+
+    def per_example(self, ctx):
+        a = ctx.op.inputs[1 - ctx.input_index]
+        sign = 1.0 if ctx.input_index == 1 else -1.0
+        return sign * 2.0 * (ctx.param[None] - a) * ctx.grad
+
+
+def _rnn_with_squared_difference():
+    """A hand RNN whose body's `(z_t - c)^2` reads a `[H]` variable c."""
+    x, y = test_loops._inputs()  # pylint: disable=protected-access
+    rng = np.random.default_rng(11)
+    w = tf.compat.v1.Variable(0.5 * rng.normal(size=(test_loops.D +
+                                                     test_loops.H,
+                                                     test_loops.H)),
+                              use_resource=True, name="cell_w")
+    c = tf.compat.v1.Variable(0.3 * rng.normal(size=(test_loops.H,)),
+                              use_resource=True, name="centre")
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], test_loops.H]), tf.float64)
+
+    def body(t, h):
+        z = tf.matmul(tf.concat([x[:, t, :], h], axis=1), w)
+        return t + 1, tf.tanh(tf.math.squared_difference(z, c))
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < test_loops.T, body,
+                                   [0, h0])
+    loss, head = test_loops._head(h, y)  # pylint: disable=protected-access
+    return loss, [w, c] + head, test_loops._feed(x, y)  # pylint: disable=protected-access
+
+
+def test_user_rule_applies_inside_a_loop_body(graph):
+    """With the default rules the centre c has no rule inside the loop (an
+    exact O(B) form instead); with a registry holding the user's
+    SquaredDifference rule, c takes the loop rules, and every quantity
+    matches the loop reference at B in {1, 5, 32, 33} (dynamic batch)."""
+    loss, xs, feed = _rnn_with_squared_difference()
+    plain = custagg.plan_per_example(loss, xs)
+    assert plain.forms()[1] != "loop-rules", str(plain)
+    assert "SquaredDifference" in plain.assignments[1].reason, str(plain)
+
+    registry = custagg.default_registry().copy()
+    custagg.register_rule("SquaredDifference", registry=registry)(
+        _SquaredDifferenceRule)
+    plan = custagg.plan_per_example(loss, xs, registry=registry)
+    assert plan.forms()[:2] == ["loop-rules", "loop-rules"], str(plan)
+    assert "SquaredDifference in loop" in str(plan), str(plan)
+    assert not custagg.default_registry().lookup("SquaredDifference")
+
+    clip = tf.compat.v1.placeholder(tf.float64, [])
+    weights = tf.compat.v1.placeholder(tf.float64, [None])
+    got = {
+        "per_example": custagg.per_example_gradients(loss, xs,
+                                                     registry=registry),
+        "norms": custagg.per_example_norms(loss, xs, registry=registry),
+        "clipped": custagg.clipped_gradients(loss, xs, clip,
+                                             return_norms=True,
+                                             registry=registry),
+        "moments": custagg.gradient_second_moments(loss, xs,
+                                                   registry=registry)}
+    for g in got["per_example"][:2]:
+        assert per_example_reference.forms_behind(g) == {
+            "loop-rules", "rules"}
+    ref = testing.loop_per_example(loss, xs, max(BATCHES))
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b, small, want in test_loops.sliced_batches(
+                sess, ref, feed, BATCHES, seed=3):
+            small[clip] = float(np.median(testing.numpy_norms(want)))
+            small[weights] = np.linspace(-1.0, 2.0, b)
+            values = sess.run(got, small)
+            label = "B=%d" % b
+            for j, w in enumerate(want):
+                testing.assert_close(values["per_example"][j], w, RTOL,
+                                     "%s per_example[%d]" % (label, j))
+            testing.assert_close(values["norms"], testing.numpy_norms(want),
+                                 RTOL, label + " norms")
+            sums, norms = testing.numpy_clipped(want, small[clip])
+            clipped, clip_norms = values["clipped"]
+            testing.assert_close(clip_norms, norms, RTOL, label + " clip")
+            for j, s in enumerate(sums):
+                testing.assert_close(clipped[j], s, RTOL,
+                                     "%s clipped[%d]" % (label, j))
+            for j, s in enumerate(testing.numpy_second_moments(want)):
+                testing.assert_close(values["moments"][j], s, RTOL,
+                                     "%s moments[%d]" % (label, j))

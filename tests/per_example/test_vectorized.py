@@ -1,5 +1,5 @@
-"""custagg.vectorized on its own: the chunked pfor, the batch region, the
-boundary ops, and both per-example forms against one tf.gradients per
+"""custagg.per_example.vectorized on its own: the chunked pfor, the batch
+region, the boundary ops, and both per-example forms against one tf.gradients per
 example (custagg.testing.loop_per_example)."""
 
 import collections
@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from custagg import testing
-from custagg import vectorized
+from custagg.per_example import vectorized
 
 
 def ancestors(t):

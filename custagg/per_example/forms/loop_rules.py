@@ -1,25 +1,31 @@
-"""Per-example rules inside while-loop bodies: the RNN cell's MatMul/BiasAdd.
+"""Per-example rules inside while-loop bodies: any registered rule.
 
 A weight `w` used inside a v2 `While` body (Keras LSTM/GRU, `dynamic_rnn`,
 a hand-written `tf.while_loop` cell) enters the loop as a captured input;
-the body's op `z_t = a_t w` (or `z_t = z + w`, a bias) runs once per
-iteration t. Example b's gradient is
+a body op `z_t = op(a_t, w)` runs once per iteration t. Example b's
+gradient is the sum over iterations of what the op's rule (from the same
+registry as outside loops, a user's rules included) gives for one call:
 
-    G_b = sum_t a_bt (x) dz_bt,     dz_bt = d loss_b / d z_bt
+    G_b = sum_t rule(op; a_bt, dz_bt),     dz_bt = d loss_b / d z_bt
 
-an outer product summed over the iterations: `_outer.Outer` with the
-iterations as its T axis, so norms, clipped and weighted sums take the same
-identities as a Dense layer on a sequence (Gram form, `A^T diag(c) G`).
+For a bilinear rule (MatMul, Einsum, Conv2D) that is an outer product summed
+over the iterations: `_outer.Outer` with the iterations as part of its T
+axis, so norms, clipped and weighted sums take the same identities as a
+Dense layer on a sequence (Gram form, `A^T diag(c) G`). A rule without an
+`outer` (BiasAdd, broadcast adds) gives `[B, *w.shape]` per iteration, summed.
 
-TF's gradient of the loop sums `a_t^T dz_t` over the batch inside the
-gradient loop, where no one can reach it. So the loop is **rebuilt once on
-the whole batch** (`recompute`'s copy machinery, the batch kept whole) with
-each tapped op's output perturbed by a zero tensor, `z_t + eps[t]`, with
-`eps` `[T, B, N]` read from a TensorList, and each `a_t` pushed to an extra
-TensorList. One backward pass of the rebuilt loop, seeded with the loss's
-gradient at the original loop's outputs (from the rules' shared backward
-pass), gives `d/d eps = dz` `[T, B, N]`: row b of it is `d loss_b / d z_bt`
-because examples stay apart downstream of every tap.
+TF's gradient of the loop sums over the batch inside the gradient loop,
+where no one can reach it. So the loop is **rebuilt once on the whole
+batch** (`recompute`'s copy machinery, the batch kept whole) with each
+tapped op's output perturbed by a zero tensor, `z_t + eps[t]`, with `eps`
+`[T, B, *z.shape[1:]]` read from a TensorList, and each of the op's other
+inputs pushed to an extra TensorList. One backward pass of the rebuilt
+loop, seeded with the loss's gradient at the original loop's outputs (from
+the rules' shared backward pass), gives `d/d eps = dz` `[T, B, ...]`: row b
+of it is `d loss_b / d z_bt` because examples stay apart downstream of every
+tap. The rule then runs once, outside the loop, on a copy of the op whose
+inputs are the stacked `[T*B, ...]` rows (row t*B + b is example b at step
+t), and its result is folded back to `[B, ...]`.
 
 That last condition is checked statically, never assumed: from each tap's
 output, through the rest of the body, into the next iterations (loop
@@ -31,9 +37,10 @@ exact form instead (per-example copies, `custagg.recompute`).
 Handled: `While`/`StatelessWhile` at the top level of the loss's graph and
 top-level v1 frames (Enter/Exit, `disable_v2_behavior`), x entering as a
 loop-invariant input (a resource handle read inside, or a value), consumed
-inside by `MatMul` (x on the right, `a_t` `[B, K]`), `BiasAdd`, or
-`AddV2`/`Add` of a `[N]` bias to `[B, N]`, directly or through `Unpack`
-along axis 0 (the Keras GRU's `[2, 3H]` bias).
+inside by any op with a registered rule whose static checks pass there
+(`rules.rule_reason`), with the batch on axis 0 of its output and the
+output's other dims static, directly or through `Unpack` along axis 0 (the
+Keras GRU's `[2, 3H]` bias).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 from custagg import recompute
-from custagg import registry as registry_lib
+from custagg.rules import registry as registry_lib
 from custagg import separability
 from custagg.rules import _outer
 
@@ -56,19 +63,24 @@ ENTRY_TYPES = LOOP_TYPES | frozenset(["Enter", "RefEnter"])
 _READS = frozenset(["ReadVariableOp", "Identity"])
 
 
-class Tap(collections.namedtuple("Tap", ["op", "kind", "slot"])):
+class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot"])):
     """One body op that consumes x.
 
-    op: the body op (`MatMul`: output `[B, N]` = `a [B, K]` x `w [K, N]`;
-      `BiasAdd`/`AddV2`: `[B, N]` + `[N]`).
-    kind: "matmul" (a_t is op.inputs[0]) or "bias" (a_t is 1).
+    op: the body op, output `[B, ...]` (batch on axis 0, the rest static).
+    index: which of `op.inputs` carries x (or its slice).
+    rule: the registry's rule for the op.
     slot: (j, J) when the op reads `unstack(x)[j]` of J slices, else None.
     """
 
     @property
-    def width(self):
-        """N, the static size of the op's output rows."""
-        return tf.compat.dimension_value(self.op.outputs[0].shape[-1])
+    def rest(self):
+        """The static dims of the op's output after the batch axis."""
+        return self.op.outputs[0].shape.as_list()[1:]
+
+    @property
+    def others(self):
+        """The input positions other than x's: pushed per iteration."""
+        return [k for k in range(len(self.op.inputs)) if k != self.index]
 
 
 class LoopUse(collections.namedtuple("LoopUse", [
@@ -88,12 +100,14 @@ class LoopUse(collections.namedtuple("LoopUse", [
         return self.loop.name
 
 
-def find(op, index, loss, loss_ancestors):
+def find(op, index, loss, loss_ancestors, registry, batch_size):
     """`(LoopUse, None)` when every use of `op.inputs[index]` in the loop
     body is a tap that keeps examples apart to the loss, else
-    `(None, reason)`. `op`: a v2 While, or the Enter of a v1 frame."""
+    `(None, reason)`. `op`: a v2 While, or the Enter of a v1 frame.
+    `registry`: the rules to ask; `batch_size`: B (int or scalar tensor)."""
+    taps = _TapFinder(registry, batch_size)
     if op.type in ("Enter", "RefEnter"):
-        return _find_v1(op, loss, loss_ancestors)
+        return _find_v1(op, loss, loss_ancestors, taps)
     if op.type not in LOOP_TYPES:
         return None, "not a while loop"
     try:
@@ -115,7 +129,7 @@ def find(op, index, loss, loss_ancestors):
         return _coupling(op, body, z, live, loss, loss_ancestors)
     outputs = tuple(op.outputs[k] for k in used)
     return _use(op, index, op.name, live, body.inputs[index], coupling,
-                outputs, op, (op.outputs[0], op.inputs[0]))
+                outputs, op, (op.outputs[0], op.inputs[0]), taps)
 
 
 def in_v1_loop(op):
@@ -128,7 +142,7 @@ def in_v1_loop(op):
     return False
 
 
-def _find_v1(enter, loss, loss_ancestors):
+def _find_v1(enter, loss, loss_ancestors, taps):
     """`find` for a v1 frame (Enter/Exit, `disable_v2_behavior`): the frame's
     ops are ops of the graph, so the coupling check walks them as any."""
     ctxt = _tf_compat.control_flow_context(enter)
@@ -166,7 +180,7 @@ def _find_v1(enter, loss, loss_ancestors):
         else:
             outputs.append(e)
     return _use(enter, 0, name, live, enter.outputs[0], coupling,
-                tuple(outputs), ctxt, counter)
+                tuple(outputs), ctxt, counter, taps)
 
 
 # The reads of a v1 TensorArray after its loop, where seeds go in.
@@ -199,7 +213,8 @@ def _v1_counter(ctxt):
     return None
 
 
-def _use(op, index, name, live, entry, coupling, outputs, loop, counter):
+def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
+         finder):
     """The LoopUse of x entering at `entry` (a body tensor), or the reason
     the loop rules cannot read it."""
     for c in live:
@@ -217,15 +232,15 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter):
         for c in t.consumers():
             if c not in live:
                 continue
-            kind, why = _tap_kind(c, t, slot)
-            if kind == "read":
+            if c.type in _READS or (c.type == "Unpack" and slot is None):
                 continue
-            if kind is None:
+            tap, why = finder.tap(c, t, slot)
+            if tap is None:
                 return None, separability.Reason(
                     "op '%s' (type %s) uses x inside loop '%s' in a way the "
                     "loop rules do not handle (%s)" % (
                         c.name, c.type, name, why), c)
-            taps.append(Tap(c, kind, slot))
+            taps.append(tap)
     if not taps:
         return None, "x reaches the loss through no op of loop '%s'" % name
     for tap in taps:
@@ -292,30 +307,50 @@ def _values(t, live):
     return found
 
 
-def _tap_kind(c, t, slot):
-    """("matmul" | "bias", None) for an op a tap can read, or (None, why)."""
-    if c.type in _READS or (c.type == "Unpack" and slot is None):
-        return "read", None
-    out = c.outputs[0]
-    if out.shape.rank != 2 or tf.compat.dimension_value(out.shape[1]) is None:
-        return None, "its output is not [B, N] with N known"
-    if c.type == "MatMul":
-        if c.inputs[1] is not t or c.inputs[0] is t or \
-                c.get_attr("transpose_a") or c.get_attr("transpose_b"):
-            return None, "x is not the right operand of a plain a x w"
-        if c.inputs[0].shape.rank != 2 or tf.compat.dimension_value(
-                c.inputs[0].shape[1]) is None:
-            return None, "the activation is not [B, K] with K known"
-        return "matmul", None
-    if c.type in ("BiasAdd", "AddV2", "Add"):
-        k = list(c.inputs).index(t)
-        if c.type == "BiasAdd" and k != 1:
-            return None, "x is the value, not the bias"
-        other = c.inputs[1 - k]
-        if t.shape.rank != 1 or other.shape.rank != 2 or other is t:
-            return None, "not a [B, N] + [N] bias"
-        return "bias", None
-    return None, "no loop rule for op type %s" % c.type
+class _TapFinder(object):
+    """Asks the registry whether a body op that reads x can be a tap."""
+
+    def __init__(self, registry, batch_size):
+        self.registry = registry
+        self.batch_size = batch_size
+
+    def tap(self, c, t, slot):
+        """(Tap, None) for an op whose rule applies here, or (None, why)."""
+        # Imported here: the rules form imports this module for the loops.
+        # pylint: disable=g-import-not-at-top
+        from custagg.per_example.forms import rules as rules_form
+        ks = [k for k, i in enumerate(c.inputs) if i is t]
+        if len(ks) != 1:
+            return None, "x is more than one input of the op"
+        k = ks[0]
+        # The static checks of the rule, as outside loops; the coupling to
+        # the loss is checked from the tap through the loop (`_coupling`).
+        why = rules_form.rule_reason(c, k, self.registry, self.batch_size,
+                                     None, None)
+        if why:
+            return None, str(why)
+        rule = self.registry.lookup(c.type)
+        ctx = registry_lib.RuleContext(c, k, None, self.batch_size)
+        start, axis = rule.coupling_start(ctx)
+        if start is not c.outputs[0] or axis != 0:
+            return None, ("the %s rule reads the batch elsewhere than axis 0 "
+                          "of the op's output" % c.type)
+        out = c.outputs[0]
+        if out.shape.rank is None or out.shape.rank < 1 or \
+                not out.shape[1:].is_fully_defined():
+            return None, "its output is not [B, ...] with the rest known"
+        for j in range(len(c.inputs)):
+            if j == k:
+                continue
+            other = c.inputs[j]
+            if other.shape.rank is None or other.shape.rank < 1 or \
+                    other.dtype == tf.resource or other.dtype == tf.variant:
+                return None, ("input %d is not a [B, ...] value" % j)
+            lead = tf.compat.dimension_value(other.shape[0])
+            out_lead = tf.compat.dimension_value(out.shape[0])
+            if lead is not None and out_lead is not None and lead != out_lead:
+                return None, ("input %d has other rows than the output" % j)
+        return Tap(c, k, rule, slot), None
 
 
 def _coupling(op, body, start, live, loss, loss_ancestors):
@@ -338,8 +373,16 @@ def _coupling(op, body, start, live, loss, loss_ancestors):
 # Building
 
 
+def _element_shape(t):
+    """A TensorList element shape for `t`'s rows: `[-1, *rest]` with -1
+    where a dim is unknown."""
+    return tf.constant([-1] + [-1 if d is None else d
+                               for d in t.shape.as_list()[1:]], tf.int32)
+
+
 class _Hook(object):
-    """Taps one rebuilt While body (see `recompute.whole_batch`)."""
+    """Taps one rebuilt While body (see `recompute.whole_batch`): adds
+    `eps[t]` to each tap's output and pushes the tap's other inputs."""
 
     def __init__(self, taps, steps, batch, v1=False):
         self.v1 = v1
@@ -348,40 +391,39 @@ class _Hook(object):
         self.eps = []
         for tap in self.taps:
             dtype = tap.op.outputs[0].dtype
-            self.eps.append(tf.zeros(tf.stack([steps, batch, tap.width]),
+            self.eps.append(tf.zeros(tf.stack([steps, batch] + tap.rest),
                                      dtype))
         self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
-            tensor=e, element_shape=tf.constant([-1, e.shape[2]], tf.int32))
-            for e in self.eps]
-        self.activations = {}
+            tensor=e, element_shape=_element_shape(e[0])) for e in self.eps]
+        # One extra loop variable per (tap, other input): the pushed rows.
+        self.pushed = [(i, k) for i, tap in enumerate(self.taps)
+                       for k in tap.others]
+        self.inputs = {}        # (tap, input) -> [T, B, ...]
         self.fired = set()      # the taps the rebuilt body copied
 
-    def _matmuls(self):
-        return [i for i, tap in enumerate(self.taps) if tap.kind == "matmul"]
-
     def initial(self):
-        """Extra loop variables: the step, one list of a_t per MatMul tap
-        (in a v1 loop, a TensorArray's flow: a v1 gradient makes zeros for
-        every exit, which a variant list cannot have)."""
+        """Extra loop variables: the step, one list per pushed input (in a
+        v1 loop, a TensorArray's flow: a v1 gradient makes zeros for every
+        exit, which a variant list cannot have)."""
         out = [tf.constant(0, tf.int32)]
         self._arrays = {}
-        for i in self._matmuls():
-            a = self.taps[i].op.inputs[0]
-            width = tf.compat.dimension_value(a.shape[1])
+        for i, k in self.pushed:
+            t = self.taps[i].op.inputs[k]
             if self.v1:
-                ta = tf.TensorArray(a.dtype, size=0, dynamic_size=True,
-                                    element_shape=tf.TensorShape([None,
-                                                                  width]))
-                self._arrays[i] = ta
+                ta = tf.TensorArray(
+                    t.dtype, size=0, dynamic_size=True,
+                    element_shape=tf.TensorShape([None]).concatenate(
+                        t.shape[1:]))
+                self._arrays[(i, k)] = ta
                 out.append(ta.flow)
             else:
                 out.append(tf.raw_ops.EmptyTensorList(
-                    element_shape=tf.constant([-1, width], tf.int32),
-                    max_num_elements=-1, element_dtype=a.dtype))
+                    element_shape=_element_shape(t), max_num_elements=-1,
+                    element_dtype=t.dtype))
         return out
 
-    def _array(self, i, flow):
-        ta = self._arrays[i]
+    def _array(self, key, flow):
+        ta = self._arrays[key]
         return tf.TensorArray(ta.dtype, handle=ta.handle, flow=flow)
 
     def invariant(self, t):
@@ -390,13 +432,13 @@ class _Hook(object):
 
     def enter(self, values):
         self.step = values[0]
-        self.lists = dict(zip(self._matmuls(), values[1:]))
+        self.lists = dict(zip(self.pushed, values[1:]))
 
     def tap(self, op, outs, mapping):
+        del mapping
         i = self.ops[op]
         self.fired.add(i)
         tap = self.taps[i]
-        width = tap.width
         if self.v1:
             # A v1 loop accumulates a captured tensor's gradient (here
             # IndexedSlices) itself; a variant list's it does not.
@@ -404,40 +446,50 @@ class _Hook(object):
         else:
             item = tf.raw_ops.TensorListGetItem(
                 input_handle=self._lists[i], index=self.step,
-                element_shape=tf.constant([-1, width], tf.int32),
+                element_shape=_element_shape(self.eps[i][0]),
                 element_dtype=self.eps[i].dtype)
-        if tap.kind == "matmul":
-            a = recompute._input(op.inputs[0], mapping)  # pylint: disable=protected-access
+        copied = outs[0].op        # the copy, its inputs the rebuilt body's
+        checks = []
+        for k in tap.others:
+            a = copied.inputs[k]
+            # The rows become examples: other rows than the batch's (one
+            # row broadcast later) would be made up; fail instead.
+            checks.append(tf.debugging.assert_equal(
+                tf.shape(a)[0], tf.shape(item)[0],
+                message="custagg: input %d of a loop rule's op '%s' has "
+                        "other rows than the batch's examples; use "
+                        "strategy='pfor'" % (k, op.name)))
             if self.v1:
-                self.lists[i] = self._array(i, self.lists[i]).write(
-                    self.step, a).flow
+                self.lists[(i, k)] = self._array(
+                    (i, k), self.lists[(i, k)]).write(self.step, a).flow
             else:
-                self.lists[i] = tf.raw_ops.TensorListPushBack(
-                    input_handle=self.lists[i], tensor=a)
+                self.lists[(i, k)] = tf.raw_ops.TensorListPushBack(
+                    input_handle=self.lists[(i, k)], tensor=a)
         # eps has the loss's B rows: a tapped output with other rows (one
         # row broadcast later) would make them up; fail instead.
-        check = tf.debugging.assert_equal(
+        checks.append(tf.debugging.assert_equal(
             tf.shape(outs[0])[0], tf.shape(item)[0],
             message="custagg: a loop rule's op '%s' has other rows than the "
-                    "batch's examples; use strategy='pfor'" % op.name)
-        with tf.control_dependencies([check]):
+                    "batch's examples; use strategy='pfor'" % op.name))
+        with tf.control_dependencies(checks):
             return [outs[0] + item] + list(outs[1:])
 
     def leave(self):
-        return [self.step + 1] + [self.lists[i] for i in self._matmuls()]
+        return [self.step + 1] + [self.lists[key] for key in self.pushed]
 
     def done(self, values):
-        for i, lst in zip(self._matmuls(), values[1:]):
-            a = self.taps[i].op.inputs[0]
+        for key, lst in zip(self.pushed, values[1:]):
+            i, k = key
+            t = self.taps[i].op.inputs[k]
             if self.v1:
-                stacked = self._array(i, lst).stack()
-                stacked.set_shape([None, None, a.shape[1]])
-                self.activations[i] = stacked
-                continue
-            self.activations[i] = tf.raw_ops.TensorListStack(
-                input_handle=lst, element_shape=tf.constant(
-                    [-1, tf.compat.dimension_value(a.shape[1])], tf.int32),
-                element_dtype=a.dtype)
+                stacked = self._array(key, lst).stack()
+            else:
+                stacked = tf.raw_ops.TensorListStack(
+                    input_handle=lst, element_shape=_element_shape(t),
+                    element_dtype=t.dtype)
+            stacked.set_shape(tf.TensorShape([None, None]).concatenate(
+                t.shape[1:]))
+            self.inputs[key] = stacked
 
 
 def cotangent_targets(uses):
@@ -451,7 +503,8 @@ def cotangent_targets(uses):
 
 
 def build(uses, cotangent_of, batch):
-    """The Outer of each use: `{(use.op, use.index): Outer}`.
+    """Each use's per-example gradients: `{(use.op, use.index): (Outer or
+    None, [B, *x] or None)}` (see `_outer_of`).
 
     Args:
       uses: `LoopUse`s (those of one loop share one rebuild).
@@ -515,11 +568,78 @@ def _remap(t, mapping, memo):
     return mapping[t.ref()]
 
 
+def _outside_value(use, slot):
+    """x's value (or its slot's slice) outside the loop: the parameter of
+    the rule's op run on the stacked rows."""
+    src = use.op.inputs[use.index]
+    value = src
+    if src.dtype == tf.resource:
+        value = tf.raw_ops.ReadVariableOp(resource=src,
+                                          dtype=use.value.dtype)
+        value.set_shape(use.value.shape)
+    if slot is not None:
+        j, n = slot
+        value = tf.unstack(value, num=n, axis=0)[j]
+    return value
+
+
+def _fold(t):
+    """`[T, B, ...]` -> `[T*B, ...]` (row t*B + b)."""
+    rest = t.shape[2:]
+    shape = ([-1] + rest.as_list() if rest.is_fully_defined() else
+             tf.concat([[-1], tf.shape(t)[2:]], 0))
+    return tf.reshape(t, shape)
+
+
+def _unfold(t, steps):
+    """`[T*B, S, N]` -> `[B, T*S, N]` (example b's rows of every step)."""
+    n = tf.compat.dimension_value(t.shape[2])
+    n = n if n is not None else tf.shape(t)[2]
+    t = tf.reshape(t, tf.stack([steps, -1, tf.shape(t)[1], n]))
+    t = tf.transpose(t, [1, 0, 2, 3])
+    return tf.reshape(t, tf.stack([tf.shape(t)[0], -1, n]))
+
+
+def _tap_result(use, tap, hook, dz):
+    """The rule's answer for one tap on all steps at once: ("outer", a, g,
+    key) in the layout of x's slice, or ("dense", [B, *slice])."""
+    i = hook.taps.index(tap)
+    inputs = list(tap.op.inputs)
+    for k in tap.others:
+        inputs[k] = _fold(hook.inputs[(i, k)])
+    inputs[tap.index] = _outside_value(use, tap.slot)
+    g = tf.convert_to_tensor(dz[i])                            # [T, B, ...]
+    steps = tf.shape(g)[0]
+    # The tapped op once more, outside the loop, on every step's rows: the
+    # rule reads its inputs, attributes and shapes from it.
+    graph = tf.compat.v1.get_default_graph()
+    op = graph.create_op(
+        tap.op.type, inputs, [o.dtype for o in tap.op.outputs],
+        name="loop_rule_" + tap.op.type,
+        attrs={key: value for key, value in tap.op.node_def.attr.items()})
+    rows = tf.shape(inputs[tap.others[0]])[0] if tap.others else \
+        steps * tf.shape(g)[1]
+    ctx = registry_lib.RuleContext(op, tap.index, _fold(g), rows, {})
+    outer = tap.rule.outer(ctx)
+    if outer is not None:
+        return ("outer", _unfold(outer.a, steps), _unfold(outer.g, steps),
+                outer.key)
+    per = tf.convert_to_tensor(tap.rule.per_example(ctx))      # [T*B, *p]
+    per = tf.reshape(per, tf.concat([[steps, -1], tf.shape(per)[1:]], 0))
+    return ("dense", tf.reduce_sum(per, axis=0))
+
+
+def _identity_key(dims):
+    return _outer.layout(dims[:-1], dims[-1:], None).key
+
+
 def _outer_of(use, hook, dz):
-    """One Outer for all taps of `use`: the taps' (a, g) pairs side by side
-    along T (G_b is the sum over taps and iterations)."""
+    """`(Outer or None, dense or None)` for all taps of `use`: one Outer
+    when every tap's rule gives one laid out as x's rows x columns (the
+    taps' (a, g) pairs side by side along T: G_b is the sum over taps and
+    iterations), else the dense `[B, *x]` sum."""
     shape = _outer.static_dims(use.value)
-    a_parts, g_parts = [], []
+    results = []
     for tap in use.taps:
         i = hook.taps.index(tap)
         if i not in hook.fired:
@@ -529,44 +649,85 @@ def _outer_of(use, hook, dz):
                 "custagg: the loop rules did not find op '%s' in the rebuilt "
                 "loop '%s'; use strategy='pfor' for this variable and "
                 "report this graph." % (tap.op.name, use.name))
-        g = tf.transpose(tf.convert_to_tensor(dz[i]), [1, 0, 2])  # [B, T, N]
-        if tap.kind == "matmul":
-            a = tf.transpose(hook.activations[i], [1, 0, 2])       # [B, T, K]
+        results.append((tap, _tap_result(use, tap, hook, dz)))
+    one_outer = shape is not None and all(
+        r[0] == "outer" and r[3] == _identity_key(
+            shape if tap.slot is None else shape[1:])
+        for tap, r in results)
+    if one_outer:
+        a_parts, g_parts = [], []
+        for tap, (_, a, g, _) in results:
+            if tap.slot is not None:
+                j, n = tap.slot
+                width = tf.compat.dimension_value(a.shape[2])
+                a = tf.pad(a, [[0, 0], [0, 0],
+                               [j * width, (n - j - 1) * width]])
+            a_parts.append(a)
+            g_parts.append(g)
+        a = a_parts[0] if len(a_parts) == 1 else tf.concat(a_parts, axis=1)
+        g = g_parts[0] if len(g_parts) == 1 else tf.concat(g_parts, axis=1)
+        outer = _outer.Outer(a, g, _outer.layout(shape[:-1], shape[-1:],
+                                                 None))
+        outer._choose_at_run_time = True  # pylint: disable=protected-access
+        return outer, None
+    dense = []
+    for tap, r in results:
+        if r[0] == "outer":
+            part = _outer.Outer(r[1], r[2], _outer.layout(
+                [_outer.prod(r[3][0])], [_outer.prod(r[3][1])], None))
+            # Back to the slice's layout through the rule's own `to_param`.
+            part = _slice_layout(part, r[3])
         else:
-            a = tf.ones(tf.concat([tf.shape(g)[:2], [1]], 0), g.dtype)
+            part = r[1]
         if tap.slot is not None:
             j, n = tap.slot
-            width = tf.compat.dimension_value(a.shape[2])
-            a = tf.pad(a, [[0, 0], [0, 0], [j * width, (n - j - 1) * width]])
-        a_parts.append(a)
-        g_parts.append(g)
-    d_dims, k_dims = shape[:-1], shape[-1:]
-    a = a_parts[0] if len(a_parts) == 1 else tf.concat(a_parts, axis=1)
-    g = g_parts[0] if len(g_parts) == 1 else tf.concat(g_parts, axis=1)
-    outer = _outer.Outer(a, g, _outer.layout(d_dims or [], k_dims, None))
-    outer._choose_at_run_time = True  # pylint: disable=protected-access
-    return outer
+            part = tf.expand_dims(part, 1)
+            rank = part.shape.rank
+            part = tf.pad(part, [[0, 0], [j, n - j - 1]] +
+                          [[0, 0]] * (rank - 2))
+        dense.append(part)
+    return None, tf.add_n(dense) if len(dense) > 1 else dense[0]
+
+
+def _slice_layout(outer, key):
+    """`[B, *slice]` from an Outer in the rule's layout `key`."""
+    d_dims, k_dims, perm = key
+    full = outer.per_example()                                # [B, D, K]
+    return _outer.layout(list(d_dims), list(k_dims), perm)(
+        tf.reshape(full, [tf.shape(full)[0], _outer.prod(d_dims),
+                          _outer.prod(k_dims)]))
 
 
 class LoopRule(registry_lib.Rule):
-    """The rule of a loop use: every reduction from its Outer (`ctx.cache`)."""
+    """The rule of a loop use: every reduction from its Outer, or from its
+    dense `[B, *x]` (`ctx.cache`: "outer" or "dense")."""
 
     def per_example(self, ctx):
-        return ctx.cache["outer"].per_example()
+        if ctx.cache["outer"] is not None:
+            return ctx.cache["outer"].per_example()
+        return ctx.cache["dense"]
 
     def outer(self, ctx):
         return ctx.cache["outer"]
 
     def squared_norms(self, ctx):
+        if ctx.cache["outer"] is None:
+            return super(LoopRule, self).squared_norms(ctx)
         return ctx.cache["outer"].squared_norms()
 
     def group_squared_norms(self, ctx, num_groups):
+        if ctx.cache["outer"] is None:
+            return super(LoopRule, self).group_squared_norms(ctx, num_groups)
         return ctx.cache["outer"].grouped(num_groups).squared_norms()
 
     def weighted_sum(self, ctx, weights):
+        if ctx.cache["outer"] is None:
+            return super(LoopRule, self).weighted_sum(ctx, weights)
         return ctx.cache["outer"].weighted_sum(weights)
 
     def squared_sum(self, ctx):
+        if ctx.cache["outer"] is None:
+            return super(LoopRule, self).squared_sum(ctx)
         return ctx.cache["outer"].squared_sum()
 
 

@@ -1,0 +1,361 @@
+"""Per-example gradients, norms, clipped and weighted sums: the front door.
+
+Every function takes a per-example loss `per_example_loss` of shape `[B]`
+(B may be unknown until run time) and a list `xs` of variables or tensors.
+Results are gradients of the per-example losses as given: a mean loss scales
+each example's gradient by 1/B. `None` stands for "no gradient" (the loss
+does not depend on that x), as in `tf.gradients`.
+
+Strategies (chosen per x by `plan_per_example`):
+
+* `"loop"`: one backward pass per example (`custagg.gradients(loss[i], x)`);
+  obviously correct, needs a static B, graph and time grow with B^2.
+* `"pfor"`: TF's vectorization (`parallel_for.pfor`) of the backward pass
+  seeded with `one_hot(i)`, in chunks of `pfor_chunk_size` examples so
+  memory stays bounded. Exact for any graph pfor can convert (it falls back
+  to a while loop for ops it cannot).
+* `"rules"`: one backward pass of the summed loss to the outputs of the ops
+  that consume x, then a per-op rule (`custagg.rules`) forms each example's
+  gradient from the op's inputs and that output gradient (outer products).
+  About one backward pass; norms and clipped sums never materialize
+  `[B, *x.shape]`. Needs a rule for every consumer and no batch coupling
+  downstream; otherwise it is an error that says what to use instead.
+* `"auto"`: "rules" for each x that qualifies, "pfor" for the others (and
+  "loop" if pfor cannot build and B is static).
+
+"pfor" takes, per x, the first form that applies: the boundary ops (O(B));
+per-example copies of the forward pass, vectorized by pfor ("recompute",
+O(B): `custagg.recompute`, for weights inside loops and ops no rule covers),
+or run in a while loop when pfor cannot convert the copies
+("recompute-loop", O(B)); the whole backward pass per example (O(B^2), the
+last resort, used where examples interact or the forward pass cannot be
+copied). `str(plan)` gives each choice and why.
+
+Layers (docs/architecture.md): this module checks the arguments and
+dispatches; `planning` decides (a `Plan`, never changed once returned);
+`forms` hold each form behind one interface (plan, then build); `engine`
+builds what the plan says and reduces each quantity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from custagg import errors
+from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg._tf_compat import resource_variable_ops
+from custagg.aggregation import AggregationMethod
+from custagg.gradients import gradients
+from custagg.per_example import engine as engine_lib
+from custagg.per_example import planning
+from custagg.per_example.planning import Plan  # noqa: F401  (public name)
+from custagg.per_example.planning import warn_slow
+from custagg.rules import registry as registry_lib
+
+STRATEGIES = ("auto", "rules", "pfor", "loop")
+
+
+# --------------------------------------------------------------------------
+# Arguments
+
+
+def _check_loss(per_example_loss, fn_name):
+    errors.check_not_eager(fn_name)
+    if isinstance(per_example_loss, (list, tuple)):
+        raise TypeError(
+            "%s: per_example_loss must be one tensor of shape [B] (the loss of "
+            "each example); got a %s. Use tf.stack(...) on the per-example "
+            "terms." % (fn_name, type(per_example_loss).__name__))
+    errors.check_graph_tensor(per_example_loss, "per_example_loss", fn_name)
+    loss = tf.convert_to_tensor(per_example_loss)
+    if loss.shape.rank != 1:
+        raise ValueError(
+            "%s: per_example_loss must have shape [B], one loss per example; "
+            "got shape %s. Reduce the other axes per example first (e.g. "
+            "tf.reduce_sum(loss, axis=1)), and do not average over the "
+            "batch." % (fn_name, loss.shape))
+    if not loss.dtype.is_floating:
+        raise TypeError("%s: per_example_loss must be floating point; got %s."
+                        % (fn_name, loss.dtype.name))
+    return loss
+
+
+def _check_strategy(strategy, fn_name):
+    if strategy not in STRATEGIES:
+        raise ValueError("%s: unknown strategy %r; expected one of %s."
+                         % (fn_name, strategy, ", ".join(map(repr,
+                                                             STRATEGIES))))
+
+
+def _as_tensor(x, i, fn_name):
+    if resource_variable_ops.is_resource_variable(x):
+        # Inside a tf.function an eagerly created variable's handle is an
+        # eager tensor: the conversion below captures it.
+        x = x.handle
+    errors.check_graph_tensor(x, "xs[%d]" % i, fn_name)
+    return indexed_slices_lib.internal_convert_to_tensor_or_indexed_slices(
+        x, as_ref=True)
+
+
+def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
+    """Decides, per x, which strategy computes its per-example gradients.
+
+    Args:
+      per_example_loss: `[B]` tensor.
+      xs: list of variables or tensors.
+      strategy: "auto", "rules", "pfor" or "loop".
+      registry: a `custagg.RuleRegistry` (default: the built-in rules).
+
+    Returns:
+      A `Plan`; `str(plan)` shows the choice and, where rules were not used,
+      why.
+
+    Raises:
+      ValueError: a bad argument; "rules" asked for an x it cannot handle
+        (the message names the op and suggests a strategy); "loop" with an
+        unknown batch size.
+    """
+    fn = "custagg.plan_per_example"
+    loss = _check_loss(per_example_loss, fn)
+    _check_strategy(strategy, fn)
+    registry = registry or registry_lib.default_registry()
+    xs = list(xs) if isinstance(xs, (list, tuple)) else [xs]
+    tensors = []
+    for i, x in enumerate(xs):
+        t = _as_tensor(x, i, fn)
+        if t.graph is not loss.graph:
+            raise ValueError(
+                "custagg: xs[%d] (%s) is from another graph than "
+                "per_example_loss." % (i, getattr(x, "name", x)))
+        tensors.append(t)
+    return planning.make_plan(loss, xs, tensors, strategy, registry)
+
+
+def _engine(per_example_loss, xs, strategy, registry, pfor_chunk_size, fn):
+    _check_strategy(strategy, fn)
+    plan = plan_per_example(per_example_loss, xs, strategy, registry)
+    warn_slow(plan)
+    return plan, engine_lib.Engine(plan, pfor_chunk_size)
+
+
+# --------------------------------------------------------------------------
+# Public functions
+
+
+def per_example_gradients(per_example_loss, xs, strategy="auto",
+                          registry=None, pfor_chunk_size=32,
+                          name="per_example_gradients"):
+    """The gradient of each example's loss, before TensorFlow sums them.
+
+    Args:
+      per_example_loss: `[B]` tensor, the loss of each example (B may be
+        unknown until run time). Gradients are of these losses as given: a
+        mean loss scales each one by 1/B.
+      xs: a variable/tensor or list of them.
+      strategy: "auto" (default), "rules", "pfor" or "loop" (see module doc).
+      registry: rule registry (default: the built-in rules).
+      pfor_chunk_size: the fewest examples vectorized at once by "pfor";
+        passes grow up to `custagg.per_example.vectorized.PASS_BYTES` of
+        outputs (the
+        whole-pass form keeps exactly this many: its memory is not in its
+        outputs).
+      name: name scope.
+
+    Returns:
+      List aligned with `xs`; entry j is `[B, *xs[j].shape]` whose row i is
+      `d per_example_loss[i] / d xs[j]`, or `None` if the loss does not
+      depend on `xs[j]`.
+
+    Example:
+      >>> loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+      ...     labels=y, logits=tf.matmul(x, w) + b)          # [B]
+      >>> gw, gb = custagg.per_example_gradients(loss, [w, b])
+      >>> # gw: [B, 784, 10], gb: [B, 10]
+    """
+    fn = "custagg.per_example_gradients"
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        return [engine.per_example(a) for a in plan.assignments]
+
+
+def per_example_norms(per_example_loss, xs, strategy="auto", registry=None,
+                      pfor_chunk_size=32, name="per_example_norms",
+                      num_microbatches=None):
+    """`[B]` global L2 norms of the per-example gradients over all `xs`.
+
+    With rules, computed without materializing per-example gradients
+    (`||a_b|| ||dz_b||` for dense layers, the Gram form for sequences, sparse
+    rows for embeddings). Unconnected xs count as zero.
+
+    With `num_microbatches` M (a Python int dividing B; B may be dynamic):
+    `[M]` norms of the microbatch gradients, microbatch m being examples
+    `m*B/M ... (m+1)*B/M - 1` (TF Privacy's `tf.reshape(loss, [M, -1])`)
+    and its gradient that of its summed loss, `sum_{b in m} g_b`, again
+    without materializing where the rules allow (see `Rule.
+    group_squared_norms`).
+    """
+    fn = "custagg.per_example_norms"
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        groups, check = _groups(plan.loss, num_microbatches, fn)
+        with tf.control_dependencies(check):
+            return tf.sqrt(_total_squared_norms(plan, engine,
+                                                plan.assignments, groups))
+
+
+def _groups(loss, num_microbatches, fn):
+    """(M or None when M = B is static, [assert that M divides B])."""
+    if num_microbatches is None:
+        return None, []
+    m = num_microbatches
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+        raise ValueError("%s: num_microbatches must be a positive Python int "
+                         "dividing the batch size, or None; got %r." % (fn, m))
+    m = int(m)
+    batch = tf.compat.dimension_value(loss.shape[0])
+    if batch is not None:
+        if batch % m:
+            raise ValueError("%s: num_microbatches=%d does not divide the "
+                             "batch size %d." % (fn, m, batch))
+        return (None if m == batch else m), []
+    return m, [tf.debugging.assert_equal(
+        tf.shape(loss)[0] % m, 0,
+        message="%s: num_microbatches=%d must divide the batch size" % (fn, m))]
+
+
+def _group_weights(factors, loss, groups):
+    """`[M]` microbatch factors -> `[B]` (each example its group's)."""
+    if groups is None:
+        return factors
+    k = tf.shape(loss)[0] // groups
+    return tf.reshape(tf.tile(factors[:, None], tf.stack([1, k])), [-1])
+
+
+def _total_squared_norms(plan, engine, group, groups=None):
+    parts = [engine.squared_norms(a, groups) for a in group if a.strategy]
+    if not parts:
+        return tf.zeros([groups] if groups else tf.shape(plan.loss),
+                        plan.loss.dtype)
+    return tf.add_n(parts)
+
+
+def _clip_factors(sq_norms, clip, dtype):
+    """min(1, C / norm), written C / max(norm, C) so norm 0 gives 1.
+
+    C = 0 gives factor 0 for every example (norm 0 included: 0/0 is taken
+    as 0, never NaN), so every clipped gradient is exactly 0.
+    """
+    # dtype_hint: a Python float must not pass through float32 on its way
+    # to a float64 loss.
+    c = tf.cast(tf.convert_to_tensor(clip, dtype_hint=dtype), dtype)
+    return tf.stop_gradient(
+        tf.math.divide_no_nan(c, tf.maximum(tf.sqrt(sq_norms), c)))
+
+
+def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
+                      return_norms=False, registry=None, pfor_chunk_size=32,
+                      name="clipped_gradients", num_microbatches=None):
+    """`sum_b min(1, C / ||g_b||) g_b`: the per-example clipped sum (DP-SGD).
+
+    The clip factors are constants (never differentiated through). For xs
+    covered by rules the sum is formed from the norm pass's own activations
+    and output gradients (`a^T diag(c) dz` for a MatMul): about one backward
+    pass, no per-example gradient materialized. Other xs get a second
+    backward pass weighted by the factors (`AggregationMethod.CUSTOM`).
+
+    Args:
+      per_example_loss: `[B]` per-example losses.
+      xs: variables/tensors.
+      l2_norm_clip: C >= 0, a float or scalar tensor (one global norm over
+        all xs), or a list aligned with xs (each x clipped by its own norm).
+        C = 0 makes every clipped gradient exactly 0; a negative, NaN or
+        infinite C raises (tensors: a run-time assertion).
+      strategy: as for `per_example_gradients`.
+      return_norms: also return the `[B]` norms before clipping (global, or
+        a list of per-x norms with per-x clip norms).
+      num_microbatches: M (a Python int dividing B), or None for M = B:
+        `sum_m min(1, C / ||G_m||) G_m` with `G_m` the gradient of
+        microbatch m's summed loss (see `per_example_norms`); the norms are
+        then `[M]`. The same one-pass sum with each example weighted by its
+        microbatch's factor: a DP step with M < B costs about what M = B
+        costs.
+
+    Returns:
+      List aligned with xs (`Tensor`, `IndexedSlices` for embedding tables,
+      or `None`), and the norms if `return_norms`.
+    """
+    fn = "custagg.clipped_gradients"
+    l2_norm_clip = errors.checked_clip_norm(l2_norm_clip, fn)
+    per_x = isinstance(l2_norm_clip, (list, tuple))
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        live = [a for a in plan.assignments if a.strategy]
+        groups, check = _groups(plan.loss, num_microbatches, fn)
+        with tf.control_dependencies(check):
+            grads, norms = _clipped(plan, engine, live, l2_norm_clip, per_x,
+                                    groups, fn)
+        return (grads, norms) if return_norms else grads
+
+
+def _clipped(plan, engine, live, l2_norm_clip, per_x, groups, fn):
+    """`clipped_gradients`' sums (aligned with the plan's xs) and norms."""
+    dtype = plan.loss.dtype
+
+    def weights(sq, clip):
+        return _group_weights(_clip_factors(sq, clip, dtype), plan.loss,
+                              groups)
+    if per_x:
+        if len(l2_norm_clip) != len(plan.assignments):
+            raise ValueError(
+                "%s: l2_norm_clip has %d entries but xs has %d; give one "
+                "clip norm per x, or one number." % (
+                    fn, len(l2_norm_clip), len(plan.assignments)))
+        sums, norms = {}, []
+        for a, clip in zip(plan.assignments, l2_norm_clip):
+            if not a.strategy:
+                norms.append(tf.zeros([groups] if groups else
+                                      tf.shape(plan.loss), dtype))
+                continue
+            sq = engine.squared_norms(a, groups)
+            norms.append(tf.sqrt(sq))
+            sums.update(engine.weighted_sums([a], weights(sq, clip)))
+    else:
+        sq = _total_squared_norms(plan, engine, live, groups)
+        norms = tf.sqrt(sq)
+        sums = engine.weighted_sums(live, weights(sq, l2_norm_clip))
+    return [sums.get(id(a)) for a in plan.assignments], norms
+
+
+def weighted_gradients(per_example_loss, xs, weights, name="weighted_gradients"):
+    """`sum_b weights[b] * d per_example_loss[b] / dx` in one backward pass.
+
+    The same as `custagg.gradients(per_example_loss, xs,
+    aggregation_method=CUSTOM, gradient_factors=weights)`; exact for any
+    graph, batch coupling included, since the weights are constants.
+    """
+    _check_loss(per_example_loss, "custagg.weighted_gradients")
+    with tf.name_scope(name):
+        return gradients(per_example_loss, xs,
+                         aggregation_method=AggregationMethod.CUSTOM,
+                         gradient_factors=weights)
+
+
+def gradient_second_moments(per_example_loss, xs, strategy="auto",
+                            registry=None, pfor_chunk_size=32,
+                            name="gradient_second_moments"):
+    """`sum_b g_b ** 2` (elementwise) for each x.
+
+    With the gradient sum `sum_b g_b` this gives the per-coordinate variance
+    of per-example gradients: `E[g^2] - E[g]^2`. Rules give it without
+    materializing for dense layers (`(a^2)^T (dz^2)`) and embeddings.
+    """
+    fn = "custagg.gradient_second_moments"
+    with tf.name_scope(name):
+        plan, engine = _engine(per_example_loss, xs, strategy, registry,
+                               pfor_chunk_size, fn)
+        return [engine.squared_sum(a) if a.strategy else None
+                for a in plan.assignments]

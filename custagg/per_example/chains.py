@@ -1,0 +1,65 @@
+"""x's per-example gradients through an op that sees no batch data.
+
+A `rules.Chain` (`l2_loss(w)`, `gamma * rsqrt(var)`): the op's outputs have
+per-example gradients from the rules (`chain.inner`), and x's are the op's
+own gradient (TF's, so overrides hold) applied to them: a vector-Jacobian
+product per example, vectorized by pfor, or one product scaled per example
+when the output is a scalar.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from custagg import sparse
+from custagg.gradients import gradients
+from custagg.per_example import vectorized
+
+
+def is_scalar(chain):
+    """Whether the chain has one scalar output (`l2_loss`)."""
+    return len(chain.inner) == 1 and chain.inner[0].tensor.shape.rank == 0
+
+
+def vjp(engine, chain, cotangents, a, batched):
+    """x's gradient through `chain.op` for output cotangents (one list
+    entry per `chain.inner`), in x's layout; `batched`: leading B."""
+    op = chain.op
+    ys = [inner.tensor for inner in chain.inner]
+    wrt = [op.inputs[k] for k in chain.indices]
+    others = [t for k, t in enumerate(op.inputs) if k not in chain.indices]
+
+    def one_vjp(seeds):
+        grads = gradients(ys, wrt, grad_ys=seeds, stop_gradients=others,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [sparse.dense(g) for g in grads]
+
+    if not batched:
+        parts = one_vjp(cotangents)
+    elif is_scalar(chain):
+        # A scalar output (l2_loss): each example's gradient is its own
+        # multiple of one vector-Jacobian product.
+        c = cotangents[0]
+        parts = [tf.reshape(c, [-1] + [1] * g.shape.rank) * g[None]
+                 for g in one_vjp([tf.ones([], c.dtype)])]
+    else:
+        @tf.autograph.experimental.do_not_convert
+        def one(i):
+            return one_vjp([tf.gather(c, i) for c in cotangents])
+        parts = vectorized.chunked_pfor(
+            one, engine.batch_size, engine.chunk,
+            [t.dtype.base_dtype for t in wrt])
+    return [engine.to_x(p, a, batched) for p in parts]
+
+
+def per_example(engine, chain, a):
+    """`[B, *x]` parts of x's gradient through the chain."""
+    cotangents = [engine.rules_per_example(inner) for inner in chain.inner]
+    return vjp(engine, chain, cotangents, a, True)
+
+
+def scaled(engine, chain, a):
+    """(c `[B]`, v in x's layout): the scalar chain's g_b = c_b v."""
+    c = engine.rules_per_example(chain.inner[0])
+    v = vjp(engine, chain, [tf.ones([], c.dtype)], a, False)
+    return c, tf.add_n(v) if len(v) > 1 else v[0]

@@ -1,0 +1,388 @@
+"""Builds what a plan calls for: the rules' shared backward pass, the other
+forms' per-example gradients, and each quantity (per-example gradients,
+squared norms, weighted and squared sums) from whichever form x has.
+
+* `SharedPass`: one backward pass of the summed loss to the outputs of every
+  rule op (and every loop the loop rules read), giving each rule its
+  `RuleContext`.
+* `Engine`: quantity dispatch. Rules reduce each quantity from their
+  contexts (`norm_algebra` for xs with several terms, `chains` through ops
+  without batch data); other forms materialize `[B, *x]` once per form
+  (`Engine.materialized`), falling back as the form says when its build is
+  refused (`forms.base.is_refusal`). The plan is never changed: fallbacks
+  are recorded in `Engine.built` and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from custagg import sparse
+from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg.aggregation import AggregationMethod
+from custagg.gradients import gradients
+from custagg.per_example import chains as chains_lib
+from custagg.per_example import norm_algebra
+from custagg.per_example import planning
+from custagg.per_example.forms import FORMS
+from custagg.per_example.forms import REFUSAL_TYPES
+from custagg.per_example.forms import is_refusal
+from custagg.per_example.forms import loop_rules
+from custagg.per_example.forms import rules as rules_form
+from custagg.rules import registry as registry_lib
+from custagg.rules import _outer as _outer_lib
+
+_LOG = logging.getLogger("custagg")
+
+
+class SharedPass(object):
+    """The rules' one backward pass, shared by every x on rules."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self._contexts = None
+
+    def _build(self):
+        self._contexts = {}
+        found = list(rules_form.rule_consumers(
+            c for x in self.plan.assignments if x.strategy == "rules"
+            for c in x.consumers))
+        consumers = [c for c in found if isinstance(c, rules_form.Consumer)]
+        uses = [c for c in found if isinstance(c, loop_rules.LoopUse)]
+        outs = [c.op.outputs[0] for c in consumers]
+        # The loop rules' rebuilt loops are seeded with the loss's gradient
+        # at the loops' outputs: the same backward pass.
+        targets = loop_rules.cotangent_targets(uses)
+        batch = self.plan.batch_size
+        with tf.name_scope("per_example_rules"):
+            grads = gradients(self.plan.loss, outs + targets) \
+                if outs or targets else []
+        for c, g in zip(consumers, grads):
+            ctx = None if g is None else registry_lib.RuleContext(
+                c.op, c.index, sparse.dense(g), batch, {})
+            self._contexts[(c.op, c.index)] = ctx
+        if uses:
+            seeds = {t.ref(): g if g is None or t.dtype == tf.variant
+                     else sparse.dense(g)
+                     for t, g in zip(targets, grads[len(outs):])}
+            outers = loop_rules.build(uses, seeds, batch)
+            for u in uses:
+                outer, dense = outers[(u.op, u.index)]
+                self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
+                    u.op, u.index, None, batch,
+                    {"outer": outer, "dense": dense, "param": u.value})
+
+    def contexts(self, a):
+        """(rule, RuleContext) pairs of an x planned as "rules" (its chains
+        apart); consumers the loss's gradient does not reach are left out."""
+        if self._contexts is None:
+            self._build()
+        out = []
+        for c in a.consumers:
+            if isinstance(c, rules_form.Chain):
+                continue
+            ctx = self._contexts[(c.op, c.index)]
+            if ctx is None:
+                continue
+            rule = loop_rules.RULE if isinstance(c, loop_rules.LoopUse) \
+                else c.rule
+            out.append((rule, ctx))
+        return out
+
+
+def x_shape(a):
+    """x's shape: a static list, or a list of scalar tensors."""
+    shape = tf.TensorShape(a.x.shape if hasattr(a.x, "shape")
+                           else a.tensor.shape)
+    if shape.is_fully_defined():
+        return shape.as_list()
+    value = a.x.value() if isinstance(a.x, tf.Variable) else a.tensor
+    return tf.unstack(tf.shape(value))
+
+
+def static_x_shape(a):
+    return tf.TensorShape(a.x.shape if hasattr(a.x, "shape")
+                          else a.tensor.shape)
+
+
+def x_dtype(a):
+    return tf.as_dtype(a.x.dtype).base_dtype
+
+
+class Engine(object):
+    """Builds the tensors a plan calls for.
+
+    Attributes:
+      built: `{x name: (form, reason)}` for each x whose planned form's
+        build was refused, with the form that ran instead.
+    """
+
+    def __init__(self, plan, pfor_chunk_size):
+        self.plan = plan
+        self.loss = plan.loss
+        self.batch_size = plan.batch_size
+        self.chunk = pfor_chunk_size
+        self.shared = SharedPass(plan)
+        self.built = {}
+        self._materialized = {}     # id(assignment) -> [B, *x]
+
+    x_shape = staticmethod(x_shape)
+    static_x_shape = staticmethod(static_x_shape)
+    x_dtype = staticmethod(x_dtype)
+
+    # -- the forms other than rules: materialized once, with fallbacks --
+
+    def materialized(self, a):
+        """`[B, *x]` of an x planned to a form other than the rules."""
+        if id(a) not in self._materialized:
+            group = [b for b in self.plan.assignments if b.form == a.form
+                     and id(b) not in self._materialized]
+            self._build(FORMS[a.form], group)
+        return self._materialized[id(a)]
+
+    def _build(self, form, group):
+        """Builds `group` in `form`, or in the forms its refusals fall back
+        to; records and logs each fallback."""
+        errors = []
+        while True:
+            try:
+                with tf.name_scope(form.scope):
+                    out = form.build(self, group)
+                break
+            except REFUSAL_TYPES as e:
+                if not is_refusal(e):
+                    raise           # a bug: never hidden as a slower form
+                nxt = form.fallback(self.plan.requested)
+                errors.append((form, e))
+                if nxt is None:
+                    if len(errors) > 1:
+                        raise no_strategy(group, errors) from e
+                    raise
+                why = "%s could not build: %s" % (form.name, first_line(e))
+                _LOG.info("custagg: %s: %s; building %s instead",
+                          ", ".join(a.name for a in group), why, nxt.name)
+                for a in group:
+                    self.built[a.name] = (nxt.name, why)
+                planning.warn_slow(self.plan, group, [nxt.name] * len(group))
+                form = nxt
+        for a in group:
+            self._materialized[id(a)] = tf.cast(out[id(a)], x_dtype(a))
+
+    # -- rules --
+
+    def to_x(self, t, a, batched):
+        """A rule result in the op input's layout -> x's layout and dtype."""
+        dtype = x_dtype(a)
+        if isinstance(t, indexed_slices_lib.IndexedSlices):
+            rows_of = tf.get_static_value(t.dense_shape)
+            if rows_of is not None and static_x_shape(a).is_fully_defined() \
+                    and list(rows_of) != static_x_shape(a).as_list():
+                # Rows of a reshaped table are not rows of x: dense, as
+                # TF's Reshape gradient gives.
+                t = tf.convert_to_tensor(t)
+            else:
+                return indexed_slices_lib.IndexedSlices(
+                    tf.cast(t.values, dtype), t.indices, t.dense_shape)
+        lead = [tf.shape(t)[0]] if batched else []
+        return tf.cast(tf.reshape(t, lead + x_shape(a)), dtype)
+
+    def _chains(self, a):
+        return [c for c in a.consumers if isinstance(c, rules_form.Chain)]
+
+    def rules_per_example(self, a):
+        """`[B, *x]` of an x on rules: its rules' and chains' sum."""
+        parts = [self.to_x(rule.per_example(ctx), a, True)
+                 for rule, ctx in self.shared.contexts(a)]
+        for chain in self._chains(a):
+            parts.extend(chains_lib.per_example(self, chain, a))
+        return tf.add_n(parts) if len(parts) > 1 else parts[0]
+
+    def _terms(self, a, groups=None):
+        """x's per-example gradients as `norm_algebra` terms; with `groups`
+        (M) the microbatch sums, `[M]` leading instead of `[B]`."""
+        def group(t):
+            return t if groups is None else registry_lib.group_sum(t, groups)
+        terms = []
+        for rule, ctx in self.shared.contexts(a):
+            outer = rule.outer(ctx)
+            if outer is not None:
+                if groups is not None:
+                    outer = outer.grouped(groups)
+                terms.append(("outer", outer, _outer_lib.static_dims(
+                    ctx.param)))
+            else:
+                terms.append(("dense", group(self.to_x(
+                    rule.per_example(ctx), a, True)), None))
+        for chain in self._chains(a):
+            if chains_lib.is_scalar(chain):
+                c, v = chains_lib.scaled(self, chain, a)
+                terms.append(("scaled", group(c), v))
+            else:
+                for part in chains_lib.per_example(self, chain, a):
+                    terms.append(("dense", group(part), None))
+        return terms
+
+    def _checked(self, t, a, what):
+        """`t`, a rules result with one row per example, checked to have B
+        rows (the loss's): a rule that took other rows for examples (a fold
+        of `[B, T, D]` into `B*T` rows it did not see) raises instead of
+        clipping or weighting each row as if it were an example."""
+        if not isinstance(t, tf.Tensor) or t.shape.rank == 0:
+            return t
+        rows = tf.compat.dimension_value(t.shape[0])
+        batch = tf.compat.dimension_value(self.loss.shape[0])
+        name = getattr(a.x, "name", a.x)
+        hint = ("a rule took another axis, or rows of a fold it did not see, "
+                "for the examples; strategy='pfor' avoids the rules")
+        if rows is not None and batch is not None:
+            if rows != batch:
+                raise ValueError(
+                    "custagg: the rules gave %s of %s for %d rows, but the "
+                    "batch has %d examples (%s)." % (what, name, rows, batch,
+                                                     hint))
+            return t
+        check = tf.debugging.assert_equal(
+            tf.shape(t)[0], tf.shape(self.loss)[0],
+            message="custagg: the rules gave %s of %s for another number of "
+                    "rows than the batch's examples (%s)" % (what, name, hint))
+        with tf.control_dependencies([check]):
+            return tf.identity(t)
+
+    # -- quantities --
+
+    def per_example(self, a):
+        """`[B, *x]`, or None for an unconnected x."""
+        if a.strategy is None:
+            return None
+        if a.strategy == "rules":
+            return self._checked(self.rules_per_example(a), a,
+                                 "per-example gradients")
+        return self.materialized(a)
+
+    def squared_norms(self, a, groups=None):
+        """[B] squared norms of x's per-example gradients (loss dtype), or
+        with `groups` (M) the [M] squared norms of the microbatch sums:
+        each rule's own identity for one consumer, the terms' inner
+        products for several, else from the materialized gradients."""
+        dtype = self.loss.dtype
+        if a.strategy == "rules" and not self._chains(a):
+            pairs = self.shared.contexts(a)
+            if len(pairs) == 1:      # one consumer: the rule's own identity
+                rule, ctx = pairs[0]
+                sq = (rule.squared_norms(ctx) if groups is None
+                      else rule.group_squared_norms(ctx, groups))
+                sq = tf.cast(sq, dtype)
+                return sq if groups is not None else \
+                    self._checked(sq, a, "norms")
+            if not pairs:
+                return tf.zeros(tf.shape(self.loss) if groups is None
+                                else [groups], dtype)
+        if a.strategy == "rules":
+            # A shared weight, or weight decay next to a layer: cross terms.
+            cross = norm_algebra.squared_norms_of_terms(
+                self._terms(a, groups), dtype)
+            if cross is not None:
+                return cross if groups is not None else \
+                    self._checked(cross, a, "norms")
+        g = tf.cast(self.per_example(a), dtype)
+        if groups is not None:
+            g = registry_lib.group_sum(g, groups)
+        sq = tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
+                           axis=1)
+        return sq
+
+    def weighted_sums(self, group, weights):
+        """sum_b weights[b] g_b for each x of `group` (one weights vector),
+        as `{id(assignment): tensor}`."""
+        out = {}
+        by_pass = []
+        for a in group:
+            if a.strategy == "rules":
+                continue
+            done = self._materialized.get(id(a))
+            if done is not None and not _gathered(a.tensor):
+                # Per-example gradients already built (for the norms):
+                # their weighted sum costs B * |x| multiply-adds, where
+                # another backward pass would run the batch's forward and
+                # backward passes again.
+                out[id(a)] = tf.tensordot(tf.cast(weights, done.dtype), done,
+                                          axes=1)
+            else:
+                by_pass.append(a)
+        for a in group:
+            if a.strategy == "rules":
+                parts = [self.to_x(rule.weighted_sum(ctx, weights), a, False)
+                         for rule, ctx in self.shared.contexts(a)]
+                for chain in self._chains(a):
+                    # Linear in the cotangent: the chain's weighted sum is the
+                    # op's gradient of its outputs' weighted sums.
+                    inner = self.weighted_sums(chain.inner, weights)
+                    parts.extend(chains_lib.vjp(
+                        self, chain,
+                        [sparse.dense(inner[id(i)]) for i in chain.inner], a,
+                        False))
+                out[id(a)] = _sum_parts(parts)
+        if by_pass:
+            # Exact whatever the graph: d/dx sum_b w_b l_b with w constant.
+            grads = gradients(self.loss, [a.tensor for a in by_pass],
+                              aggregation_method=AggregationMethod.CUSTOM,
+                              gradient_factors=weights)
+            for a, g in zip(by_pass, grads):
+                out[id(a)] = g
+        return out
+
+    def squared_sum(self, a):
+        """`sum_b g_b ** 2` (elementwise), x's shape."""
+        if a.strategy == "rules" and not self._chains(a):
+            parts = self.shared.contexts(a)
+            if len(parts) == 1:
+                rule, ctx = parts[0]
+                return self.to_x(rule.squared_sum(ctx), a, False)
+        return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _gathered(x_tensor):
+    """Whether rows of x are gathered (an embedding table): its summed
+    gradient is then `IndexedSlices`, which a backward pass keeps."""
+    return any(op.type in ("ResourceGather", "GatherV2", "Gather") and
+               op.inputs[0] is x_tensor for op in x_tensor.consumers())
+
+
+def _sum_parts(parts):
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, indexed_slices_lib.IndexedSlices) for p in parts):
+        return sparse.concat_slices(parts)
+    return tf.add_n([sparse.dense(p) for p in parts])
+
+
+def first_line(e):
+    """The line of an exception's text that says what went wrong."""
+    lines = [l.strip() for l in str(e).strip().split("\n") if l.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def no_strategy(group, errors):
+    """The error for a graph no form can build: names the ops that kept
+    each x off the O(B) forms, what each form said, and what to try."""
+    ops = sorted({"'%s' (%s)" % (a.blocker.name, a.blocker.type)
+                  for a in group if a.blocker is not None})
+    tried = "; ".join("%s: %s" % (f.name, first_line(e)) for f, e in errors)
+    return ValueError(
+        "custagg: no strategy can build per-example gradients of %s%s. "
+        "Tried: rules (%s); %s. What to try: give the inputs a [None, ...] "
+        "shape so each example's forward pass can be copied, build the model "
+        "with control flow v2 (tf.compat.v1.enable_control_flow_v2()), or "
+        "register a rule for the op with @custagg.register_rule." % (
+            ", ".join(a.name for a in group),
+            (", held up by op " + ", ".join(ops)) if ops else "",
+            "; ".join(sorted({a.reason.split(";")[0] for a in group
+                              if a.reason})) or "not asked for",
+            tried))

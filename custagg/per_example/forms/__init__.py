@@ -1,0 +1,40 @@
+"""The per-example forms, each an object behind one interface (`base.Form`:
+plan, then build), and which strategies may take which.
+
+  rules.RULES              "rules"           about 1 backward pass
+  rules.LOOP_RULES         "loop-rules"      about 2 (loops run once more)
+  pfor.BOUNDARY            "boundary"        O(B)
+  pfor.COPIES              "recompute"       O(B)
+  pfor.COPIES_LOOP         "recompute-loop"  O(B)
+  pfor.WHOLE_PASS          "whole-pass"      O(B^2)
+  loop.LOOP                "loop"            O(B^2)
+
+A new form is a `base.Form` subclass, an entry of `FORMS`, and a place in
+`CHAINS` (the forms a strategy tries, in order, at plan time).
+"""
+
+from custagg.per_example.forms import base
+from custagg.per_example.forms import loop
+from custagg.per_example.forms import pfor
+from custagg.per_example.forms import rules
+from custagg.per_example.forms.base import Choice  # noqa: F401
+from custagg.per_example.forms.base import Form  # noqa: F401
+from custagg.per_example.forms.base import REFUSAL_TYPES  # noqa: F401
+from custagg.per_example.forms.base import Refused  # noqa: F401
+from custagg.per_example.forms.base import is_refusal  # noqa: F401
+
+FORMS = {f.name: f for f in (rules.RULES, rules.LOOP_RULES, pfor.BOUNDARY,
+                             pfor.COPIES, pfor.COPIES_LOOP, pfor.WHOLE_PASS,
+                             loop.LOOP)}
+
+# The forms each strategy tries for an x at plan time, in order; the first
+# that does not refuse x takes it. (A form's `plan` may hand x to a variant:
+# the rules to the loop rules, the copies to their while loop.)
+_PFOR = (pfor.BOUNDARY, pfor.COPIES, pfor.WHOLE_PASS)
+CHAINS = {
+    "auto": (rules.RULES,) + _PFOR,
+    "rules": (rules.RULES,),
+    "pfor": _PFOR,
+    "loop": (loop.LOOP,),
+}
+

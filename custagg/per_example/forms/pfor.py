@@ -1,0 +1,155 @@
+"""The forms of the "pfor" strategy, cheapest first: boundary, the copies
+(vectorized, then in a while loop), the whole backward pass.
+
+* "boundary" (O(B)): pfor over copies of just the ops where x meets batch
+  data, seeded with the rows of their output gradients
+  (`vectorized.find_boundary`, `vectorized.boundary_per_example`).
+* "recompute" (O(B)): pfor over per-example copies of the forward pass
+  (`custagg.recompute`); "recompute-loop" runs the same copies in a while
+  loop (a loop whose trip count depends on the example, or a graph pfor
+  cannot convert).
+* "whole-pass" (O(B^2)): pfor over the whole backward pass seeded with
+  `one_hot(i)`: exact for any graph pfor converts, the last resort.
+
+Each falls back at build time (a refusal or TF's conversion error) to the
+next; the whole pass and the boundary form fall back to the per-example
+loop only under "auto" (asked-for "pfor" reports its error).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from custagg import recompute
+from custagg import separability
+from custagg.per_example import vectorized
+from custagg.per_example.forms import base
+from custagg.per_example.forms.loop import LOOP
+
+
+def _zeros(engine, group):
+    return [lambda a=a: tf.zeros(engine.x_shape(a), engine.x_dtype(a))
+            for a in group]
+
+
+class BoundaryForm(base.Form):
+    name = "boundary"
+    strategy = "pfor"
+    what = "pfor at the ops where x meets batch data"
+    cost = "O(B)"
+    scope = "boundary_form"
+    refused_as = "no boundary form: "
+
+    def plan(self, x_tensor, ctx):
+        bounds, why = vectorized.find_boundary(
+            x_tensor, ctx.loss, ctx.ancestors, ctx.region(), ctx.static_b)
+        if bounds is None:
+            raise base.Refused(why)
+        return base.Choice(self, boundaries=bounds)
+
+    def build(self, engine, group):
+        stacked = vectorized.boundary_per_example(
+            engine.loss, group, [a.boundaries for a in group],
+            engine.batch_size, engine.chunk)
+        return dict(zip([id(a) for a in group], stacked))
+
+    def fallback(self, requested):
+        return LOOP if requested == "auto" else None
+
+
+class CopiesForm(base.Form):
+    """pfor over per-example copies of the forward pass."""
+
+    name = "recompute"
+    strategy = "pfor"
+    what = "pfor over per-example copies of the forward pass"
+    cost = "O(B)"
+    scope = "recompute_form"
+    refused_as = "no recompute form: "
+
+    def plan(self, x_tensor, ctx):
+        forward = ctx.forward()
+        if isinstance(forward, recompute.Refused):
+            raise base.Refused(separability.Reason(str(forward), forward.op))
+        if x_tensor.op in forward.op_set:
+            raise base.Refused(separability.Reason(
+                "x ('%s') depends on batch data, and a copy of the forward "
+                "pass would copy it too" % x_tensor.name, x_tensor.op))
+        varying = ctx.varying_loop(forward)
+        if varying is not None:
+            # Static: planned as the while loop, so the plan says what runs.
+            return base.Choice(COPIES_LOOP, forward=forward, note=(
+                "the loop '%s' runs as many iterations as the batch data "
+                "asks (a condition on batch data), which pfor's conversion "
+                "of the copies does not run correctly" % varying.name))
+        return base.Choice(self, forward=forward)
+
+    def _args(self, engine, group):
+        tensors = [a.tensor for a in group]
+        dtypes = [recompute.grad_dtype(t) for t in tensors]
+        batch = recompute.batch_size(group[0].forward, engine.batch_size)
+        return tensors, _zeros(engine, group), dtypes, batch
+
+    def build(self, engine, group):
+        tensors, zeros, dtypes, batch = self._args(engine, group)
+        out = recompute.per_example_pfor(
+            group[0].forward, tensors, zeros, dtypes, batch, engine.chunk,
+            copy_gradients)
+        return dict(zip([id(a) for a in group], out))
+
+    def fallback(self, requested):
+        del requested
+        return COPIES_LOOP
+
+
+class CopiesLoopForm(CopiesForm):
+    """The same copies, one example per iteration of a while loop."""
+
+    name = "recompute-loop"
+    what = ("a while loop over per-example copies of the forward pass")
+    scope = "recompute_loop_form"
+
+    def build(self, engine, group):
+        tensors, zeros, dtypes, batch = self._args(engine, group)
+        out = recompute.per_example_loop(
+            group[0].forward, tensors, zeros, dtypes,
+            [engine.static_x_shape(a) for a in group], batch, copy_gradients)
+        return dict(zip([id(a) for a in group], out))
+
+    def fallback(self, requested):
+        del requested
+        return WHOLE_PASS
+
+
+def copy_gradients(ys, xs, **kwargs):
+    """TF's own gradients for the copies of the forward pass: custagg's
+    traversal adds nothing there, and TF's leaves no `zeros_like` of the
+    TensorLists a loop accumulates (which pfor cannot vectorize)."""
+    return tf.compat.v1.gradients(ys, xs, **kwargs)
+
+
+class WholePassForm(base.Form):
+    name = "whole-pass"
+    strategy = "pfor"
+    what = "pfor over the whole backward pass"
+    cost = "O(B^2)"
+    scope = "whole_pass_form"
+
+    def plan(self, x_tensor, ctx):
+        del x_tensor, ctx
+        return base.Choice(self)
+
+    def build(self, engine, group):
+        stacked = vectorized.whole_pass_per_example(
+            engine.loss, [a.tensor for a in group], _zeros(engine, group),
+            engine.batch_size, engine.chunk)
+        return dict(zip([id(a) for a in group], stacked))
+
+    def fallback(self, requested):
+        return LOOP if requested == "auto" else None
+
+
+BOUNDARY = BoundaryForm()
+COPIES = CopiesForm()
+COPIES_LOOP = CopiesLoopForm()
+WHOLE_PASS = WholePassForm()

@@ -1,0 +1,206 @@
+"""The "rules" and "loop-rules" forms: one backward pass, a rule per op.
+
+Planning finds, for x, every op where x's value is used (looking through
+the ops `custagg.rules.shortcuts` lets the rules see through) and asks the
+registry for a rule; each rule op must keep examples apart down to the loss
+(`separability.coupling`). An op that sees no batch data (`l2_loss(w)`) is a
+`Chain`: x's gradient through it is that op's own gradient applied to the
+per-example gradients of its outputs, which the rules give. A loop that x
+enters is read by the loop rules (`loop_rules.find`), which ask the same
+registry for the body's ops.
+
+Building is shared by every x on rules: the engine's `SharedPass` runs one
+backward pass of the summed loss to all rule ops' outputs (and the loops'
+outputs), and each quantity is reduced from the rules' `RuleContext`s.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from custagg import _walk
+from custagg import separability
+from custagg.per_example.forms import base
+from custagg.per_example.forms import loop_rules
+from custagg.rules import registry as registry_lib
+from custagg.rules import shortcuts
+
+# x used by a rule op: `op.inputs[index]` carries x; `rule` from the registry.
+Consumer = collections.namedtuple("Consumer", ["op", "index", "rule"])
+# A consumer that sees no batch data (`l2_loss(w)`, `gamma * rsqrt(var)`):
+# x's per-example gradient through it is the op's own gradient (TF's, so
+# overrides hold) applied to the per-example gradients of its output,
+# which the rules give (`inner`: one Assignment per float output).
+Chain = collections.namedtuple("Chain", ["op", "indices", "inner"])
+
+# How many batch-free ops a chain may pass before the rules give up.
+MAX_CHAIN = 16
+
+
+def rule_consumers(consumers):
+    """The `Consumer`s and `LoopUse`s of `consumers`, chains' inner ones
+    included."""
+    for c in consumers:
+        if isinstance(c, Chain):
+            for inner in c.inner:
+                for r in rule_consumers(inner.consumers):
+                    yield r
+        else:
+            yield c
+
+
+def find_consumers(x_tensor, loss_ancestors, live):
+    """(op, input index) pairs where x's value enters a non-pass-through op.
+
+    Only ops a gradient of the loss goes through (`live`) count: a use of x
+    under `tf.stop_gradient` or an integer cast is no consumer.
+    """
+    found = []
+    for t, stack in _walk.depth_first(x_tensor):
+        for op in t.consumers():
+            if op not in loss_ancestors or op not in live:
+                continue
+            for k, inp in enumerate(op.inputs):
+                if inp is not t or not live.reaches(inp):
+                    continue
+                if shortcuts.passes_through(op, k, live):
+                    stack.append(op.outputs[0])
+                else:
+                    found.append((op, k))
+    return found
+
+
+def _reached_refs(x_tensor, loss_ancestors, live):
+    """Refs of x and of the pass-through tensors `find_consumers` follows."""
+    refs = set()
+    for t, stack in _walk.depth_first(x_tensor, refs):
+        for op in t.consumers():
+            if op in loss_ancestors and op.inputs[0] is t and \
+                    shortcuts.passes_through(op, 0, live):
+                stack.append(op.outputs[0])
+    return refs
+
+
+def rule_reason(op, k, registry, batch_size, loss, loss_ancestors):
+    """None when the registry's rule for `op` (x at input k) applies here:
+    a rule exists, the op's gradient is the standard one, the rule's static
+    checks pass, and examples stay apart from the rule's start to the loss.
+    Else a `separability.Reason` (the loop rules ask the same question)."""
+    rule = registry.lookup(op.type)
+    if rule is None:
+        return separability.Reason(
+            "no per-example rule for op type '%s' (op '%s')"
+            % (op.type, op.name), op)
+    if shortcuts.gradient_override(op) is not None:
+        return separability.Reason(
+            "op '%s' (type %s) has its gradient overridden (to %r); the "
+            "%s rule implements the standard gradient" % (
+                op.name, op.type, shortcuts.gradient_override(op),
+                op.type), op)
+    ctx = registry_lib.RuleContext(op, k, None, batch_size)
+    why = rule.unsupported(ctx)
+    if why:
+        return separability.Reason(
+            "the %s rule does not handle op '%s': %s" % (
+                op.type, op.name, why), op)
+    if loss is None:
+        return None
+    start, axis = rule.coupling_start(ctx)
+    coupled = separability.coupling(start, axis, loss, loss_ancestors)
+    if coupled:
+        return separability.Reason(
+            "batch coupling between op '%s' and the loss: %s; "
+            "per-example rules assume examples do not interact"
+            % (op.name, coupled), getattr(coupled, "op", None))
+    return None
+
+
+def find_rule_consumers(x_tensor, ctx, depth=0):
+    """x's rule consumers (`Consumer`s, `LoopUse`s, `Chain`s), or raises
+    `Refused` naming the op that has no usable rule."""
+    loss, loss_ancestors = ctx.loss, ctx.ancestors
+    region = ctx.region()
+    consumers, chained = [], set()
+    for op, k in find_consumers(x_tensor, loss_ancestors, ctx.live):
+        if op.type in loop_rules.ENTRY_TYPES:
+            # A loop: its body's ops are what use x (loop rules).
+            use, why = loop_rules.find(op, k, loss, loss_ancestors,
+                                       ctx.registry, ctx.batch_size)
+            if use is None:
+                raise base.Refused(separability.Reason(
+                    "no per-example rule for op type '%s' (op '%s'): %s"
+                    % (op.type, op.name, why), getattr(why, "op", None) or op))
+            consumers.append(use)
+            continue
+        if loop_rules.in_v1_loop(op):
+            # A gradient at a tensor inside a v1 frame is not per iteration.
+            raise base.Refused(separability.Reason(
+                "op '%s' (type %s) is inside a v1 while loop" % (
+                    op.name, op.type), op))
+        if op not in region and depth < MAX_CHAIN:
+            if op in chained:
+                continue
+            chained.add(op)
+            consumers.append(_chain(op, x_tensor, ctx, depth))
+            continue
+        why = rule_reason(op, k, ctx.registry, ctx.batch_size, loss,
+                          loss_ancestors)
+        if why:
+            raise base.Refused(why)
+        consumers.append(Consumer(op, k, ctx.registry.lookup(op.type)))
+    if not consumers:
+        raise base.Refused(
+            "x reaches the loss through no op with a batch input")
+    return consumers
+
+
+def _chain(op, x_tensor, ctx, depth):
+    """A `Chain` through `op` (which sees no batch data), or raises."""
+    reached = _reached_refs(x_tensor, ctx.ancestors, ctx.live)
+    indices = [k for k, inp in enumerate(op.inputs) if inp.ref() in reached]
+    inner = []
+    for out in op.outputs:
+        if out.op not in ctx.ancestors or not out.dtype.is_floating:
+            continue
+        if not any(c in ctx.ancestors for c in out.consumers()):
+            continue
+        consumers = find_rule_consumers(out, ctx, depth + 1)
+        inner.append(ctx.inner_assignment(out, consumers))
+    if not inner:
+        raise base.Refused("op '%s' reaches the loss through no float "
+                           "output" % op.name)
+    return Chain(op, indices, inner)
+
+
+class RulesForm(base.Form):
+    """Per-op rules from one shared backward pass (`engine.SharedPass`)."""
+
+    name = "rules"
+    strategy = "rules"
+    what = "rules"
+    cost = "about 1 backward pass"
+
+    def plan(self, x_tensor, ctx):
+        consumers = find_rule_consumers(x_tensor, ctx)
+        in_loops = any(isinstance(c, loop_rules.LoopUse)
+                       for c in rule_consumers(consumers))
+        return base.Choice(LOOP_RULES if in_loops else self,
+                           consumers=consumers)
+
+    def build(self, engine, group):
+        # The rules never materialize through this path: the engine reduces
+        # each quantity from the shared pass's contexts.
+        return {id(a): engine.rules_per_example(a) for a in group}
+
+
+class LoopRulesForm(RulesForm):
+    """The rules, some of them inside loop bodies (`loop_rules`)."""
+
+    name = "loop-rules"
+    what = ("rules, inside loop bodies too (the loop run once more on the "
+            "whole batch)")
+    cost = "about 2 backward passes"
+
+
+RULES = RulesForm()
+LOOP_RULES = LoopRulesForm()

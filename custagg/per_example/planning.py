@@ -1,0 +1,315 @@
+"""What runs, and why: `Plan` and `Assignment`, and the planner.
+
+`make_plan` asks each form of the strategy's chain (`forms.CHAINS`), in
+order, whether it can give x's per-example gradients; the first that does
+not refuse takes x, and the refusals before it become the assignment's
+reason. A `Plan` is never changed after it is returned: a fallback a build
+takes later is recorded by the engine (`Engine.built`), not in the plan.
+Planning keeps no state between calls: everything it finds about a loss
+lives in this call's `PlanContext`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import tensorflow as tf
+
+from custagg import recompute
+from custagg import separability
+from custagg.per_example import vectorized
+from custagg.per_example.forms import CHAINS
+from custagg.per_example.forms import FORMS
+from custagg.per_example.forms import Refused
+from custagg.per_example.forms import loop_rules
+from custagg.per_example.forms import rules as rules_form
+from custagg.rules import shortcuts
+
+_LOG = logging.getLogger("custagg")
+
+SLOW_FORMS = frozenset(name for name, f in FORMS.items() if f.slow)
+
+
+class Assignment(object):
+    """How one x gets its per-example gradients (read-only once built).
+
+    Attributes:
+      x: the x as given (variable or tensor).
+      tensor: the graph tensor differentiated (a resource handle for
+        resource variables).
+      strategy: "rules", "pfor", "loop", or None when the loss does not
+        depend on x.
+      form: how the graph is built (a key of `forms.FORMS`); None when
+        unconnected.
+      reason: why the cheaper forms were not used; None when the first
+        form of the chain was, or none was considered.
+      consumers: the rule ops, loop uses and chains, for "rules".
+      boundaries: the boundary ops, for the "boundary" form.
+      forward: the forward pass to copy (`recompute.Forward`), for the
+        "recompute" and "recompute-loop" forms.
+      blocker: the op that kept x off a cheaper form, when one op did.
+    """
+
+    __slots__ = ("x", "tensor", "strategy", "reason", "consumers", "form",
+                 "boundaries", "blocker", "forward", "_frozen")
+
+    def __init__(self, x, tensor, strategy, reason=None, consumers=(),
+                 form=None, boundaries=None, blocker=None, forward=None):
+        set_ = object.__setattr__
+        set_(self, "x", x)
+        set_(self, "tensor", tensor)
+        set_(self, "strategy", strategy)
+        set_(self, "reason", reason)
+        set_(self, "consumers", tuple(consumers))
+        set_(self, "form", form or (strategy if strategy in ("rules", "loop")
+                                    else None))
+        set_(self, "boundaries", boundaries)
+        set_(self, "blocker", blocker)
+        set_(self, "forward", forward)
+        set_(self, "_frozen", True)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(
+            "custagg: a plan's Assignment is read-only (setting %r); the "
+            "plan says what runs, and a build records its fallbacks apart "
+            "(Engine.built)." % name)
+
+    @property
+    def name(self):
+        return getattr(self.x, "name", str(self.x))
+
+    @property
+    def cost(self):
+        """The cost class of the form ("O(B)", "O(B^2)", ...), or None."""
+        return FORMS[self.form].cost if self.form else None
+
+    def __repr__(self):
+        return "Assignment(%s: %s%s)" % (
+            self.name, self.form or self.strategy,
+            "" if not self.reason else ", because " + self.reason)
+
+
+class Plan(object):
+    """Which strategy and form each x got; `str(plan)` prints a small table.
+
+    The plan is what runs: the per-example functions build exactly the
+    forms it lists (or, where a build is refused, the fallback they record
+    and log). It is never changed after it is returned.
+    """
+
+    def __init__(self, loss, assignments, batch_size, requested):
+        self.loss = loss
+        self.assignments = tuple(assignments)
+        self.batch_size = batch_size
+        self.requested = requested
+
+    def _find(self, x):
+        for a in self.assignments:
+            if a.x is x or a.tensor is x:
+                return a
+        raise KeyError("custagg: %r is not one of the planned xs." % (x,))
+
+    def strategy_for(self, x):
+        return self._find(x).strategy
+
+    def form_for(self, x):
+        """"rules", "boundary", "whole-pass", "loop", ..., or None."""
+        return self._find(x).form
+
+    def strategies(self):
+        """List aligned with xs: "rules" / "pfor" / "loop" / None."""
+        return [a.strategy for a in self.assignments]
+
+    def forms(self):
+        """List aligned with xs: the form of each (see `forms.FORMS`)."""
+        return [a.form for a in self.assignments]
+
+    def slow(self):
+        """The assignments whose cost grows with B^2."""
+        return [a for a in self.assignments if a.form in SLOW_FORMS]
+
+    def __str__(self):
+        lines = ["per-example plan (strategy=%r):" % self.requested]
+        for a in self.assignments:
+            lines.append("  %-40s %s" % (a.name, describe(a)))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def describe(a, form=None):
+    """One line: what builds x's per-example gradients, and why."""
+    form = form or a.form
+    if a.strategy is None:
+        what = "unconnected (None)"
+    elif form in ("rules", "loop-rules"):
+        found = list(rules_form.rule_consumers(a.consumers))
+        what = "rules via " + ", ".join(sorted(set(
+            c.op.type for c in found if isinstance(c, rules_form.Consumer)) |
+            set("%s in loop '%s'" % (t.op.type, c.name)
+                for c in found if isinstance(c, loop_rules.LoopUse)
+                for t in c.taps)))
+        through = sorted(set(c.op.type for c in a.consumers
+                             if isinstance(c, rules_form.Chain)))
+        if through:
+            what += " (through %s)" % ", ".join(through)
+    else:
+        f = FORMS[form]
+        what = "%s: %s, %s" % (f.strategy, f.what, f.cost)
+        if form in ("recompute", "recompute-loop") and a.forward is not None:
+            what += (
+                " (examples proved apart: no run-time check)"
+                if a.forward.unproven is None else
+                " (checked against the batch's losses at run time: "
+                "not proved apart, %s)" % a.forward.unproven)
+    if a.reason:
+        what += "  [%s]" % a.reason
+    return what
+
+
+class PlanContext(object):
+    """What one `plan_per_example` call knows about its loss; the forms'
+    `plan` reads it. Found lazily, once per call, and dropped with it."""
+
+    def __init__(self, loss, registry):
+        self.loss = loss
+        self.registry = registry
+        self.static_b = tf.compat.dimension_value(loss.shape[0])
+        self.batch_size = (tf.shape(loss)[0] if self.static_b is None
+                           else self.static_b)
+        self.ancestors = separability.ancestors(loss)
+        self.live = shortcuts.live_ops(loss)
+        self._region = None
+        self._forward = None
+        self._varying = {}
+
+    def region(self):
+        """The ops that carry batch data (`vectorized.batch_region`)."""
+        if self._region is None:
+            self._region = vectorized.batch_region(self.ancestors)
+        return self._region
+
+    def forward(self):
+        """The forward pass to copy (`recompute.Forward`), or the
+        `recompute.Refused` saying why it cannot be copied."""
+        if self._forward is None:
+            try:
+                self._forward = recompute.analyze(self.loss, self.ancestors,
+                                                  self.static_b)
+            except recompute.Refused as e:
+                self._forward = e
+        return self._forward
+
+    def varying_loop(self, forward):
+        """`recompute.varying_loop(forward)`, once per call."""
+        if "loop" not in self._varying:
+            self._varying["loop"] = recompute.varying_loop(forward)
+        return self._varying["loop"]
+
+    def inner_assignment(self, tensor, consumers):
+        """The assignment of a chain's inner output (the rules' form)."""
+        return Assignment(tensor, tensor, "rules", None, consumers)
+
+
+def make_plan(loss, xs, tensors, strategy, registry):
+    """The `Plan` of `xs` (graph tensors `tensors`) under `strategy`.
+
+    Raises:
+      ValueError: strategy "rules" refused for an x (the message names the
+        op and suggests a strategy).
+    """
+    ctx = PlanContext(loss, registry)
+    assignments = []
+    for x, t in zip(xs, tensors):
+        if t.op not in ctx.ancestors or not ctx.live.reaches(t):
+            # As tf.gradients: None where no gradient reaches x.
+            assignments.append(Assignment(x, t, None))
+            continue
+        reasons, blocker = [], None
+        for form in CHAINS[strategy]:
+            try:
+                choice = form.plan(t, ctx)
+            except Refused as r:
+                reasons.append(form.refused_as + str(r.reason))
+                blocker = blocker or r.op
+                if strategy == "rules":
+                    raise ValueError(
+                        "custagg: strategy='rules' cannot give per-example "
+                        "gradients of %s: %s. Use strategy='auto' (falls "
+                        "back to 'pfor' for this variable) or 'pfor', or "
+                        "register a rule with @custagg.register_rule(...)."
+                        % (getattr(x, "name", x), r.reason))
+                continue
+            if choice.note:
+                reasons.append(choice.note)
+            f = choice.form
+            assignments.append(Assignment(
+                x, t, f.strategy, "; ".join(reasons) or None,
+                consumers=choice.consumers, form=f.name,
+                boundaries=choice.boundaries, blocker=blocker,
+                forward=choice.forward))
+            break
+        else:   # the last form of every chain takes any x
+            raise AssertionError("custagg: no form took %s: %s" % (
+                getattr(x, "name", x), "; ".join(reasons)))
+    plan = Plan(loss, assignments, ctx.batch_size, strategy)
+    _LOG.debug("%s", plan)
+    return plan
+
+
+# Keyed by graph: the (variable, form) pairs already warned about there.
+# (Warnings only: what a later plan decides never depends on it.)
+_WARNED = weakref.WeakKeyDictionary()
+
+
+def warn_slow(plan, assignments=None, forms=None):
+    """One short warning per graph for the xs whose cost grows with B^2.
+
+    Asked-for slow strategies ("loop", "pfor" on a coupled graph) still
+    warn: the user may not know what they cost. The warning names the op
+    that kept them off the O(B) forms and the cheapest fix, when one is on
+    the user's side. `assignments`/`forms`: a build's fallback (the forms
+    that ran instead of the planned ones).
+    """
+    if assignments is None:
+        slow = [(a, a.form) for a in plan.slow()]
+    else:
+        slow = [(a, f) for a, f in zip(assignments, forms)
+                if f in SLOW_FORMS]
+    graph = plan.loss.graph
+    seen = _WARNED.setdefault(graph, set())
+    fresh = [(a, f) for a, f in slow if (a.name, f) not in seen]
+    if not fresh:
+        return
+    seen.update((a.name, f) for a, f in fresh)
+    blockers = {a.blocker.name: a.blocker for a, _ in fresh if a.blocker}
+    what = "; ".join(sorted({_fix_hint(op) for op in blockers.values()}))
+    _LOG.warning(
+        "custagg: per-example gradients of %s cost O(B^2) (%s)%s. %s"
+        "print(custagg.plan_per_example(...)) shows why.",
+        ", ".join(sorted({a.name for a, _ in fresh})),
+        ", ".join(sorted({FORMS[f].what for _, f in fresh})),
+        (", held up by op " + ", ".join("'%s' (%s)" % (n, op.type)
+                                        for n, op in sorted(blockers.items())))
+        if blockers else "",
+        (what + ". ") if what else "")
+
+
+def _fix_hint(op):
+    """The cheapest fix for a blocking op, in the user's terms ("" if none)."""
+    if op.type.startswith("FusedBatchNorm") or op.type in ("Mean", "Sum"):
+        return ("batch statistics mix examples: per-example gradients are "
+                "exact but cost a pass per example; layer normalization, or "
+                "batch normalization in inference mode, keeps them apart")
+    shapes = [t.shape for t in list(op.inputs) + list(op.outputs)]
+    if any(sh.rank is None or (sh.rank and None in sh.as_list()[1:])
+           for sh in shapes):
+        return ("op '%s' has inputs or outputs of unknown shape: giving the "
+                "placeholders static shapes except the batch axis may let "
+                "custagg prove that examples stay apart" % op.name)
+    if op.type == "Reshape" or op.type == "Transpose":
+        return ("op '%s' moves the batch axis: keep the batch on axis 0 "
+                "(tf.reshape(x, [tf.shape(x)[0], ...]) or [-1, ...])"
+                % op.name)
+    return ""

@@ -1,0 +1,400 @@
+"""The "pfor" strategy: TF's vectorization of per-example backward passes.
+
+Two forms, tried in order for each x:
+
+1. Boundary ops (fast, about B times one op's backward). The ops where x's
+   value first meets batch data ("boundary ops": a MatMul of activations and
+   `inv(W)`, say) are re-created inside a `pfor` body on example i's rows
+   of their batch inputs, and differentiated from there back to x with the
+   seed `dz[i]`, the example's own row of the summed loss's gradient
+   (valid because nothing downstream mixes examples: checked by
+   `separability`). Everything between x and the boundary (the parameter
+   side, e.g. `inv`) is differentiated inside the body too, so no rule is
+   needed for any op.
+2. Whole backward pass (exact for any graph): the loss's backward pass
+   seeded with `one_hot(i)`, vectorized over i. Each example's pass goes
+   through the whole batch, so cost grows with B^2; chunks of
+   `chunk` examples bound the memory.
+
+Both run in passes (`chunked_pfor`) of as many examples as keep a pass's
+outputs under `PASS_BYTES`, never fewer than `chunk` (the whole backward
+pass: always `chunk`).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+
+from custagg import _tf_compat
+from custagg import _walk
+from custagg import separability
+from custagg import sparse
+from custagg._tf_compat import attr_value_pb2
+from custagg._tf_compat import backprop_util
+from custagg._tf_compat import pfor_ops
+from custagg._tf_compat import resource_variable_ops
+from custagg.gradients import gradients
+
+# Ops that bring batch data into a graph.
+_BATCH_SOURCES = frozenset(["Placeholder", "PlaceholderWithDefault",
+                            "IteratorGetNext", "IteratorGetNextSync",
+                            "OptionalGetValue"])
+
+_Boundary = collections.namedtuple("_Boundary", ["op", "batch_inputs"])
+
+
+def batch_region(loss_ancestors):
+    """Ops among the loss's ancestors that depend on batch data."""
+    region = set()
+    queue = collections.deque(op for op in loss_ancestors
+                              if op.type in _BATCH_SOURCES)
+    while queue:
+        op = queue.popleft()
+        if op in region:
+            continue
+        region.add(op)
+        for out in op.outputs:
+            queue.extend(c for c in out.consumers() if c in loss_ancestors)
+    return region
+
+
+def _is_batch_tensor(t, region, batch_static):
+    if t.op not in region or t.shape.rank in (None, 0):
+        return t.op in region and t.shape.rank is None
+    lead = tf.compat.dimension_value(t.shape[0])
+    return lead is None or batch_static is None or lead == batch_static
+
+
+def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
+    """The boundary ops of x, or (None, reason) when the fast form does not apply."""
+    found, seen_ops, seen = [], set(), set()
+    for t, stack in _walk.depth_first(x_tensor, seen):
+        if t is loss:
+            return None, "x reaches the loss without meeting batch data"
+        for op in t.consumers():
+            if op not in loss_ancestors or op in seen_ops:
+                continue
+            seen_ops.add(op)
+            batch_inputs = [k for k, inp in enumerate(op.inputs)
+                            if _is_batch_tensor(inp, region, batch_static)]
+            if not batch_inputs:
+                stack.extend(out for out in op.outputs
+                             if backprop_util.IsTrainable(out))
+                continue
+            for k in batch_inputs:
+                # The copy holds its batch inputs constant; one that x
+                # reached through ops that are not boundaries (a transposed
+                # activation whose leading axis is not B, or x itself being
+                # batch data) would cut x's path: no fast form then.
+                if op.inputs[k].ref() in seen:
+                    return None, (
+                        "input %d of op '%s' (type %s) depends on both x and "
+                        "batch data through ops whose batch axis is not "
+                        "leading" % (k, op.name, op.type))
+                if separability.propagate(op, k, 0) != 0:
+                    return None, separability.Reason(
+                        "op '%s' (type %s) does not keep examples apart"
+                        % (op.name, op.type), op)
+            for out in op.outputs:
+                if out.op in loss_ancestors and backprop_util.IsTrainable(out):
+                    why = separability.coupling(out, 0, loss, loss_ancestors)
+                    if why:
+                        return None, why
+            found.append(_Boundary(op, batch_inputs))
+    if not found:
+        return None, "no op where x meets batch data"
+    return found, None
+
+
+def _explicit_padding(op):
+    """The `[4, 2]` paddings of a Conv2D with explicit padding, else None."""
+    if op.type != "Conv2D":
+        return None
+    try:
+        if op.get_attr("padding") != b"EXPLICIT":
+            return None
+        pads = list(op.get_attr("explicit_paddings"))
+    except ValueError:
+        return None
+    return [pads[j:j + 2] for j in range(0, len(pads), 2)]
+
+
+def _copy_on_rows(op, batch_inputs, i):
+    """Re-creates `op` on rows [i:i+1] of its batch inputs.
+
+    A Conv2D with explicit padding is copied as `tf.pad` of its input and a
+    VALID Conv2D (the same values): TF's pfor converter for its filter
+    gradient, Conv2DBackpropFilter, drops `explicit_paddings`, and the
+    vectorized op then fails at run time.
+    """
+    inputs = [tf.gather(inp, tf.reshape(i, [1])) if k in batch_inputs
+              else inp for k, inp in enumerate(op.inputs)]
+    graph = tf.compat.v1.get_default_graph()
+    attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
+    pads = _explicit_padding(op)
+    if pads is not None:
+        sliced = [inputs[k] for k in batch_inputs]
+        inputs[0] = tf.pad(inputs[0], pads)
+        attrs["padding"] = attr_value_pb2.AttrValue(s=b"VALID")
+        attrs["explicit_paddings"] = attr_value_pb2.AttrValue(
+            list=attr_value_pb2.AttrValue.ListValue())
+        new = _tf_compat.create_op(
+            graph, op.type, inputs, dtypes=[o.dtype for o in op.outputs],
+            name=op.name.split("/")[-1] + "_example", attrs=attrs,
+            op_def=op.op_def)
+        return new, sliced
+    new = _tf_compat.create_op(
+        graph, op.type, inputs, dtypes=[o.dtype for o in op.outputs],
+        name=op.name.split("/")[-1] + "_example", attrs=attrs,
+        op_def=op.op_def)
+    return new, [inputs[k] for k in batch_inputs]
+
+
+# The most bytes of outputs one pass of `chunked_pfor` may produce when it
+# grows past `chunk` examples. Each pass has a fixed cost, the vectorized
+# graph's op count (a converted while loop runs all its ops at every step
+# whatever the pass size), which at 32 examples a pass is most of the time of
+# small layers: the while-loop LSTM's per-example norms at B=512 took 232 ms
+# in passes of 32 and 155 ms in one pass (tf.vectorized_map, one pass: 147).
+# 64 MiB of outputs is 677 examples of that LSTM's cell gradients.
+PASS_BYTES = 64 * 2 ** 20
+
+
+def chunked_pfor(loop_fn, n, chunk, dtypes, max_pass_bytes=None):
+    """`pfor(loop_fn, n)` in passes: `chunk` iterations first, then more.
+
+    TF's own `parallel_iterations` always builds a leftover pass of
+    `n % chunk` iterations, and with 0 of them (n a multiple of the chunk)
+    several converters (ReluGrad, max-pool and while-loop gradients) build
+    wrongly shaped results that fail at run time; TF 2.12 also fails for
+    `n < chunk`. Here every pass vectorizes at least 1 iteration, and a pass
+    takes `p = max(chunk, max_pass_bytes // b)` iterations, `b` the bytes of
+    one iteration's outputs (from a trace of `loop_fn(0)` that never runs),
+    so that small outputs take few passes: one pass when `n <= p` is known
+    statically, else a `tf.while_loop` over passes of `min(p, n - start)`.
+    Where the trace does not give `b`, the first pass takes `chunk` and the
+    later ones `p` from the first pass's shapes (`chunk` if not static).
+
+    Args:
+      loop_fn: `i -> list of tensors` (scalar int32 i), one per `dtypes`.
+      n: number of iterations (int or scalar int32 tensor; >= 0).
+      chunk: the fewest iterations of a pass (of the first one, where one
+        iteration's output bytes are not known before it is traced).
+      dtypes: the dtypes `loop_fn` returns, in order.
+      max_pass_bytes: the outputs' bytes a later pass may reach (None:
+        `PASS_BYTES`; 0: every pass `chunk`, for loop functions whose memory
+        is not in their outputs, such as a whole backward pass).
+
+    Returns:
+      List of `[n, ...]` tensors, row i from iteration i.
+    """
+    static_n = n if isinstance(n, int) else tf.get_static_value(n)
+    if static_n is not None and static_n <= chunk:
+        return pfor_ops.pfor(loop_fn, int(static_n))
+    if max_pass_bytes is None:
+        max_pass_bytes = PASS_BYTES
+    first, probed = chunk, None
+    if max_pass_bytes > 0:
+        probed = _output_shapes(loop_fn)
+        if probed is not None:
+            first = later_pass_size(probed, dtypes, chunk, max_pass_bytes)
+    if static_n is not None and static_n <= first:
+        return pfor_ops.pfor(loop_fn, int(static_n))
+    n = tf.convert_to_tensor(n, tf.int32)
+    if probed is not None and static_n is None:
+        # A batch that fits one pass (the usual case) skips the loop over
+        # passes: its frame, the arrays and their concatenation cost 3-4%
+        # of norule_rnn's per-example norms next to `tf.vectorized_map`'s
+        # single pfor. pfor converts loop_fn once more for the other branch
+        # (build time, not run time).
+        def one_pass():
+            return [tf.cast(o, d) for o, d in
+                    zip(pfor_ops.pfor(loop_fn, n), dtypes)]
+
+        def in_passes():
+            return _passes(loop_fn, n, chunk, dtypes, max_pass_bytes, first,
+                           static_n)
+
+        outs = tf.cond(n <= first, one_pass, in_passes)
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        for out, shape in zip(outs, probed):
+            try:
+                out.set_shape(tf.TensorShape([None]).concatenate(shape))
+            except ValueError:
+                pass        # the trace's shapes are only a hint here
+        return list(outs)
+    return _passes(loop_fn, n, chunk, dtypes, max_pass_bytes, first, static_n)
+
+
+def _passes(loop_fn, n, chunk, dtypes, max_pass_bytes, first, static_n):
+    """`chunked_pfor`'s `tf.while_loop` over passes, the first of `first`
+    iterations."""
+    shapes = []
+
+    def body(j, start, size, arrays):
+        size = tf.minimum(size, n - start)
+
+        @tf.autograph.experimental.do_not_convert
+        def offset_fn(i):
+            return loop_fn(i + start)
+
+        outs = pfor_ops.pfor(offset_fn, size)
+        del shapes[:]
+        shapes.extend(o.shape[1:] for o in outs)
+        later = later_pass_size(shapes, dtypes, chunk, max_pass_bytes)
+        return (j + 1, start + size, tf.constant(later),
+                [ta.write(j, tf.cast(o, ta.dtype)) for ta, o in zip(arrays, outs)])
+
+    arrays = [tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False)
+              for dtype in dtypes]
+    _, _, _, arrays = tf.while_loop(
+        lambda j, start, size, _: start < n, body,
+        [tf.constant(0), tf.constant(0), tf.constant(first), arrays],
+        parallel_iterations=1)
+    results = []
+    for ta, shape in zip(arrays, shapes):
+        out = ta.concat()
+        out.set_shape(tf.TensorShape([static_n]).concatenate(shape))
+        results.append(out)
+    return results
+
+
+def _output_shapes(loop_fn):
+    """The shapes of `loop_fn(0)`'s outputs, from a trace in a function that
+    is never called (so nothing of it runs or joins the graph), or None when
+    that trace fails (the real one, inside pfor, then says why)."""
+    probe = tf.function(lambda: loop_fn(tf.constant(0)), autograph=False)
+    try:
+        outs = probe.get_concrete_function().structured_outputs
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return [tf.TensorShape(o.shape) for o in outs]
+
+
+def later_pass_size(shapes, dtypes, chunk, max_pass_bytes):
+    """Iterations of one of `chunked_pfor`'s passes.
+
+    Args:
+      shapes: one iteration's output shapes (`TensorShape`s, no leading axis).
+      dtypes: their dtypes.
+      chunk: the fewest iterations a pass takes.
+      max_pass_bytes: the most bytes of outputs a pass grows to.
+
+    Returns:
+      int: `max(chunk, max_pass_bytes // bytes of one iteration)`, `chunk`
+      when a shape is not fully known.
+    """
+    if not all(s.is_fully_defined() for s in shapes):
+        return chunk
+    per_iteration = sum(max(1, s.num_elements()) * tf.as_dtype(d).size
+                        for s, d in zip(shapes, dtypes))
+    grown = max_pass_bytes // max(1, per_iteration)
+    return int(max(chunk, min(grown, 2 ** 31 - 1)))
+
+
+def _grad_dtype(t):
+    """The dtype of a gradient with respect to `t` (resource: its value's)."""
+    if t.dtype == tf.resource:
+        data = resource_variable_ops.get_eager_safe_handle_data(t)
+        if data is not None and data.is_set and data.shape_and_type:
+            return tf.as_dtype(data.shape_and_type[0].dtype)
+        raise ValueError("custagg: cannot tell the value dtype of resource "
+                         "%s." % t.name)
+    return t.dtype.base_dtype
+
+
+def boundary_per_example(loss, group, boundaries, batch, chunk):
+    """Per-example gradients of each x in `group` through its boundary ops.
+
+    Args:
+      loss: `[B]` loss.
+      group: assignments, each with `.tensor`.
+      boundaries: list aligned with group: the x's boundary ops.
+      batch: B (int or scalar tensor).
+      chunk: examples vectorized at once.
+
+    Returns:
+      List aligned with group of `[B, *x.shape]` tensors.
+    """
+    outs = []
+    for bounds in boundaries:
+        for b in bounds:
+            outs.extend(o for o in b.op.outputs
+                        if backprop_util.IsTrainable(o))
+    unique = list({o.ref(): o for o in outs}.values())
+    dz = dict(zip([o.ref() for o in unique], gradients(loss, unique)))
+
+    # pfor runs loop_fn through autograph unless told not to; custagg's
+    # traversal is plain graph-building Python and must not be rewritten.
+    @tf.autograph.experimental.do_not_convert
+    def loop_fn(i):
+        results = []
+        for a, bounds in zip(group, boundaries):
+            ys, seeds, held = [], [], []
+            for b in bounds:
+                new, sliced = _copy_on_rows(b.op, b.batch_inputs, i)
+                held.extend(sliced)
+                for old, out in zip(b.op.outputs, new.outputs):
+                    g = dz.get(old.ref())
+                    if g is None:
+                        continue
+                    ys.append(out)
+                    seeds.append(tf.gather(sparse.dense(g),
+                                           tf.reshape(i, [1])))
+            # The sliced batch inputs are held constant: other uses of x
+            # upstream of them are other boundary ops, counted there.
+            g, = gradients(ys, [a.tensor], grad_ys=seeds,
+                           stop_gradients=held,
+                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            results.append(sparse.dense(g))
+        return results
+
+    return chunked_pfor(loop_fn, batch, chunk,
+                        [_grad_dtype(a.tensor) for a in group])
+
+
+def _pfor_safe(loss, tensors):
+    """False when the backward pass from `loss` to `tensors` holds an op
+    whose gradient TF's pfor vectorizes wrongly: a Conv2D with explicit
+    padding (its Conv2DBackpropFilter converter drops `explicit_paddings`)."""
+    between = separability.ancestors(loss)
+    return not any(_explicit_padding(op) is not None for op in between)
+
+
+def _loop_per_example(loop_fn, batch, dtypes):
+    """`loop_fn(i)` for each example in a `tf.while_loop`, stacked."""
+    arrays = [tf.TensorArray(d, size=batch, infer_shape=True) for d in dtypes]
+
+    def body(i, arrays):
+        return i + 1, [ta.write(i, tf.cast(g, ta.dtype))
+                       for ta, g in zip(arrays, loop_fn(i))]
+
+    _, arrays = tf.while_loop(lambda i, _: i < batch, body,
+                              [tf.constant(0), arrays])
+    return [ta.stack() for ta in arrays]
+
+
+def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
+    """Per-example gradients by the one-hot-seeded full backward pass.
+
+    Vectorized with pfor, except where pfor would build a wrong graph
+    (`_pfor_safe`): then the same passes run one example at a time.
+    """
+
+    # pfor runs loop_fn through autograph unless told not to; custagg's
+    # traversal is plain graph-building Python and must not be rewritten.
+    @tf.autograph.experimental.do_not_convert
+    def loop_fn(i):
+        seed = tf.one_hot(i, batch, dtype=loss.dtype)
+        grads = gradients(loss, tensors, grad_ys=seed)
+        return [sparse.dense(g) if g is not None else z()
+                for g, z in zip(grads, zeros)]
+
+    dtypes = [_grad_dtype(t) for t in tensors]
+    if not _pfor_safe(loss, tensors):
+        return _loop_per_example(loop_fn, batch, dtypes)
+    # Each iteration holds a backward pass through the whole batch, which its
+    # [*x.shape] outputs do not show: passes stay at `chunk`.
+    return chunked_pfor(loop_fn, batch, chunk, dtypes, max_pass_bytes=0)
