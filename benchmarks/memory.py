@@ -28,6 +28,7 @@ The traced step is run once, apart from the timed runs (tracing slows a step).
 
 import collections
 
+
 def peak_from_step_stats(step_stats):
     """Peak live bytes of a step, from its `StepStats` proto.
 
@@ -36,7 +37,9 @@ def peak_from_step_stats(step_stats):
 
     Returns:
       (peak_bytes, by_allocator): `peak_bytes` is an int, the sum over
-      allocators of each allocator's peak of live bytes during the step;
+      allocators of each allocator's peak of live bytes during the step (an
+      upper bound if several allocators peak at different times; on this CPU
+      build one allocator, "mklcpu", takes nearly everything);
       `by_allocator` maps an allocator name ("cpu", "mklcpu", ...) to its peak.
       Each allocator's peak is the maximum of the running sum of its
       allocation records in time order; at equal time stamps allocations
