@@ -133,7 +133,7 @@ def _ratio(a, b):
 def _mem_cell(ratio, peak_mb):
     if ratio is None:
         return "-"
-    return "%.2fx (%.3g MB)" % (ratio, peak_mb)
+    return "%.2fx (%s MB)" % (ratio, "%.3g" % peak_mb if peak_mb < 1000 else "%.0f" % peak_mb)
 
 
 def _markdown(rows, meta):
