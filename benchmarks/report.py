@@ -6,21 +6,22 @@ from benchmarks.systems import SYSTEMS, TASKS
 _SHORT = {"ok": None, "skipped": "skip", "timeout": "timeout", "failed": "FAIL"}
 
 # One colour and marker per system, the same in every panel and figure (the
-# notebook uses these too). custagg's systems are solid lines, the others
-# dashed; a system not listed gets a style fixed by its name.
+# notebook uses these too). custagg's systems have strong colours far apart
+# from each other and from the others, solid and thicker lines; the others are
+# dashed and thin. A system not listed gets a style fixed by its name.
 SYSTEM_STYLES = {
-    "custagg_auto": ("#1f77b4", "o", "-"),
-    "custagg_rules": ("#17becf", "s", "-"),
-    "custagg_pfor": ("#2ca02c", "^", "-"),
-    "custagg_loop": ("#98df8a", "v", "-"),
-    "custagg_custom_slices": ("#9467bd", "D", "-"),
-    "custagg_custom_vector": ("#c5b0d5", "d", "-"),
-    "custagg_grad_ys": ("#8c564b", "P", "-"),
-    "tf_loop": ("#7f7f7f", "x", "--"),
+    "custagg_auto": ("#0b3fd6", "o", "-"),        # blue
+    "custagg_rules": ("#00a6a6", "s", "-"),       # teal
+    "custagg_pfor": ("#2ca02c", "^", "-"),        # green
+    "custagg_loop": ("#8e24aa", "v", "-"),        # violet
+    "custagg_custom_slices": ("#e6a000", "D", "-"),  # amber
+    "custagg_custom_vector": ("#e4007c", "d", "-"),  # magenta
+    "custagg_grad_ys": ("#6d4c41", "P", "-"),     # brown
+    "tf_loop": ("#9e9e9e", "x", "--"),
     "tf_vmap": ("#d62728", "X", "--"),
     "tf_jacobian": ("#ff9896", "*", "--"),
     "tf_grad_ys": ("#bcbd22", "h", "--"),
-    "tfp_vectorized": ("#e377c2", "p", "--"),
+    "tfp_vectorized": ("#f7b6d2", "p", "--"),
     "jax_vmap": ("#ff7f0e", "<", "--"),
     "torch_func": ("#000000", ">", "--"),
     "opacus": ("#c49c94", "8", "--"),
@@ -28,17 +29,53 @@ SYSTEM_STYLES = {
 _SPARE = [("#393b79", "H"), ("#637939", "1"), ("#8c6d31", "2"),
           ("#843c39", "3"), ("#7b4173", "4"), ("#3182bd", "+")]
 
+# Short task names for figure panels (the tables use TASKS' full text).
+TASK_LABELS = {"grads": "(a) per-example grads", "norms": "(b) norms",
+               "clip": "(b2) clipped sum", "dpsgd": "(c) DP-SGD step",
+               "custom": "(d) weighted sum"}
+
 
 def system_style(system):
-    """matplotlib keywords (color, marker, linestyle) of `system`, fixed by
-    its name alone, so a system looks the same wherever it is drawn."""
+    """matplotlib keywords (color, marker, linestyle, linewidth) of `system`,
+    fixed by its name alone, so a system looks the same wherever it is drawn."""
     if system in SYSTEM_STYLES:
         color, marker, ls = SYSTEM_STYLES[system]
     else:
         import zlib  # pylint: disable=g-import-not-at-top
         color, marker = _SPARE[zlib.crc32(system.encode()) % len(_SPARE)]
         ls = "-" if system.startswith("custagg") else "--"
-    return {"color": color, "marker": marker, "linestyle": ls}
+    return {"color": color, "marker": marker, "linestyle": ls,
+            "linewidth": 2.0 if ls == "-" else 1.0}
+
+
+NOISE_FACTOR = 1.5
+
+
+def noisy_records(records):
+    """ids of the records whose time ratio is less trustworthy: fewer than 3
+    timed runs, or a floor time more than NOISE_FACTOR away from the median
+    floor time of its (model, B, framework) in `records`. The floor is the
+    same computation in every configuration of a (model, B, framework), so a
+    floor far from its median says the machine's load moved during that
+    configuration. Memory figures are not affected by load."""
+    groups = {}
+    for r in records:
+        if r.get("status") == "ok" and r.get("floor_ms"):
+            key = (r["model"], r["batch_size"], r.get("framework"))
+            groups.setdefault(key, []).append(r["floor_ms"])
+    medians = {k: statistics.median(v) for k, v in groups.items()}
+    noisy = set()
+    for r in records:
+        if r.get("status") != "ok":
+            continue
+        if r.get("repeats") is not None and r["repeats"] < 3:
+            noisy.add(id(r))
+            continue
+        med = medians.get((r["model"], r["batch_size"], r.get("framework")))
+        if med and r.get("floor_ms") and not (
+                med / NOISE_FACTOR <= r["floor_ms"] <= med * NOISE_FACTOR):
+            noisy.add(id(r))
+    return noisy
 
 
 def _fmt_ms(ms):
@@ -47,15 +84,16 @@ def _fmt_ms(ms):
     return "%.3g" % ms if ms < 100 else "%.0f" % ms
 
 
-def _cell(rec):
+def _cell(rec, noisy=()):
     """`ratio (median / floor ms)`: both times from the record's own process,
-    so the ratio is exactly the quotient shown beside it."""
+    so the ratio is exactly the quotient shown beside it; `~` before a noisy
+    one (`noisy_records`)."""
     if rec is None:
         return ""
     if rec["status"] != "ok":
         return _SHORT.get(rec["status"], rec["status"])
     ratio = rec["ratio_to_floor"]
-    text = ("%.1fx" if ratio < 10 else "%.0fx") % ratio
+    text = ("~" if id(rec) in noisy else "") + ("%.1fx" if ratio < 10 else "%.0fx") % ratio
     if rec.get("floor_ms"):
         text += " (%s / %s)" % (_fmt_ms(rec["median_ms"]),
                                 _fmt_ms(rec["floor_ms"]))
@@ -64,6 +102,27 @@ def _cell(rec):
     if rec.get("check") == "fail":
         text += " ✗"
     return text
+
+
+def _mem_cell(rec):
+    """`ratio (peak MB / floor peak MB)`: the step's peak bytes of live
+    tensors over the floor's, both traced in the record's own process
+    (benchmarks/memory.py)."""
+    if rec is None:
+        return ""
+    if rec["status"] != "ok":
+        return _SHORT.get(rec["status"], rec["status"])
+    ratio = rec.get("peak_ratio")
+    if ratio is None:
+        return "-"
+    text = ("%.2fx" if ratio < 10 else "%.0fx") % ratio
+    return text + " (%s / %s)" % (_fmt_mb(rec.get("peak_mb")), _fmt_mb(rec.get("floor_peak_mb")))
+
+
+def _fmt_mb(mb):
+    if mb is None:
+        return "-"
+    return "%.3g" % mb if mb < 1000 else "%.0f" % mb
 
 
 def _index(records):
@@ -75,8 +134,16 @@ def _ordered(values, order):
     return [v for v in order if v in values] + sorted(values - set(order))
 
 
-def task_tables(records, tasks=None, heading="##"):
-    """Markdown lines: one table per task, a row per (model, B), a column per system."""
+def task_tables(records, tasks=None, heading="##", cell=None, title=None):
+    """Markdown lines: one table per task, a row per (model, B), a column per system.
+
+    `cell(record) -> str` fills a cell (default: time ratio to the floor);
+    `title(task) -> str` heads each table (default: the task's description).
+    """
+    if cell is None:
+        noisy = noisy_records(records)
+        cell = lambda r: _cell(r, noisy)  # noqa: E731
+    title = title or (lambda task: TASKS.get(task, task))
     models = _ordered((r["model"] for r in records),
                       ["softmax", "mlp", "cnn", "text", "lstm", "transformer"])
     sizes = sorted({r["batch_size"] for r in records})
@@ -86,7 +153,7 @@ def task_tables(records, tasks=None, heading="##"):
         if tasks is not None and task not in tasks:
             continue
         systems = _ordered((r["system"] for r in records if r["task"] == task), list(SYSTEMS))
-        lines += ["%s %s" % (heading, TASKS.get(task, task)), ""]
+        lines += ["%s %s" % (heading, title(task)), ""]
         lines.append("| model | B | " + " | ".join(systems) + " |")
         lines.append("|---|---:|" + "---:|" * len(systems))
         for model in models:
@@ -95,9 +162,21 @@ def task_tables(records, tasks=None, heading="##"):
                 if not any(row):
                     continue
                 lines.append("| %s | %d | %s |" % (
-                    model, b, " | ".join(_cell(r) for r in row)))
+                    model, b, " | ".join(cell(r) for r in row)))
         lines.append("")
     return lines
+
+
+def memory_tables(records, tasks=None, heading="##"):
+    """Markdown lines: the peak-memory ratios, one table per task that has
+    any memory figure (records from before the memory column have none)."""
+    measured = [r for r in records if r.get("peak_ratio") is not None]
+    if not measured:
+        return []
+    keep = {(r["model"], r["task"], r["system"]) for r in measured}
+    rows = [r for r in records if (r["model"], r["task"], r["system"]) in keep]
+    return task_tables(rows, tasks=tasks, heading=heading, cell=_mem_cell,
+                       title=lambda task: "Peak memory, %s" % TASKS.get(task, task))
 
 
 README_START = ("<!-- benchmark-tables:start (python -m benchmarks --report-only "
@@ -126,13 +205,22 @@ def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")
     block = [README_START, "",
              "Measured on %s, %s cores, %s GB RAM; %s; %s. Cells: ratio to the floor (median "
              "ms / the floor's median ms, both measured in the same process; the floor is the "
-             "aggregated gradient of the summed loss in the system's own framework). skip: "
+             "aggregated gradient of the summed loss in the system's own framework); ~: noisy "
+             "(fewer than 3 runs, or the floor's time %gx or more off its median for that model "
+             "and B: the machine's load moved). skip: "
              "estimated too slow (B² systems) or not supported by the strategy; notes, the "
              "other figures and task (d) are in [`%s`](%s)." % (
                  meta.get("cpu", "?"), meta.get("cores", "?"), meta.get("memory_gb", "?"),
-                 versions or "versions not recorded", runs, results_md, results_md),
+                 versions or "versions not recorded", runs, NOISE_FACTOR, results_md,
+                 results_md),
              ""]
     block += task_tables(records, tasks=tasks, heading="####")
+    mem = memory_tables(records, tasks=tasks, heading="####")
+    if mem:
+        block += ["Peak memory: the step's peak bytes of live tensors over the floor's "
+                  "(TF: allocation records of one traced step; JAX: XLA's buffer assignment; "
+                  "PyTorch: the profiler's memory events), then (peak MB / floor peak MB); "
+                  "variables and inputs are not in it.", ""] + mem
     block.append(README_END)
     with open(path, "w") as f:
         f.write(head + "\n".join(block) + tail)
@@ -157,12 +245,23 @@ def write_markdown(path, records, meta):
         "ratio is the quotient beside it. The floor is the plain "
         "aggregated gradient of the summed loss in the system's framework "
         "(TF: `tf.compat.v1.gradients`; JAX: `jit(grad)`; PyTorch: `loss.sum().backward()`). "
+        "~: noisy (fewer than 3 timed runs, or the floor's time %gx or more off its median "
+        "for that model, B and framework: the machine's load moved during it). "
         "✗: numbers disagree with the reference "
         "(tolerance %g, max abs error over max abs value). skip/timeout/FAIL: see the notes "
-        "below." % meta.get("tolerance", 1e-3),
+        "below." % (NOISE_FACTOR, meta.get("tolerance", 1e-3)),
         "",
     ]
     lines += task_tables(records, heading="##")
+    mem = memory_tables(records, heading="##")
+    if mem:
+        lines += ["Peak memory tables: each cell is the step's peak bytes of live tensors over "
+                  "the floor's peak (x), then (peak MB / floor peak MB), one traced step of each "
+                  "in the record's own process after the timed runs: TF from the allocation "
+                  "records of `RunMetadata.step_stats` (benchmarks/memory.py), JAX from XLA's "
+                  "buffer assignment (`memory_analysis()`: temporaries + outputs), PyTorch from "
+                  "`torch.profiler` memory events. Variables and fed inputs are not in it. "
+                  "Unlike times, these do not depend on the machine's load.", ""] + mem
 
     bad = [r for r in records if r.get("check") == "fail"]
     lines += ["## Check failures", ""]
@@ -189,14 +288,17 @@ def write_markdown(path, records, meta):
                                                 SYSTEMS[name].description))
     lines += ["", "## All records", "",
               "| model | B | task | system | status | median ms | x floor | floor ms | first run ms "
-              "| build s | ops | peak RSS MB | check |",
-              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| build s | ops | peak MB | x floor peak | floor peak MB | peak RSS MB | check |",
+              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
-        lines.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
+                     "| %s | %s |" % (
             r["model"], r["batch_size"], r["task"], r["system"], r["status"],
             _fmt_ms(r.get("median_ms")), _num(r.get("ratio_to_floor"), "%.2f"),
             _fmt_ms(r.get("floor_ms")), _fmt_ms(r.get("first_run_ms")),
             _num(r.get("build_s"), "%.2f"), _num(r.get("n_ops"), "%d"),
+            _fmt_mb(r.get("peak_mb")), _num(r.get("peak_ratio"), "%.2f"),
+            _fmt_mb(r.get("floor_peak_mb")),
             _num(r.get("peak_rss_mb"), "%.0f"), r.get("check") or ""))
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -221,6 +323,7 @@ def write_plot(path, records):
     ok = [r for r in records if r["status"] == "ok" and r.get("ratio_to_floor")]
     if not ok:
         return
+    noisy = noisy_records(records)
     tasks = _ordered((r["task"] for r in ok), list(TASKS))
     models = _ordered((r["model"] for r in ok), ["softmax", "mlp", "cnn", "text", "lstm",
                                                   "transformer"])
@@ -237,17 +340,24 @@ def write_plot(path, records):
                 continue
             ax.axhline(1.0, color="k", lw=0.8, ls=":")
             for s in systems:
-                pts = sorted((r["batch_size"], r["ratio_to_floor"]) for r in rows
-                             if r["system"] == s)
+                pts = sorted((r["batch_size"], r["ratio_to_floor"], id(r) in noisy)
+                             for r in rows if r["system"] == s)
                 if pts:
-                    line, = ax.plot(*zip(*pts), ms=4, lw=1.2, label=s, **system_style(s))
+                    style = system_style(s)
+                    line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=4,
+                                    label=s, **style)
                     handles.setdefault(s, line)
+                    # Noisy points: a hollow ring around the marker.
+                    bad = [p for p in pts if p[2]]
+                    if bad:
+                        ax.plot([p[0] for p in bad], [p[1] for p in bad], ls="none",
+                                marker="o", ms=9, mfc="none", mec=style["color"], mew=1.0)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title("%s / %s" % (model, task), fontsize=9)
+            ax.set_title("%s: %s" % (model, TASK_LABELS.get(task, task)), fontsize=9)
             ax.tick_params(labelsize=7)
             if mi == 0:
-                ax.set_ylabel("time / floor", fontsize=8)
+                ax.set_ylabel("%s\ntime / floor" % TASK_LABELS.get(task, task), fontsize=8)
             if ti == len(tasks) - 1:
                 ax.set_xlabel("batch size", fontsize=8)
     labels = [s for s in systems if s in handles]
@@ -257,7 +367,9 @@ def write_plot(path, records):
     fig.legend([handles[s] for s in labels], labels, loc="lower center",
                ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle("Time relative to the floor (the aggregated gradient, same process; "
-                 "dotted line = 1; lower is better)", fontsize=10)
+                 "dotted line = 1; lower is better; ringed point = noisy measurement). Tasks: "
+                 "(a) per-example gradients materialized, (b) per-example norms, (b2) clipped "
+                 "sum, (c) DP-SGD step, (d) weighted sum", fontsize=10)
     fig.tight_layout(rect=(0, min(0.4, (0.2 * legend_rows + 0.1) / height), 1, 0.98))
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -49,7 +49,7 @@ _MODEL_COST = {"lstm": 6, "gru": 6, "keras_lstm": 6, "keras_gru": 6, "norule_rnn
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
                "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
-               "check")
+               "peak_mb", "floor_peak_mb", "peak_ratio", "check")
 # Systems whose three tasks all go through the same materialized per-example
 # gradients: a timeout in one task predicts the others at the same B.
 MATERIALIZING = {"tf_loop", "tf_vmap", "tf_jacobian", "jax_vmap", "torch_func", "opacus"}
@@ -288,7 +288,9 @@ def predict_skip(cfg, done, args):
         return None
     r = max(ok, key=lambda r: r["batch_size"])
     scale = cfg["batch_size"] / float(r["batch_size"])
-    build_s, runs_s = r["build_s"] or 0.0, (r["first_run_ms"] + 4 * r["median_ms"]) / 1e3
+    # Runs: the first, ~3 timed ones and the traced one of the peak-memory
+    # figure (benchmarks/memory.py), which is slower than an untraced run.
+    build_s, runs_s = r["build_s"] or 0.0, (r["first_run_ms"] + 5 * r["median_ms"]) / 1e3
     if SYSTEMS[cfg["system"]].quadratic:
         # Graph size grows ~B^1.6 for per-example loops (measured 6.1 s -> 51 s
         # for B 128 -> 512 on the MLP); each run grows ~B^2.
@@ -302,7 +304,7 @@ def predict_skip(cfg, done, args):
         # 512); only the runs do. Scaling the build too skipped every B=512 row
         # of builds that took 35-58 s on a loaded machine.
         setup_s = build_s + max(0.0, r["first_run_ms"] - r["median_ms"]) / 1e3
-        est = setup_s + 4 * r["median_ms"] / 1e3 * scale + 3.0
+        est = setup_s + 5 * r["median_ms"] / 1e3 * scale + 3.0
         limit, what = args.timeout, "timeout"
     if est > limit:
         return ("skipped (too slow: est %.0f s at B=%d from %.1f s build + %.0f ms/run at B=%d; "
@@ -367,8 +369,11 @@ def _progress(i, n, rec, wall):
     head = "[%3d/%d] %-11s B=%-4d %-6s %-22s" % (i, n, rec["model"], rec["batch_size"],
                                                  rec["task"], rec["system"])
     if rec["status"] == "ok":
-        body = "ok      %9.2f ms  x%-7.2f build %6.2fs  check %s" % (
-            rec["median_ms"], rec["ratio_to_floor"], rec["build_s"] or 0.0, rec["check"])
+        body = "ok      %9.2f ms  x%-7.2f %s build %6.2fs  check %s" % (
+            rec["median_ms"], rec["ratio_to_floor"],
+            "mem %8.2f MB x%-6.2f" % (rec["peak_mb"], rec["peak_ratio"])
+            if rec.get("peak_ratio") is not None else "mem -" + " " * 18,
+            rec["build_s"] or 0.0, rec["check"])
     else:
         body = "%-7s %s" % (rec["status"], (rec["note"] or "")[:160])
     print("%s %s  (%.1fs)" % (head, body, wall), flush=True)

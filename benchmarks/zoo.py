@@ -45,7 +45,7 @@ def _time(sess, fetch, feed):
 def _bench_model(name, batch_sizes, repeats, threads):
     import tensorflow as tf
     import custagg
-    from benchmarks import zoo_models
+    from benchmarks import memory, zoo_models
 
     rows = []
     graph = tf.Graph()
@@ -88,26 +88,52 @@ def _bench_model(name, batch_sizes, repeats, threads):
                     for key in steps:
                         times[key].append(_time(sess, steps[key], feed))
                 med = {k: statistics.median(v) for k, v in times.items()}
+                # Peak memory: one traced step per fetch, after the timed
+                # runs (benchmarks/memory.py: TF's allocation records). The
+                # traced training steps apply one more update each.
+                peak = {k: memory.step_peak_bytes(sess, fetch, feed)[0]
+                        for k, fetch in everything.items()}
                 row = {"model": name, "batch_size": batch,
                        "floor_ms": 1e3 * med["floor"],
                        "norms_ms": 1e3 * med["norms"],
                        "clip_ms": 1e3 * med["clip"],
                        "norms_ratio": med["norms"] / med["floor"],
                        "clip_ratio": med["clip"] / med["floor"],
+                       "floor_peak_mb": memory.mb(peak["floor"]),
+                       "norms_peak_mb": memory.mb(peak["norms"]),
+                       "clip_peak_mb": memory.mb(peak["clip"]),
+                       "norms_peak_ratio": _ratio(peak["norms"], peak["floor"]),
+                       "clip_peak_ratio": _ratio(peak["clip"], peak["floor"]),
                        "not_rules": ["%s: %s" % (a.name, a.form)
                                      for a in plan.assignments
                                      if a.form not in ("rules", None)]}
                 if steps:
                     row.update(step_orig_ms=1e3 * med["step_orig"],
                                step_dp_ms=1e3 * med["step_dp"],
-                               step_ratio=med["step_dp"] / med["step_orig"])
+                               step_ratio=med["step_dp"] / med["step_orig"],
+                               step_orig_peak_mb=memory.mb(peak["step_orig"]),
+                               step_dp_peak_mb=memory.mb(peak["step_dp"]),
+                               step_peak_ratio=_ratio(peak["step_dp"], peak["step_orig"]))
                 rows.append(row)
-                print("%-28s B=%-4d floor %8.2f ms  norms %6.2fx  clip %6.2fx%s"
-                      % (name, batch, row["floor_ms"], row["norms_ratio"],
-                         row["clip_ratio"],
-                         "  DP step %.2fx" % row["step_ratio"] if steps
-                         else ""), flush=True)
+                print("%-28s B=%-4d floor %8.2f ms %8.2f MB  norms %6.2fx mem %5.2fx"
+                      "  clip %6.2fx mem %5.2fx%s"
+                      % (name, batch, row["floor_ms"], row["floor_peak_mb"],
+                         row["norms_ratio"], row["norms_peak_ratio"],
+                         row["clip_ratio"], row["clip_peak_ratio"],
+                         "  DP step %.2fx mem %.2fx" % (row["step_ratio"],
+                                                        row["step_peak_ratio"])
+                         if steps else ""), flush=True)
     return rows
+
+
+def _ratio(a, b):
+    return a / float(b) if b else None
+
+
+def _mem_cell(ratio, peak_mb):
+    if ratio is None:
+        return "-"
+    return "%.2fx (%s MB)" % (ratio, "%.3g" % peak_mb if peak_mb < 1000 else "%.0f" % peak_mb)
 
 
 def _markdown(rows, meta):
@@ -116,21 +142,30 @@ def _markdown(rows, meta):
         "Models written the way users write them (benchmarks/zoo_models.py, "
         "full size, float32, dynamic batch). Each ratio is a median of "
         "runs alternated with the aggregated gradient (floor) in the same "
-        "process; the floor column is that same measurement.", "",
+        "process; the floor column is that same measurement. Memory: the "
+        "step's peak bytes of live tensors from TF's allocation records "
+        "(one traced step each; benchmarks/memory.py), as a ratio to the "
+        "floor's peak (the DP step: to the original step's peak), with the "
+        "peak in MB; variables and fed arrays are not in it.", "",
         "Machine: %s; TF %s; %d repeats; %d thread(s); load average "
         "(1 min) %s at the start, %s at the end." % (
             meta["machine"], meta["tf"], meta["repeats"], meta["threads"],
             meta.get("load_start", "?"), meta.get("load_end", "?")),
         "",
-        "| model | B | floor ms | norms | clipped sum | DP step / "
-        "original step | not on rules |",
-        "|---|---|---|---|---|---|---|"]
+        "| model | B | floor ms | floor peak MB | norms | norms memory "
+        "| clipped sum | clipped sum memory | DP step / original step "
+        "| DP step memory | not on rules |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append("| %s | %d | %.2f | %.2fx | %.2fx | %s | %s |" % (
-            r["model"], r["batch_size"], r["floor_ms"], r["norms_ratio"],
-            r["clip_ratio"],
+        lines.append("| %s | %d | %.2f | %s | %.2fx | %s | %.2fx | %s | %s | %s | %s |" % (
+            r["model"], r["batch_size"], r["floor_ms"],
+            "%.3g" % r["floor_peak_mb"] if r.get("floor_peak_mb") is not None else "-",
+            r["norms_ratio"], _mem_cell(r.get("norms_peak_ratio"), r.get("norms_peak_mb")),
+            r["clip_ratio"], _mem_cell(r.get("clip_peak_ratio"), r.get("clip_peak_mb")),
             "%.2fx (%.1f / %.1f ms)" % (r["step_ratio"], r["step_dp_ms"],
                                         r["step_orig_ms"])
+            if "step_ratio" in r else "",
+            _mem_cell(r.get("step_peak_ratio"), r.get("step_dp_peak_mb"))
             if "step_ratio" in r else "",
             ", ".join(r["not_rules"]) or "-"))
     return "\n".join(lines) + "\n"

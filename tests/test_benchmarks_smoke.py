@@ -14,7 +14,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = {"model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
-        "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor", "check"}
+        "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
+        "peak_mb", "floor_peak_mb", "peak_ratio", "check"}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,16 @@ def test_systems_run_and_agree_with_the_reference(smoke_run):
         assert rec["check"] == "pass", rec
         assert rec["median_ms"] > 0 and rec["floor_ms"] > 0
         assert rec["ratio_to_floor"] == pytest.approx(rec["median_ms"] / rec["floor_ms"])
+        # Peak memory of one traced step of each (benchmarks/memory.py): the
+        # floor at least holds its gradients (MLP 784-256-256-10 at B=8:
+        # 269,322 float32 parameters).
+        assert rec["floor_peak_mb"] >= 269322 * 4 / 1e6, rec
+        assert rec["peak_mb"] > 0, rec
+        assert rec["peak_ratio"] == pytest.approx(rec["peak_mb"] / rec["floor_peak_mb"], rel=1e-3)
+        if rec["task"] == "grads":
+            # Materialized per-example gradients: the first layer's
+            # [B, 784, 256] floats at least.
+            assert rec["peak_mb"] >= 8 * 784 * 256 * 4 / 1e6, rec
 
 
 def test_report_tables_from_records(tmp_path):
@@ -74,6 +85,24 @@ def test_report_tables_from_records(tmp_path):
     # The ratio and the two times it is the quotient of, from one record.
     assert "| 2.0x (2 / 1) |" in text and "skipped (too slow" in text
     assert "floor ms |" not in text.split("## All records")[0]
+
+
+def test_report_memory_tables(tmp_path):
+    from benchmarks import report
+    rec = {k: None for k in KEYS}
+    rec.update(model="mlp", batch_size=8, task="clip", system="custagg_auto", status="ok",
+               note="", median_ms=2.0, floor_ms=1.0, ratio_to_floor=2.0, check="pass",
+               framework="tf", peak_mb=3.0, floor_peak_mb=2.0, peak_ratio=1.5)
+    old = dict(rec, system="tf_vmap", peak_mb=None, floor_peak_mb=None, peak_ratio=None)
+    path = str(tmp_path / "r.md")
+    report.write_markdown(path, [rec, old], {"cpu": "x", "cores": 2, "tolerance": 1e-3})
+    text = open(path).read()
+    mem = text.split("## Peak memory, ")[1].split("## Check failures")[0]
+    assert "| 1.50x (3 / 2) |" in mem
+    assert "tf_vmap" not in mem          # a record without a memory figure: no column
+    # Records from before the memory figure: no memory tables at all.
+    report.write_markdown(path, [old], {"cpu": "x", "cores": 2, "tolerance": 1e-3})
+    assert "Peak memory" not in open(path).read()
 
 
 def test_readme_tables_are_rewritten_between_the_markers(tmp_path):

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from benchmarks import common, models
+from benchmarks import common, memory, models
 
 
 def _dense(h, w, b):
@@ -209,14 +209,35 @@ def run(cfg):
     median_ms, floor_ms, repeats = common.time_against_floor(
         call(compiled, args), call(floor, (params, x, y)), cfg["repeats"], cfg["budget_s"],
         first_run_ms)
+    peak, floor_peak = _xla_peak_bytes(compiled), _xla_peak_bytes(floor)
     return {
         "status": "ok", "note": "",
         "build_s": build_s, "n_ops": None, "first_run_ms": first_run_ms,
         "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
         "check": check, "check_err": check_err, "check_key": check_key, "repeats": repeats,
         "floor_system": "jax.jit(jax.grad(sum(loss)))",
+        "peak_mb": memory.mb(peak), "floor_peak_mb": memory.mb(floor_peak),
+        "peak_ratio": peak / float(floor_peak) if peak and floor_peak else None,
+        "peak_method": "XLA buffer assignment: compiled.memory_analysis() temp + output bytes",
         "framework_version": "jax %s (jaxlib %s)" % (jax.__version__, _jaxlib_version()),
     }
+
+
+def _xla_peak_bytes(compiled):
+    """Bytes a compiled step allocates beyond its arguments, from XLA's
+    buffer assignment: its temporaries plus its outputs (outputs aliasing an
+    argument excluded). XLA plans every buffer before the run, so this is the
+    step's allocation (an upper bound on the live bytes at any instant, as
+    TF's figure from its allocation records is a measured peak). None when
+    the backend does not report it."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # pragma: no cover - depends on the jaxlib build
+        return None
+    if stats is None:
+        return None
+    return (stats.temp_size_in_bytes + stats.output_size_in_bytes
+            - getattr(stats, "alias_size_in_bytes", 0))
 
 
 def _jaxlib_version():

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from benchmarks import common, models
+from benchmarks import common, memory, models
 
 Ctx = collections.namedtuple(
     "Ctx", "tf model batch_size variables var_list names x y loss f clip noise_scale")
@@ -371,11 +371,19 @@ def run(cfg):
             lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
             cfg["repeats"], cfg["budget_s"], first_run_ms)
 
+        # Peak memory: one traced step each, after the timed ones (tracing
+        # slows a step; the timings above are untraced).
+        floor_peak, _ = memory.step_peak_bytes(sess, floor, feed)
+        peak, _ = memory.step_peak_bytes(sess, built.fetch, feed)
+
     return {
         "status": "ok", "note": built.note,
         "build_s": build_s, "n_ops": n_ops, "first_run_ms": first_run_ms,
         "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
         "check": check, "check_err": check_err, "check_key": check_key,
+        "peak_mb": memory.mb(peak), "floor_peak_mb": memory.mb(floor_peak),
+        "peak_ratio": peak / float(floor_peak) if floor_peak else None,
+        "peak_method": "tf step_stats allocation records (benchmarks/memory.py)",
         "repeats": repeats, "floor_build_s": floor_build_s, "floor_n_ops": floor_n_ops,
         "floor_first_run_ms": floor_first_ms, "floor_system": "tf.compat.v1.gradients(sum(loss))",
         "framework_version": "tensorflow " + tf.__version__,

@@ -12,7 +12,7 @@ Floor (same process): plain module, loss.sum().backward().
 """
 import numpy as np
 
-from benchmarks import common, models
+from benchmarks import common, memory, models
 
 
 def _build_module(torch, model):
@@ -307,14 +307,40 @@ def run(cfg):
     check, check_err, check_key = common.compare(values, sig)
     median_ms, floor_ms, repeats = common.time_against_floor(
         timed_fn, floor_fn, cfg["repeats"], cfg["budget_s"], first_run_ms)
+    peak, floor_peak = _profiled_peak_bytes(torch, timed_fn), _profiled_peak_bytes(torch, floor_fn)
     return {
         "status": "ok", "note": "",
         "build_s": build_s, "n_ops": None, "first_run_ms": first_run_ms,
         "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
         "check": check, "check_err": check_err, "check_key": check_key, "repeats": repeats,
         "floor_system": "torch loss.sum().backward()",
+        "peak_mb": memory.mb(peak), "floor_peak_mb": memory.mb(floor_peak),
+        "peak_ratio": peak / float(floor_peak) if peak and floor_peak else None,
+        "peak_method": "torch.profiler profile_memory=True: running sum of [memory] events",
         "framework_version": "torch %s%s" % (torch.__version__, version),
     }
+
+
+def _profiled_peak_bytes(torch, fn):
+    """Peak bytes allocated during one call of `fn`, from PyTorch's profiler:
+    with `profile_memory=True` every CPU allocation and free is a "[memory]"
+    event (bytes, negative for a free, time stamp); the peak of their running
+    sum in time order is the step's peak above what was live before it (as
+    TF's figure from its allocation records). None if the profiler's events
+    are not available in this torch build."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]"]
+    except Exception:  # pragma: no cover - depends on the torch build
+        return None
+    live = peak = 0
+    for _, nbytes in sorted(events, key=lambda e: (e[0], e[1] < 0)):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def _sumsq(torch, grads, batch_size):
