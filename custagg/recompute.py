@@ -17,7 +17,7 @@ backward pass with `one_hot(i)`.
 
 Two forms vectorize the copies:
 
-* "recompute": `pfor` over chunks of examples (`vectorized.chunked_pfor`),
+* "recompute": `pfor` over chunks of examples (`graph.pfor.chunked_pfor`),
   what `tf.vectorized_map(grad)` does for code that is still at hand;
 * "recompute-loop": a `tf.while_loop` over the examples (one copy per
   iteration; dynamic B works), for graphs pfor cannot convert.
@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 from custagg import graph as graph_lib
+from custagg.graph import pfor as pfor_lib
 from custagg.batch_axis import rowwise
 from custagg.batch_axis import separation
 from custagg.batch_axis import sources
@@ -95,7 +96,7 @@ class Forward(collections.namedtuple("Forward", ["inputs", "ops", "loss",
                                                  "static_b", "unproven"])):
     """The forward pass to copy: batch `inputs`, the `ops` between them and
     the `loss` (creation order), the static batch size (or None), and why
-    the examples are not proved apart (`custagg.rowwise`; None when they
+    the examples are not proved apart (`custagg.batch_axis.rowwise`; None when they
     are, and the copies then run without the run-time check)."""
 
     @property
@@ -790,13 +791,12 @@ def per_example_pfor(forward, tensors, zeros, dtypes, batch, chunk,
     def loop_fn(i):
         return _one_example(forward, tensors, zeros, i, gradients)
 
-    from custagg import vectorized  # pylint: disable=g-import-not-at-top
     if has_v1_loops(forward):
         # The gradient of a v1 loop cannot be built inside another v1 loop
         # (the chunks' while loop): one pfor over the whole batch.
         out = pfor_ops.pfor(loop_fn, batch)
     else:
-        out = vectorized.chunked_pfor(loop_fn, batch, chunk,
+        out = pfor_lib.chunked_pfor(loop_fn, batch, chunk,
                                       list(dtypes) + [forward.loss.dtype])
     return _checked(out[:-1], out[-1], forward)
 

@@ -1,4 +1,4 @@
-"""The row-wise proof (`custagg.rowwise`) that lets the per-example copies run
+"""The row-wise proof (`custagg.batch_axis.rowwise`) that lets the per-example copies run
 without their run-time check.
 
 Where the proof holds, the copies of the forward pass run alone (the batch's
@@ -18,8 +18,8 @@ import tensorflow as tf
 import custagg
 from custagg import batch_axis
 from custagg import recompute
-from custagg import rowwise
-from custagg import separability
+from custagg.batch_axis import rowwise
+from custagg import graph as graph_lib
 
 import test_loops
 
@@ -27,7 +27,7 @@ T, D = test_loops.T, test_loops.D
 
 
 def _forward(loss):
-    return recompute.analyze(loss, separability.ancestors(loss), None)
+    return recompute.analyze(loss, graph_lib.ancestors(loss), None)
 
 
 def elementwise_rnn(couple=None, dtype=tf.float64):
@@ -76,7 +76,7 @@ def test_model_without_rules_is_proved_and_matches_the_loop(graph):
     loss = plans[0].loss
     got = custagg.per_example_norms(loss, tf.compat.v1.trainable_variables())
     # The batch's own forward pass is not needed any more.
-    assert loss.op not in separability.ancestors(got)
+    assert loss.op not in graph_lib.ancestors(got)
 
 
 def test_proved_copies_in_float32_match_the_loop(graph):

@@ -1,4 +1,4 @@
-"""Batch-coupling detection (`custagg.separability`) through the front door.
+"""Batch-coupling detection (`custagg.batch_axis`) through the front door.
 
 Rules are exact only when example b's loss sees the rule op's output only
 through row b. Models that mix examples downstream of a rule op (batch
@@ -22,7 +22,8 @@ import tensorflow as tf  # noqa: E402
 from tensorflow.core.protobuf import rewriter_config_pb2  # noqa: E402
 
 import custagg  # noqa: E402
-from custagg import separability  # noqa: E402
+from custagg import batch_axis  # noqa: E402
+from custagg import graph as graph_lib  # noqa: E402
 from custagg import testing  # noqa: E402
 
 BATCH = 4
@@ -293,7 +294,7 @@ def _coupling(build_rest, rows=None):
         w = tf.compat.v1.Variable(np.ones((3, 4)), use_resource=True)
         z = tf.matmul(x, w)
         loss = build_rest(z, batch)
-        return separability.coupling(z, 0, loss, separability.ancestors(loss))
+        return batch_axis.coupling(z, 0, loss, graph_lib.ancestors(loss))
 
 
 PROPAGATION = {

@@ -1,6 +1,6 @@
 """Symbolic shapes: what a dynamic dimension is, in terms of other ones.
 
-The batch-axis analysis (`custagg.separability`) must prove, for a graph
+The batch-axis analysis (`custagg.batch_axis`) must prove, for a graph
 built on `[None, ...]` placeholders, that a `Reshape` keeps each example's
 entries together. TF's static shapes say `(None, None)` for the reshape in
 `tf.nn.softmax_cross_entropy_with_logits`; the target it reshapes to,

@@ -156,7 +156,7 @@ def per_example_gradients(per_example_loss, xs, strategy="auto",
       strategy: "auto" (default), "rules", "pfor" or "loop" (see module doc).
       registry: rule registry (default: the built-in rules).
       pfor_chunk_size: the fewest examples vectorized at once by "pfor";
-        passes grow up to `custagg.per_example.vectorized.PASS_BYTES` of
+        passes grow up to `custagg.graph.pfor.PASS_BYTES` of
         outputs (the
         whole-pass form keeps exactly this many: its memory is not in its
         outputs).

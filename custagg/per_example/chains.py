@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from custagg import sparse
 from custagg.gradients import gradients
-from custagg.per_example import vectorized
+from custagg.graph import pfor as pfor_lib
 
 
 def is_scalar(chain):
@@ -46,7 +46,7 @@ def vjp(engine, chain, cotangents, a, batched):
         @tf.autograph.experimental.do_not_convert
         def one(i):
             return one_vjp([tf.gather(c, i) for c in cotangents])
-        parts = vectorized.chunked_pfor(
+        parts = pfor_lib.chunked_pfor(
             one, engine.batch_size, engine.chunk,
             [t.dtype.base_dtype for t in wrt])
     return [engine.to_x(p, a, batched) for p in parts]

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from custagg import batch_axis
 from custagg import recompute
-from custagg import separability
+from custagg import graph as graph_lib
 from custagg.per_example.forms import CHAINS
 from custagg.per_example.forms import FORMS
 from custagg.per_example.forms import Refused
@@ -178,7 +178,7 @@ class PlanContext(object):
         self.static_b = tf.compat.dimension_value(loss.shape[0])
         self.batch_size = (tf.shape(loss)[0] if self.static_b is None
                            else self.static_b)
-        self.ancestors = separability.ancestors(loss)
+        self.ancestors = graph_lib.ancestors(loss)
         self.live = shortcuts.live_ops(loss)
         self._region = None
         self._forward = None

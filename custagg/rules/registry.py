@@ -5,7 +5,7 @@ The contract
 Take an op `z = op(..., p, ...)` whose input `p = op.inputs[ctx.input_index]`
 carries a parameter (no batch axis), and a per-example loss `l` of shape
 `[B]` whose entries depend on `z` only through the example's own rows of `z`
-(no batch coupling downstream; `custagg.separability` checks this). Let
+(no batch coupling downstream; `custagg.batch_axis` checks this). Let
 `dz = d(sum_i l_i)/dz` (`ctx.grad`). Because examples do not interact, row
 `i` of `dz` is example `i`'s own `d l_i / dz`, so the contribution of this op
 to example `i`'s gradient is

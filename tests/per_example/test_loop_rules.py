@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
-from custagg import separability
+from custagg import batch_axis
 from custagg import testing
 
 import per_example_reference
@@ -251,16 +251,16 @@ def test_list_descriptors():
         stacked = tf.raw_ops.TensorListStack(
             input_handle=lst, element_shape=tf.constant([-1, 2]),
             element_dtype=tf.float32)
-        assert separability.propagate(lst.op, 0, 1) == separability.ListOf(0)
-        assert separability.propagate(lst.op, 0, 0) is separability.MIXES
-        assert separability.propagate(item.op, 0,
-                                      separability.ListOf(0)) == 0
-        assert separability.propagate(stacked.op, 0,
-                                      separability.ListOf(0)) == 1
+        assert batch_axis.propagate(lst.op, 0, 1) == batch_axis.ListOf(0)
+        assert batch_axis.propagate(lst.op, 0, 0) is batch_axis.MIXES
+        assert batch_axis.propagate(item.op, 0,
+                                      batch_axis.ListOf(0)) == 0
+        assert batch_axis.propagate(stacked.op, 0,
+                                      batch_axis.ListOf(0)) == 1
         other = tf.identity(lst)
-        assert separability.propagate(other.op, 0,
-                                      separability.ListOf(0)) == \
-            separability.ListOf(0)
+        assert batch_axis.propagate(other.op, 0,
+                                      batch_axis.ListOf(0)) == \
+            batch_axis.ListOf(0)
 
 
 # --------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from custagg import testing
 from custagg import batch_axis
+from custagg.graph import pfor as pfor_lib
 from custagg.per_example import vectorized
 
 
@@ -43,8 +44,8 @@ def test_chunked_pfor_matches_a_loop(sess, n, chunk):
         f = tf.cast(i, tf.float64)
         return [f * f * tf.ones([3], tf.float64), tf.reshape(i, [1])]
 
-    static = vectorized.chunked_pfor(loop_fn, n, chunk, [tf.float64, tf.int32])
-    dynamic = vectorized.chunked_pfor(loop_fn, n_fed, chunk,
+    static = pfor_lib.chunked_pfor(loop_fn, n, chunk, [tf.float64, tf.int32])
+    dynamic = pfor_lib.chunked_pfor(loop_fn, n_fed, chunk,
                                       [tf.float64, tf.int32])
     want_sq = np.repeat((np.arange(n) ** 2)[:, None], 3, 1).astype(float)
     want_i = np.arange(n)[:, None]
@@ -65,9 +66,9 @@ def test_passes_that_grow_match_a_loop(sess, n, chunk, max_pass_bytes):
         return [tf.stack([f, f * f, -f]), tf.reshape(i, [1]) * 3, i + 1]
 
     dtypes = [tf.float64, tf.int32, tf.int32]
-    static = vectorized.chunked_pfor(loop_fn, n, chunk, dtypes,
+    static = pfor_lib.chunked_pfor(loop_fn, n, chunk, dtypes,
                                      max_pass_bytes=max_pass_bytes)
-    dynamic = vectorized.chunked_pfor(loop_fn, n_fed, chunk, dtypes,
+    dynamic = pfor_lib.chunked_pfor(loop_fn, n_fed, chunk, dtypes,
                                       max_pass_bytes=max_pass_bytes)
     assert static[0].shape.as_list() == [n, 3]
     assert dynamic[0].shape.as_list() == [None, 3]
@@ -82,12 +83,12 @@ def test_later_pass_size():
     f64, i32 = tf.float64, tf.int32
     shapes = [tf.TensorShape([3]), tf.TensorShape([1]), tf.TensorShape([])]
     # 3 * 8 + 4 + 4 = 32 bytes per iteration.
-    assert vectorized.later_pass_size(shapes, [f64, i32, i32], 2, 96) == 3
-    assert vectorized.later_pass_size(shapes, [f64, i32, i32], 5, 96) == 5
-    assert vectorized.later_pass_size(shapes, [f64, i32, i32], 2, 0) == 2
-    assert vectorized.later_pass_size(
+    assert pfor_lib.later_pass_size(shapes, [f64, i32, i32], 2, 96) == 3
+    assert pfor_lib.later_pass_size(shapes, [f64, i32, i32], 5, 96) == 5
+    assert pfor_lib.later_pass_size(shapes, [f64, i32, i32], 2, 0) == 2
+    assert pfor_lib.later_pass_size(
         [tf.TensorShape([None, 2])], [f64], 4, 2 ** 30) == 4
-    assert vectorized.later_pass_size(
+    assert pfor_lib.later_pass_size(
         [tf.TensorShape([0])], [f64], 1, 2 ** 40) == 2 ** 31 - 1
 
 
@@ -98,14 +99,14 @@ def test_output_shapes_come_from_a_trace_that_never_runs(sess):
     def loop_fn(i):
         return [tf.gather(x, i) * 2.0, tf.reshape(i, [1, 1])]
 
-    shapes = vectorized._output_shapes(loop_fn)
+    shapes = pfor_lib.output_shapes(loop_fn)
     assert [s.as_list() for s in shapes] == [[3], [1, 1]]
     assert len(tf.compat.v1.get_default_graph().get_operations()) == n_ops
 
     def broken(i):
         raise ValueError("not here")
 
-    assert vectorized._output_shapes(broken) is None
+    assert pfor_lib.output_shapes(broken) is None
 
 
 def test_batch_region_and_boundary(rng):

@@ -1,5 +1,5 @@
 """A/B in one process, interleaved runs: custagg's norms or clipped sum built
-with vectorized.chunked_pfor's growing passes ("32") and with every pass 32
+with pfor_lib.chunked_pfor's growing passes ("32") and with every pass 32
 examples ("32old": PASS_BYTES = 0, the behaviour before), against
 tf.vectorized_map and the floor. From the repository root:
 
@@ -14,15 +14,15 @@ import custagg
 import ab_common  # this folder's
 m, B, task = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 chunks = sys.argv[4].split(",")   # "32": default passes; "32old": PASS_BYTES=0 (every pass 32)
-from custagg.per_example import vectorized
+from custagg.graph import pfor as pfor_lib
 reps = int(sys.argv[5]) if len(sys.argv) > 5 else 5
 x, y, p, vl, loss, fetches = ab_common.model(m, B)
 builds = {}
-default_bytes = getattr(vectorized, "PASS_BYTES", None)
+default_bytes = getattr(pfor_lib, "PASS_BYTES", None)
 for spec in chunks:
     c = int(spec.replace("old", ""))
     if default_bytes is not None:
-        vectorized.PASS_BYTES = 0 if spec.endswith("old") else default_bytes
+        pfor_lib.PASS_BYTES = 0 if spec.endswith("old") else default_bytes
     key = "custagg_c" + spec
     t0 = time.perf_counter()
     if task == "norms":

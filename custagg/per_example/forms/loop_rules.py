@@ -52,10 +52,10 @@ import tensorflow as tf
 from custagg import _tf_compat
 from custagg import recompute
 from custagg.rules import registry as registry_lib
-from custagg import separability
+from custagg import batch_axis
 from custagg.rules import _outer
 
-LOOP_TYPES = separability.LOOP_TYPES
+LOOP_TYPES = batch_axis.LOOP_TYPES
 # The ops through which x enters a loop: a v2 While, a v1 frame's Enter.
 ENTRY_TYPES = LOOP_TYPES | frozenset(["Enter", "RefEnter"])
 
@@ -160,7 +160,7 @@ def _find_v1(enter, loss, loss_ancestors, taps):
                if o in loss_ancestors)
 
     def coupling(z):
-        return separability.coupling(z, 0, loss, loss_ancestors)
+        return batch_axis.coupling(z, 0, loss, loss_ancestors)
     outputs = []
     for e in ctxt.loop_exits:
         readers = [c for c in e.consumers() if c in loss_ancestors]
@@ -221,7 +221,7 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
         if c.type in recompute.RANDOM or (
                 _stateful(c) and c.type not in _STATEFUL_OK):
             # The rebuilt loop would draw new numbers (or act twice).
-            return None, separability.Reason(
+            return None, batch_axis.Reason(
                 "op '%s' (type %s) inside loop '%s' %s, and the loop rules "
                 "run the loop once more" % (
                     c.name, c.type, name, "draws random numbers"
@@ -236,7 +236,7 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
                 continue
             tap, why = finder.tap(c, t, slot)
             if tap is None:
-                return None, separability.Reason(
+                return None, batch_axis.Reason(
                     "op '%s' (type %s) uses x inside loop '%s' in a way the "
                     "loop rules do not handle (%s)" % (
                         c.name, c.type, name, why), c)
@@ -246,7 +246,7 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
     for tap in taps:
         why = coupling(tap.op.outputs[0])
         if why:
-            return None, separability.Reason(
+            return None, batch_axis.Reason(
                 "batch coupling between op '%s' inside loop '%s' and the "
                 "loss: %s" % (tap.op.name, name, why),
                 getattr(why, "op", None) or op)
@@ -357,12 +357,12 @@ def _coupling(op, body, start, live, loss, loss_ancestors):
     """None if row b of `start` (a body tensor, batch on axis 0) reaches
     only loss[b]: through the body, the next iterations and out of the
     loop; else a reason."""
-    reached, why = separability.walk_body(body, [(start, 0)], live)
+    reached, why = batch_axis.walk_body(body, [(start, 0)], live)
     if why:
         return why
     for k, axes in sorted(reached.items()):
         for axis in axes:
-            why = separability.coupling(op.outputs[k], axis, loss,
+            why = batch_axis.coupling(op.outputs[k], axis, loss,
                                         loss_ancestors)
             if why:
                 return why

@@ -21,7 +21,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from custagg import recompute
-from custagg import separability
+from custagg import batch_axis
 from custagg.per_example import vectorized
 from custagg.per_example.forms import base
 from custagg.per_example.forms.loop import LOOP
@@ -70,9 +70,9 @@ class CopiesForm(base.Form):
     def plan(self, x_tensor, ctx):
         forward = ctx.forward()
         if isinstance(forward, recompute.Refused):
-            raise base.Refused(separability.Reason(str(forward), forward.op))
+            raise base.Refused(batch_axis.Reason(str(forward), forward.op))
         if x_tensor.op in forward.op_set:
-            raise base.Refused(separability.Reason(
+            raise base.Refused(batch_axis.Reason(
                 "x ('%s') depends on batch data, and a copy of the forward "
                 "pass would copy it too" % x_tensor.name, x_tensor.op))
         varying = ctx.varying_loop(forward)

@@ -3,7 +3,7 @@
 Planning finds, for x, every op where x's value is used (looking through
 the ops `custagg.rules.shortcuts` lets the rules see through) and asks the
 registry for a rule; each rule op must keep examples apart down to the loss
-(`separability.coupling`). An op that sees no batch data (`l2_loss(w)`) is a
+(`batch_axis.coupling`). An op that sees no batch data (`l2_loss(w)`) is a
 `Chain`: x's gradient through it is that op's own gradient applied to the
 per-example gradients of its outputs, which the rules give. A loop that x
 enters is read by the loop rules (`loop_rules.find`), which ask the same
@@ -20,7 +20,6 @@ import collections
 
 from custagg import batch_axis
 from custagg import graph as graph_lib
-from custagg import separability
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
 from custagg.rules import registry as registry_lib
@@ -86,14 +85,14 @@ def rule_reason(op, k, registry, batch_size, loss, loss_ancestors):
     """None when the registry's rule for `op` (x at input k) applies here:
     a rule exists, the op's gradient is the standard one, the rule's static
     checks pass, and examples stay apart from the rule's start to the loss.
-    Else a `separability.Reason` (the loop rules ask the same question)."""
+    Else a `batch_axis.Reason` (the loop rules ask the same question)."""
     rule = registry.lookup(op.type)
     if rule is None:
-        return separability.Reason(
+        return batch_axis.Reason(
             "no per-example rule for op type '%s' (op '%s')"
             % (op.type, op.name), op)
     if shortcuts.gradient_override(op) is not None:
-        return separability.Reason(
+        return batch_axis.Reason(
             "op '%s' (type %s) has its gradient overridden (to %r); the "
             "%s rule implements the standard gradient" % (
                 op.name, op.type, shortcuts.gradient_override(op),
@@ -101,15 +100,15 @@ def rule_reason(op, k, registry, batch_size, loss, loss_ancestors):
     ctx = registry_lib.RuleContext(op, k, None, batch_size)
     why = rule.unsupported(ctx)
     if why:
-        return separability.Reason(
+        return batch_axis.Reason(
             "the %s rule does not handle op '%s': %s" % (
                 op.type, op.name, why), op)
     if loss is None:
         return None
     start, axis = rule.coupling_start(ctx)
-    coupled = separability.coupling(start, axis, loss, loss_ancestors)
+    coupled = batch_axis.coupling(start, axis, loss, loss_ancestors)
     if coupled:
-        return separability.Reason(
+        return batch_axis.Reason(
             "batch coupling between op '%s' and the loss: %s; "
             "per-example rules assume examples do not interact"
             % (op.name, coupled), getattr(coupled, "op", None))
@@ -132,7 +131,7 @@ def find_rule_consumers(x_tensor, ctx, depth=0):
                                   loss_ancestors)
                 if why:
                     raise base.Refused(why)
-        raise base.Refused(separability.Reason(
+        raise base.Refused(batch_axis.Reason(
             batch_axis.no_sources_reason(found),
             getattr(found.blocked[0], "op", None) if found.blocked else None))
     region = ctx.region()
@@ -143,14 +142,14 @@ def find_rule_consumers(x_tensor, ctx, depth=0):
             use, why = loop_rules.find(op, k, loss, loss_ancestors,
                                        ctx.registry, ctx.batch_size)
             if use is None:
-                raise base.Refused(separability.Reason(
+                raise base.Refused(batch_axis.Reason(
                     "no per-example rule for op type '%s' (op '%s'): %s"
                     % (op.type, op.name, why), getattr(why, "op", None) or op))
             consumers.append(use)
             continue
         if loop_rules.in_v1_loop(op):
             # A gradient at a tensor inside a v1 frame is not per iteration.
-            raise base.Refused(separability.Reason(
+            raise base.Refused(batch_axis.Reason(
                 "op '%s' (type %s) is inside a v1 while loop" % (
                     op.name, op.type), op))
         if op not in region and depth < MAX_CHAIN:
