@@ -83,7 +83,7 @@ def _is_number(x):
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _check_positive(value, arg, cls_name, allow_zero=False):
+def check_positive(value, arg, cls_name, allow_zero=False):
     """Python numbers (and tensors of known constant value) are checked now;
     other tensors are taken as they are (a clip norm tensor is checked at
     run time by `clipped_gradients`).
@@ -106,7 +106,7 @@ def _check_positive(value, arg, cls_name, allow_zero=False):
         static = (tf.get_static_value(value)
                   if isinstance(value, tf.Tensor) else None)
         if static is not None:
-            _check_positive(float(static), arg, cls_name, allow_zero)
+            check_positive(float(static), arg, cls_name, allow_zero)
         return value
     if not _is_number(value):
         # ValueError, as this check always raised (TF Privacy raises none).
@@ -181,7 +181,7 @@ def check_tf1_optimizer_class(cls, fn):
                     "got %r.%s" % (fn, cls, hint))
 
 
-def _differentiable(v):
+def differentiable(v):
     """Float variables get gradients; others (string, int) get None, as in
     TF1's `compute_gradients`."""
     return v.dtype.base_dtype.is_floating
@@ -354,7 +354,7 @@ class PerExampleOptimizer(_Optimizer):
                           type(self).__name__ + ".compute_gradients")
         loss, var_list, grad_loss = self._prepare(
             loss, var_list, gate_gradients, aggregation_method, grad_loss)
-        live = [v for v in var_list if _differentiable(v)]
+        live = [v for v in var_list if differentiable(v)]
         self._last_var_list = live
         grads = [None] * len(var_list)
         if live:
@@ -365,7 +365,7 @@ class PerExampleOptimizer(_Optimizer):
                     aggregation_method=aggregation_method,
                     colocate_gradients_with_ops=colocate_gradients_with_ops)
             it = iter(live_grads)
-            grads = [next(it) if _differentiable(v) else None
+            grads = [next(it) if differentiable(v) else None
                      for v in var_list]
         self._was_compute_gradients_called = True
         if gate_gradients == _Optimizer.GATE_GRAPH:
@@ -587,7 +587,7 @@ class DPOptimizer(PerExampleOptimizer):
         super().__init__(optimizer, strategy=strategy, name=name)
         cls_name = type(self).__name__
         self._l2_norm_clip = self._check_clip(l2_norm_clip)
-        self._noise_multiplier = _check_positive(
+        self._noise_multiplier = check_positive(
             noise_multiplier, "noise_multiplier", cls_name, allow_zero=True)
         if num_microbatches is not None and (
                 isinstance(num_microbatches, bool)
@@ -613,15 +613,15 @@ class DPOptimizer(PerExampleOptimizer):
             if not clip:
                 raise ValueError("%s: l2_norm_clip is an empty dict." %
                                  cls_name)
-            return {k: _check_positive(c, "l2_norm_clip[%r]" % (k,), cls_name)
+            return {k: check_positive(c, "l2_norm_clip[%r]" % (k,), cls_name)
                     for k, c in clip.items()}
         if isinstance(clip, (list, tuple)):
             if not clip:
                 raise ValueError("%s: l2_norm_clip is an empty list." %
                                  cls_name)
-            return [_check_positive(c, "l2_norm_clip[%d]" % i, cls_name)
+            return [check_positive(c, "l2_norm_clip[%d]" % i, cls_name)
                     for i, c in enumerate(clip)]
-        return _check_positive(clip, "l2_norm_clip", cls_name)
+        return check_positive(clip, "l2_norm_clip", cls_name)
 
     l2_norm_clip = read_only("_l2_norm_clip")
     noise_multiplier = read_only("_noise_multiplier")

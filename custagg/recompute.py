@@ -313,13 +313,13 @@ def _copy_ops(ops, mapping, frame=None, wanted=()):
                               % (op.name, op.type), op)
             if inner not in done:
                 done.add(inner)
-                _rebuild_v1_while(inner, mapping)
+                rebuild_v1_while(inner, mapping)
             continue
         if op.type in ("While", "StatelessWhile"):
-            outs = _rebuild_while(op, mapping, [
+            outs = rebuild_while(op, mapping, [
                 k for k, o in enumerate(op.outputs) if o.ref() in read])
         else:
-            outs = _copy_op(op, mapping)
+            outs = copy_op(op, mapping)
             if _ACTIVE and op in _ACTIVE[-1].ops:
                 outs = _ACTIVE[-1].tap(op, outs, mapping)
         for old, out in zip(op.outputs, outs):
@@ -399,7 +399,7 @@ def _input(t, mapping):
             return tf.constant(value, dtype=t.dtype)
     if t.dtype == tf.variant and _one_row_shape(t.op) is not None:
         # An empty list made outside the batch ops but filled with rows.
-        mapping[t.ref()] = _copy_op(t.op, mapping)[t.value_index]
+        mapping[t.ref()] = copy_op(t.op, mapping)[t.value_index]
         return mapping[t.ref()]
     return t
 
@@ -412,7 +412,7 @@ class _Rows(object):
         self.tensor = tensor
 
 
-def _copy_op(op, mapping):
+def copy_op(op, mapping):
     graph = tf.compat.v1.get_default_graph()
     inputs = [_input(t, mapping) for t in op.inputs]
     if inputs and isinstance(inputs[0], _Rows):
@@ -439,14 +439,14 @@ def _copy_op(op, mapping):
     return new.outputs
 
 
-def _func_graph(op, attr):
+def func_graph(op, attr):
     try:
         return graph_lib.func_graph(op, attr)
     except graph_lib.FunctionNotFound as e:
         raise Refused(str(e), e.op) from e
 
 
-def _ancestors_in(graph_outputs, stop=(), skip=()):
+def ancestors_in(graph_outputs, stop=(), skip=()):
     """Ops behind `graph_outputs` through data and control edges, not past
     the tensors whose refs are in `stop` (bound values: a loop's variables)
     nor into the ops in `skip` (a v1 frame's Merge/Switch)."""
@@ -458,13 +458,13 @@ def _run_func_graph(func, outputs, bound):
     """Copies the ops of FuncGraph `func` behind `outputs` into the current
     graph with `func.inputs[k]` bound to `bound[k]`; returns the copies."""
     mapping = {func.inputs[k].ref(): v for k, v in bound.items()}
-    needed = _ancestors_in(outputs)
+    needed = ancestors_in(outputs)
     _copy_ops([o for o in func.get_operations() if o in needed], mapping,
               wanted={t.ref() for t in outputs})
     return [mapping[t.ref()] for t in outputs]
 
 
-def _frame_ops(ctxt, graph):
+def frame_ops(ctxt, graph):
     """Ops of the v1 while context `ctxt` and of the contexts inside it."""
     out = []
     for op in graph.get_operations():
@@ -506,7 +506,7 @@ def _live_v1(switches, merges, nexts, pred, wanted, exits):
         roots = [nexts[j].inputs[0] for j in fresh]
 
 
-def _rebuild_v1_while(ctxt, mapping, wanted=None):
+def rebuild_v1_while(ctxt, mapping, wanted=None):
     """A v1 while loop (Enter/Merge/Switch/NextIteration/Exit frame) rebuilt
     as a new `tf.compat.v1.while_loop` whose cond and body copy the frame's
     ops; maps the frame's Exit outputs (and nothing inside it). `wanted`:
@@ -521,7 +521,7 @@ def _rebuild_v1_while(ctxt, mapping, wanted=None):
         raise Refused("the v1 while loop '%s' has a layout custagg does not "
                       "know" % ctxt.name, exits[0].op if exits else None)
     graph = exits[0].graph
-    ops = _frame_ops(ctxt, graph)
+    ops = frame_ops(ctxt, graph)
     pred = [op for op in ops if op.type == "LoopCond" and
             _tf_compat.control_flow_context(op) is ctxt][0].inputs[0]
     loop_ops = set(merges) | set(switches) | set(enters) | set(nexts) | set(
@@ -542,7 +542,7 @@ def _rebuild_v1_while(ctxt, mapping, wanted=None):
         # A v1 TensorArray read in the loop (dynamic_rnn's unstacked
         # inputs) clears each item after its read: the rebuilt loop gets
         # its own array, made the same way.
-        arrays = _ancestors_in([op.inputs[0] for op in entering])
+        arrays = ancestors_in([op.inputs[0] for op in entering])
         _copy_ops([op for op in graph.get_operations() if op in arrays and
                    op.type.startswith("TensorArray")], mapping)
     for op in entering:
@@ -554,7 +554,7 @@ def _rebuild_v1_while(ctxt, mapping, wanted=None):
         m = dict(mapping)
         m.update(constants)
         m.update(bound)
-        needed = _ancestors_in(outputs, set(bound) | set(constants),
+        needed = ancestors_in(outputs, set(bound) | set(constants),
                                loop_ops)
         _copy_ops([op for op in ops if op in needed and op not in loop_ops
                    and op.outputs and op.outputs[0].ref() not in m]
@@ -586,7 +586,7 @@ def _live_vars(body, cond, var_idx, used):
     position = {body.inputs[k].ref(): k for k in var_idx}
     live = set()
     todo = [k for k in var_idx if k in used]
-    cond_needed = _ancestors_in([cond.outputs[0]])
+    cond_needed = ancestors_in([cond.outputs[0]])
     for j, t in enumerate(cond.inputs):
         if t.op in cond_needed and j in var_idx:
             todo.append(j)
@@ -595,14 +595,14 @@ def _live_vars(body, cond, var_idx, used):
         if k in live:
             continue
         live.add(k)
-        needed = _ancestors_in([body.outputs[k]])
+        needed = ancestors_in([body.outputs[k]])
         for t in body.inputs:
             if t.op in needed and t.ref() in position:
                 todo.append(position[t.ref()])
     return [k for k in var_idx if k in live]
 
 
-def _rebuild_while(op, mapping, used):
+def rebuild_while(op, mapping, used):
     """A v2 While op rebuilt as a new `tf.while_loop` whose body and cond
     copy the original functions' ops.
 
@@ -611,7 +611,7 @@ def _rebuild_while(op, mapping, used):
     the ones it needs, and pfor converts the loop built here as it would one
     traced from Python code.
     """
-    body, cond = _func_graph(op, "body"), _func_graph(op, "cond")
+    body, cond = func_graph(op, "body"), func_graph(op, "cond")
     try:
         n = op.get_attr("_num_original_outputs")
     except ValueError:
@@ -639,7 +639,7 @@ def _rebuild_while(op, mapping, used):
 
     # The body ops the rebuilt loop runs (a gradient built before may have
     # added others that read the loop's inputs).
-    live_ops = _ancestors_in([body.outputs[k] for k in var_idx])
+    live_ops = ancestors_in([body.outputs[k] for k in var_idx])
 
     def bind(values):
         bound = dict(fixed)
@@ -651,7 +651,7 @@ def _rebuild_while(op, mapping, used):
                 # Reads of the unstacked tensor: a gather of its rows.
                 bound[k] = _Rows(_input(t.op.inputs[0], mapping))
             else:
-                bound[k] = _copy_op(t.op, mapping)[t.value_index]
+                bound[k] = copy_op(t.op, mapping)[t.value_index]
         bound.update(zip(var_idx, values))
         return bound
 
@@ -827,7 +827,7 @@ def varying_loop(forward):
         if op.type not in ("While", "StatelessWhile"):
             continue
         try:
-            body, cond = _func_graph(op, "body"), _func_graph(op, "cond")
+            body, cond = func_graph(op, "body"), func_graph(op, "cond")
         except Refused:
             return op
         if len(body.inputs) != len(op.inputs) or \

@@ -1,10 +1,10 @@
-"""custagg.rules._outer.Outer's closed forms against materialized gradients."""
+"""custagg.rules.outer.Outer's closed forms against materialized gradients."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from custagg.rules import _outer
+from custagg.rules import outer as _outer
 
 
 @pytest.mark.parametrize("steps", [None, 1, 4])

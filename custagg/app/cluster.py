@@ -327,7 +327,7 @@ def run_local(args, out=None):
         if args.aggregation == "dpsgd":
             from custagg.app import train  # pylint: disable=g-import-not-at-top
             say("privacy after %d epochs: %s" % (
-                args.epochs, train._describe_epsilon(  # pylint: disable=protected-access
+                args.epochs, train.describe_epsilon(
                     args, results[0]["train_size"], args.batch_size,
                     args.epochs, pld=True)))
         return 0

@@ -42,7 +42,7 @@ READY_TIMEOUT_S = 600
 def _optimizer(args, lr, workers):
     """`(replicated optimizer, the custagg optimizer inside it)`; DP ones
     get their noise once per step, from the chief."""
-    inner = train._make_optimizer(args, lr)  # pylint: disable=protected-access
+    inner = train.make_optimizer(args, lr)
     if isinstance(inner, opt_lib.DPOptimizer):   # clip and dpsgd
         seed = args.seed if args.aggregation == "dpsgd" else None
         return distributed.sync_replicas_dp_optimizer(inner, workers,
@@ -68,7 +68,7 @@ def _worker(a, args, spec, server):
         # The flag counts microbatches per global batch; each worker clips
         # its share of them.
         args.num_microbatches //= workers
-    lr = train._learning_rate(args)  # pylint: disable=protected-access
+    lr = train.learning_rate(args)
     counts = np.bincount(data.y_train, minlength=data.num_classes)
     class_weights = 1.0 / np.maximum(counts, 1)
     steps_per_epoch = len(data.x_train) // bsz
@@ -133,7 +133,7 @@ def _worker(a, args, spec, server):
                     epoch, a.task, float(np.mean(losses)), dt,
                     local * len(losses) / max(dt, 1e-9))
                 if is_chief:
-                    test_acc = train._evaluate(  # pylint: disable=protected-access
+                    test_acc = train.evaluate(
                         sess, eval_correct, x_eval, y_eval, data.x_test,
                         data.y_test)
                     line += "  test acc %.4f" % test_acc

@@ -81,7 +81,7 @@ def _describe_norms(norms):
     return "min %.3g  q25 %.3g  median %.3g  q75 %.3g  max %.3g" % tuple(q)
 
 
-def _make_optimizer(args, lr):
+def make_optimizer(args, lr):
     if args.optimizer == "sgd":
         inner = tf.compat.v1.train.GradientDescentOptimizer(lr)
     elif args.optimizer == "momentum":
@@ -102,7 +102,7 @@ def _make_optimizer(args, lr):
         strategy=args.strategy)
 
 
-def _learning_rate(args):
+def learning_rate(args):
     if args.learning_rate is not None:
         return args.learning_rate
     if args.optimizer == "adam":
@@ -111,7 +111,7 @@ def _learning_rate(args):
     return lr * 0.1 if args.optimizer == "momentum" else lr
 
 
-def _evaluate(sess, acc_sum, x_eval, y_eval, x, y, chunk=1000):
+def evaluate(sess, acc_sum, x_eval, y_eval, x, y, chunk=1000):
     correct = 0.0
     for start in range(0, len(x), chunk):
         correct += sess.run(acc_sum, {x_eval: x[start:start + chunk],
@@ -139,7 +139,7 @@ def _run(args, out):
     if len(data.x_train) < bsz:
         raise UsageError("--batch-size %d is larger than the %d training "
                           "images" % (bsz, len(data.x_train)))
-    lr = _learning_rate(args)
+    lr = learning_rate(args)
     counts = np.bincount(data.y_train, minlength=data.num_classes)
     class_weights = 1.0 / np.maximum(counts, 1)
 
@@ -150,7 +150,7 @@ def _run(args, out):
         d = data.num_features
         x, y, logits, variables, loss = per_example_loss(args, data, bsz)
         global_step = tf.compat.v1.train.get_or_create_global_step()
-        opt = _make_optimizer(args, lr)
+        opt = make_optimizer(args, lr)
         # sum: the gradient of the mean loss, as in the tutorial; the norms
         # stay those of each example's own loss.
         grad_loss = (tf.fill([bsz], 1.0 / bsz) if args.aggregation == "sum"
@@ -207,7 +207,7 @@ def _run(args, out):
                     correct += c
                     seen += len(yb)
                     all_norms.append(n)
-                test_acc = _evaluate(sess, eval_correct, x_eval, y_eval,
+                test_acc = evaluate(sess, eval_correct, x_eval, y_eval,
                                      data.x_test, data.y_test)
                 say("epoch %2d  loss %.4f  train acc %.4f  test acc %.4f  "
                     "%.1fs  |  per-example grad norms: %s" % (
@@ -215,11 +215,11 @@ def _run(args, out):
                         test_acc, time.time() - t0,
                         _describe_norms(np.concatenate(all_norms))))
                 if args.aggregation == "dpsgd":
-                    say("          " + _describe_epsilon(
+                    say("          " + describe_epsilon(
                         args, len(data.x_train), bsz, epoch))
             if args.aggregation == "dpsgd":
                 say("privacy after %d epochs: %s" % (
-                    args.epochs, _describe_epsilon(
+                    args.epochs, describe_epsilon(
                         args, len(data.x_train), bsz, args.epochs, pld=True)))
                 say(_privacy_statement(args, len(data.x_train), bsz))
             status = 0
@@ -240,7 +240,7 @@ def _run(args, out):
     return status
 
 
-def _describe_epsilon(args, n, batch_size, epochs, pld=False):
+def describe_epsilon(args, n, batch_size, epochs, pld=False):
     """ε at δ = 1/n, TF Privacy's accounting (RDP, Poisson sampling with
     q = B/n, ceil(epochs * n / B) steps, epochs counted as its tutorial
     does); with `pld`, dp-accounting's PLD figure too."""

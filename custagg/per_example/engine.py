@@ -32,7 +32,7 @@ from custagg.per_example.forms import is_refusal
 from custagg.per_example.forms import loop_rules
 from custagg.per_example.forms import rules as rules_form
 from custagg.rules import registry as registry_lib
-from custagg.rules import _outer as _outer_lib
+from custagg.rules import outer as outer_lib
 
 _LOG = logging.getLogger("custagg")
 
@@ -210,7 +210,7 @@ class Engine(object):
             if outer is not None:
                 if groups is not None:
                     outer = outer.grouped(groups)
-                terms.append(("outer", outer, _outer_lib.static_dims(
+                terms.append(("outer", outer, outer_lib.static_dims(
                     ctx.param)))
             else:
                 terms.append(("dense", group(self.to_x(

@@ -5,7 +5,7 @@ layer) has per-example gradients `g_b = sum_j term_j(b)`; its squared norm is
 `sum_{i,j} <term_i(b), term_j(b)>`, each inner product formed from the
 terms' own factors where an identity allows. A term is one of
 
-  ("outer", Outer, param dims)   sum_t a_bt (x) g_bt (`rules._outer.Outer`)
+  ("outer", Outer, param dims)   sum_t a_bt (x) g_bt (`rules.outer.Outer`)
   ("scaled", c [B], v)           c_b v (a scalar chain: `l2_loss(w)`)
   ("dense", [B, *x])             materialized
 """

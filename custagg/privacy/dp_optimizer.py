@@ -154,13 +154,13 @@ def make_optimizer_class(cls):
             if grad_loss is not None:
                 loss = loss * tf.stop_gradient(grad_loss)
             var_list = _var_list(var_list, name)
-            live = [v for v in var_list if _opt._differentiable(v)]  # pylint: disable=protected-access
+            live = [v for v in var_list if _opt.differentiable(v)]
             grads = [None] * len(var_list)
             if live:
                 with tf.name_scope(self._name + "_dp_gradients"):
                     live_grads = self._dp_gradients(loss, live)
                 it = iter(live_grads)
-                grads = [next(it) if _opt._differentiable(v) else None  # pylint: disable=protected-access
+                grads = [next(it) if _opt.differentiable(v) else None
                          for v in var_list]
             if gate_gradients == _V1.GATE_GRAPH:
                 present = [i for i, g in enumerate(grads) if g is not None]
@@ -389,9 +389,9 @@ def make_gaussian_optimizer_class(cls):
                      *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
             owner = type(self).__name__
             # Checked before the product below, so a bad value is named.
-            _opt._check_positive(l2_norm_clip, "l2_norm_clip", owner,  # pylint: disable=protected-access
+            _opt.check_positive(l2_norm_clip, "l2_norm_clip", owner,
                                  allow_zero=True)
-            _opt._check_positive(noise_multiplier, "noise_multiplier",  # pylint: disable=protected-access
+            _opt.check_positive(noise_multiplier, "noise_multiplier",
                                  owner, allow_zero=True)
             self._l2_norm_clip = l2_norm_clip
             self._noise_multiplier = noise_multiplier

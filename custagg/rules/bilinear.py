@@ -19,7 +19,7 @@ import tensorflow as tf
 from custagg import _tf_compat
 from custagg.rules import registry
 from custagg._tf_compat import tensor_util
-from custagg.rules import _outer
+from custagg.rules import outer as _outer
 
 
 class BilinearRule(registry.Rule):

@@ -11,7 +11,7 @@ the activations, so the reductions are taken from them directly.
 import tensorflow as tf
 
 from custagg.rules import registry
-from custagg.rules import _outer
+from custagg.rules import outer as _outer
 from custagg.rules import _reduce
 
 

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 from custagg.rules import registry
-from custagg.rules import _outer
+from custagg.rules import outer as _outer
 from custagg.rules import _reduce
 
 # `_window_patches` not yet asked for in a context.

@@ -20,7 +20,7 @@ A `Rule` computes, from the op's inputs and `dz` alone (one backward pass),
     squared_sum(ctx)        -> p.shape            sum_i g_i ** 2  (elementwise)
     group_squared_norms(ctx, M) -> [M]            ||sum_{i in m} g_i||^2, microbatch m
                                                   = examples m*B/M ... (m+1)*B/M - 1
-    outer(ctx)              -> _outer.Outer/None  g_i as sum_t a_it (x) g_it (cross terms)
+    outer(ctx)              -> outer.Outer/None  g_i as sum_t a_it (x) g_it (cross terms)
     output_batch_axis(ctx)  -> int                axis of op.outputs[0] that is the batch
     coupling_start(ctx)     -> (tensor, axis)     where the batch-coupling check starts
     unsupported(ctx)        -> None or a reason   (attributes the rule does not handle)
@@ -132,7 +132,7 @@ class Rule(object):
                              axis=1)
 
     def outer(self, ctx):
-        """The per-example gradients as an `_outer.Outer` (sums of outer
+        """The per-example gradients as an `outer.Outer` (sums of outer
         products, never materialized), or None. Lets a variable used by
         several ops get its norms from cross terms."""
         del ctx

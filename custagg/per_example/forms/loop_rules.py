@@ -38,7 +38,7 @@ Handled: `While`/`StatelessWhile` at the top level of the loss's graph and
 top-level v1 frames (Enter/Exit, `disable_v2_behavior`), x entering as a
 loop-invariant input (a resource handle read inside, or a value), consumed
 inside by any op with a registered rule whose static checks pass there
-(`rules.rule_reason`), with the batch on axis 0 of its output and the
+(`custagg.rules.applies.rule_reason`), with the batch on axis 0 of its output and the
 output's other dims static, directly or through `Unpack` along axis 0 (the
 Keras GRU's `[2, 3H]` bias).
 """
@@ -53,7 +53,8 @@ from custagg import _tf_compat
 from custagg import recompute
 from custagg.rules import registry as registry_lib
 from custagg import batch_axis
-from custagg.rules import _outer
+from custagg.rules import outer as _outer
+from custagg.rules import applies
 
 LOOP_TYPES = batch_axis.LOOP_TYPES
 # The ops through which x enters a loop: a v2 While, a v1 frame's Enter.
@@ -111,7 +112,7 @@ def find(op, index, loss, loss_ancestors, registry, batch_size):
     if op.type not in LOOP_TYPES:
         return None, "not a while loop"
     try:
-        body = recompute._func_graph(op, "body")  # pylint: disable=protected-access
+        body = recompute.func_graph(op, "body")
     except recompute.Refused as e:
         return None, str(e)
     why = _counted(op, body)
@@ -123,7 +124,7 @@ def find(op, index, loss, loss_ancestors, registry, batch_size):
                       "changes" % op.name)
     used = _used_outputs(op, loss_ancestors)
     # Body ops behind the loop variables whose outputs the loss reads.
-    live = recompute._ancestors_in([body.outputs[k] for k in used])  # pylint: disable=protected-access
+    live = recompute.ancestors_in([body.outputs[k] for k in used])
 
     def coupling(z):
         return _coupling(op, body, z, live, loss, loss_ancestors)
@@ -156,7 +157,7 @@ def _find_v1(enter, loss, loss_ancestors, taps):
     counter = _v1_counter(ctxt)
     if counter is None:
         return None, "v1 loop '%s' has no iteration counter from 0" % name
-    live = set(o for o in recompute._frame_ops(ctxt, enter.graph)  # pylint: disable=protected-access
+    live = set(o for o in recompute.frame_ops(ctxt, enter.graph)
                if o in loss_ancestors)
 
     def coupling(z):
@@ -316,16 +317,13 @@ class _TapFinder(object):
 
     def tap(self, c, t, slot):
         """(Tap, None) for an op whose rule applies here, or (None, why)."""
-        # Imported here: the rules form imports this module for the loops.
-        # pylint: disable=g-import-not-at-top
-        from custagg.per_example.forms import rules as rules_form
         ks = [k for k, i in enumerate(c.inputs) if i is t]
         if len(ks) != 1:
             return None, "x is more than one input of the op"
         k = ks[0]
         # The static checks of the rule, as outside loops; the coupling to
         # the loss is checked from the tap through the loop (`_coupling`).
-        why = rules_form.rule_reason(c, k, self.registry, self.batch_size,
+        why = applies.rule_reason(c, k, self.registry, self.batch_size,
                                      None, None)
         if why:
             return None, str(why)
@@ -533,13 +531,13 @@ def _build_loop(loop, group, cotangent_of, batch):
                if cotangent_of.get(t.ref()) is not None]
     with recompute.whole_batch({loop: hook}):
         if v2:
-            new = recompute._rebuild_while(loop, {}, [  # pylint: disable=protected-access
+            new = recompute.rebuild_while(loop, {}, [
                 t.value_index for t in outputs])
             ys = [new[t.value_index] for t in outputs]
         else:
             mapping = {}
             exits = {e.ref() for e in loop.loop_exits}
-            recompute._rebuild_v1_while(loop, mapping, {  # pylint: disable=protected-access
+            recompute.rebuild_v1_while(loop, mapping, {
                 t.ref() if t.ref() in exits else t.op.inputs[2].ref()
                 for t in outputs})
             ys = [_remap(t, mapping, {}) for t in outputs]
@@ -561,7 +559,7 @@ def _remap(t, mapping, memo):
     if all(n is i for n, i in zip(new, t.op.inputs)):
         memo[t.op] = True       # does not depend on the rebuilt loop
         return t
-    outs = recompute._copy_op(t.op, {  # pylint: disable=protected-access
+    outs = recompute.copy_op(t.op, {
         i.ref(): n for i, n in zip(t.op.inputs, new)})
     for old, out in zip(t.op.outputs, outs):
         mapping[old.ref()] = out
@@ -668,7 +666,7 @@ def _outer_of(use, hook, dz):
         g = g_parts[0] if len(g_parts) == 1 else tf.concat(g_parts, axis=1)
         outer = _outer.Outer(a, g, _outer.layout(shape[:-1], shape[-1:],
                                                  None))
-        outer._choose_at_run_time = True  # pylint: disable=protected-access
+        outer._choose_at_run_time = True
         return outer, None
     dense = []
     for tap, r in results:

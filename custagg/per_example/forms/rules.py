@@ -22,8 +22,8 @@ from custagg import batch_axis
 from custagg import graph as graph_lib
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
-from custagg.rules import registry as registry_lib
 from custagg.rules import shortcuts
+from custagg.rules.applies import rule_reason  # noqa: F401  (the rules' own checks)
 
 # x used by a rule op: `op.inputs[index]` carries x; `rule` from the registry.
 Consumer = collections.namedtuple("Consumer", ["op", "index", "rule"])
@@ -79,40 +79,6 @@ def _reached_refs(x_tensor, loss_ancestors, live):
                     shortcuts.passes_through(op, 0, live):
                 stack.append(op.outputs[0])
     return refs
-
-
-def rule_reason(op, k, registry, batch_size, loss, loss_ancestors):
-    """None when the registry's rule for `op` (x at input k) applies here:
-    a rule exists, the op's gradient is the standard one, the rule's static
-    checks pass, and examples stay apart from the rule's start to the loss.
-    Else a `batch_axis.Reason` (the loop rules ask the same question)."""
-    rule = registry.lookup(op.type)
-    if rule is None:
-        return batch_axis.Reason(
-            "no per-example rule for op type '%s' (op '%s')"
-            % (op.type, op.name), op)
-    if shortcuts.gradient_override(op) is not None:
-        return batch_axis.Reason(
-            "op '%s' (type %s) has its gradient overridden (to %r); the "
-            "%s rule implements the standard gradient" % (
-                op.name, op.type, shortcuts.gradient_override(op),
-                op.type), op)
-    ctx = registry_lib.RuleContext(op, k, None, batch_size)
-    why = rule.unsupported(ctx)
-    if why:
-        return batch_axis.Reason(
-            "the %s rule does not handle op '%s': %s" % (
-                op.type, op.name, why), op)
-    if loss is None:
-        return None
-    start, axis = rule.coupling_start(ctx)
-    coupled = batch_axis.coupling(start, axis, loss, loss_ancestors)
-    if coupled:
-        return batch_axis.Reason(
-            "batch coupling between op '%s' and the loss: %s; "
-            "per-example rules assume examples do not interact"
-            % (op.name, coupled), getattr(coupled, "op", None))
-    return None
 
 
 def find_rule_consumers(x_tensor, ctx, depth=0):

@@ -72,9 +72,9 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         from custagg import optimizers as _opt  # pylint: disable=g-import-not-at-top
         # TF Privacy checks neither; a negative or NaN one would train
         # without the guarantee. l2_norm_clip = 0 clips every record to 0.
-        self._l2_norm_clip = _opt._check_positive(  # pylint: disable=protected-access
+        self._l2_norm_clip = _opt.check_positive(
             l2_norm_clip, "l2_norm_clip", "GaussianSumQuery", allow_zero=True)
-        self._stddev = _opt._check_positive(  # pylint: disable=protected-access
+        self._stddev = _opt.check_positive(
             stddev, "stddev", "GaussianSumQuery", allow_zero=True)
 
     def make_global_state(self, l2_norm_clip, stddev):
