@@ -49,6 +49,9 @@ from tensorflow.python.ops import gen_functional_ops  # noqa: F401
 from tensorflow.python.ops import resource_variable_ops  # noqa: F401
 from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops  # noqa: F401
 from tensorflow.python.util import object_identity  # noqa: F401
+# The nested DP query maps over a structure up to a shallower one
+# (nest.map_structure_up_to), which tf.nest does not export.
+from tensorflow.python.util import nest  # noqa: F401
 
 # pylint: disable=protected-access
 

@@ -111,7 +111,7 @@ def is_leaf(op):
     return all(_handle_or_scalar(t) for t in op.inputs)
 
 
-def inverse(op, out_index, desc, shapes=None):
+def inverse(op, out_index, desc, shapes=None, _depth=0):
     """Which inputs of `op` hold the batch, given output `out_index` holds
     it at `desc`; the table's entries read backward.
 
@@ -131,7 +131,11 @@ def inverse(op, out_index, desc, shapes=None):
     result = []
     for i, inp in enumerate(op.inputs):
         got = set()
-        for cand in table.candidates(inp, want, op.outputs[out_index]):
+        cands = table.candidates(inp, want, op.outputs[out_index])
+        if not cands:
+            cands = _from_the_right(inp, want, op.outputs[out_index], shapes,
+                                    _depth)
+        for cand in cands:
             out = separation.propagate(op, i, cand, shapes, data=True)
             if out is MIXES:
                 continue
@@ -142,6 +146,37 @@ def inverse(op, out_index, desc, shapes=None):
                 got.add(cand)
         result.append(frozenset(got))
     return result
+
+
+def _from_the_right(t, want, output, shapes, depth=0):
+    """For an input `t` of unknown rank: the batch axis counted from the
+    end (broadcasting aligns from the right), when that is the only reading
+    under which `t` can hold the rows, else [].
+
+    Only an intermediate tensor qualifies, and only when the same reading
+    traces back to a tensor of known rank that holds the batch there
+    (`x / keep_prob` with an unshaped `keep_prob`: the unknown rank comes
+    from `keep_prob`, the rows from `x`). A leaf of unknown rank, or an
+    intermediate made from leaves of unknown rank and constants alone (a
+    scalar `1 - keep_prob`), is never read as batch data: nothing is
+    guessed.
+    """
+    if (t.shape.rank is not None or is_leaf(t.op) or depth > 8 or
+            not isinstance(want, int) or isinstance(want, tuple)):
+        return []
+    if want < 0:
+        cand = want
+    elif output.shape.rank is not None:
+        cand = want - output.shape.rank
+    else:
+        return []
+    ins = inverse(t.op, t.value_index, cand, shapes, _depth=depth + 1)
+    if ins is MIXES:
+        return []
+    for inp, descs in zip(t.op.inputs, ins):
+        if descs and (inp.shape.rank is not None or depth < 8):
+            return [cand]
+    return []
 
 
 def _mixes_inside(op, index, desc):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 
 import tensorflow as tf
-from tensorflow.python.util import nest as _nest  # *_up_to helpers
+from custagg._tf_compat import nest as _nest  # *_up_to helpers
 
 from custagg.privacy.dp_query import dp_query
 from custagg.privacy.dp_query.gaussian_query import composed_event
