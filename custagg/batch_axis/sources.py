@@ -161,8 +161,9 @@ def _from_the_right(t, want, output, shapes, depth=0):
     scalar `1 - keep_prob`), is never read as batch data: nothing is
     guessed.
     """
+    # Folded and ListOf descriptors are tuples, never ints.
     if (t.shape.rank is not None or is_leaf(t.op) or depth > 8 or
-            not isinstance(want, int) or isinstance(want, tuple)):
+            not isinstance(want, int)):
         return []
     if want < 0:
         cand = want
@@ -173,10 +174,9 @@ def _from_the_right(t, want, output, shapes, depth=0):
     ins = inverse(t.op, t.value_index, cand, shapes, _depth=depth + 1)
     if ins is MIXES:
         return []
-    for inp, descs in zip(t.op.inputs, ins):
-        if descs and (inp.shape.rank is not None or depth < 8):
-            return [cand]
-    return []
+    # An input of unknown rank has descriptors only when this same check
+    # held one level further back, so any input with one traces to rows.
+    return [cand] if any(ins) else []
 
 
 def _mixes_inside(op, index, desc):
