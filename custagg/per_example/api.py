@@ -223,7 +223,7 @@ def _groups(loss, num_microbatches, fn, group_ids=None):
                 "group_ids=[0, 0, 1, 1, ...] (each example's microbatch) "
                 "groups like num_microbatches and allows unequal groups."
                 % fn)
-        return _segments(loss, group_ids, fn)
+        return group_segments(loss, group_ids, fn)
     if num_microbatches is None:
         return None, []
     m = num_microbatches
@@ -242,8 +242,25 @@ def _groups(loss, num_microbatches, fn, group_ids=None):
         message="%s: num_microbatches=%d must divide the batch size" % (fn, m))]
 
 
-def _segments(loss, group_ids, fn):
-    """`(Segments, [assertions])` for a `[B]` integer tensor of ids."""
+def group_segments(per_example_loss, group_ids, fn="custagg.group_segments"):
+    """Checks fed group ids against the loss and groups the examples.
+
+    Args:
+      per_example_loss: `[B]` tensor.
+      group_ids: `[B]` integer tensor (any values: user ids).
+      fn: the caller's name, for error messages.
+
+    Returns:
+      `(segments.Segments, [run-time assertions])`: each example's user in
+      `0 .. U-1` (order of first appearance) and U; the assertions check
+      rank and length where they are not static.
+
+    Raises:
+      TypeError: an eager tensor outside a function, or a non-integer dtype.
+      ValueError: a static rank other than 1, a static length other than
+        the loss's, or another graph.
+    """
+    loss = per_example_loss
     errors.check_graph_tensor(group_ids, "group_ids", fn)
     ids = tf.convert_to_tensor(group_ids)
     if not ids.dtype.is_integer:
