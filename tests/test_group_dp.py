@@ -496,3 +496,55 @@ def test_user_level_statement_argument_errors():
         fn(1000, 10, 1, 1.0, 1e-5, number_of_users=100, users_per_batch=200)
     with pytest.raises(ValueError, match="number_of_users must be"):
         fn(1000, 10, 1, 1.0, 1e-5, number_of_users=0, users_per_batch=1)
+
+
+# --------------------------------------------------------------------------
+# Every rule's user form, through the model zoo (slow: ~1-2 min).
+
+
+def _zoo_cases():
+    from benchmarks import zoo_models as zoo  # pylint: disable=g-import-not-at-top
+    return [pytest.param(name, tf.float32 if name in zoo.FLOAT32_ONLY
+                         else tf.float64, id=name) for name in zoo.ZOO]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, dtype", _zoo_cases())
+def test_zoo_user_norms_and_clipped_sums(name, dtype):
+    from benchmarks import zoo_models as zoo  # pylint: disable=g-import-not-at-top
+    if not zoo.has_keras_layers():
+        pytest.skip("tf.compat.v1.layers / Keras 2 layers need tf-keras")
+    rtol = RTOL if dtype == tf.float64 else 1e-4
+    rng = np.random.default_rng(sum(map(ord, name)) + 9)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(3)
+        model = zoo.ZOO[name](dtype, rng)
+        loss, xs = model.loss, model.xs
+        group_ids = tf.compat.v1.placeholder(tf.int64, [None])
+        clip = tf.compat.v1.placeholder(loss.dtype, [])
+        clipped, norms = custagg.clipped_gradients(
+            loss, xs, clip, return_norms=True, group_ids=group_ids)
+        clipped = [None if g is None else tf.convert_to_tensor(g)
+                   for g in clipped]
+        refs = {b: testing.loop_per_example(loss, xs, b) for b in (1, 5, 12)}
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for b, ids in ((1, np.array([4])),
+                           (5, np.array([3, 3, 10, 3, -2])),
+                           (12, rng.integers(0, 4, 12))):
+                feed = model.feed(rng, b)
+                feed[group_ids] = ids
+                sums = _user_sums(sess.run(refs[b], feed), ids)
+                feed[clip] = float(np.median(testing.numpy_norms(sums)))
+                ref_sums, ref_norms = testing.numpy_clipped(sums, feed[clip])
+                got, got_norms = sess.run(
+                    [[g for g in clipped if g is not None], norms], feed)
+                label = "%s B=%d" % (name, b)
+                testing.assert_close(got_norms, ref_norms, rtol,
+                                     label + " norms")
+                present = [j for j, g in enumerate(clipped) if g is not None]
+                scale = max(float(np.max(np.abs(s))) for s in ref_sums)
+                for j, g in zip(present, got):
+                    testing.assert_close(g, ref_sums[j], rtol,
+                                         "%s clipped[%d]" % (label, j), scale)
