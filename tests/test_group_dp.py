@@ -535,14 +535,22 @@ def test_zoo_user_norms_and_clipped_sums(name, dtype):
                            (12, rng.integers(0, 4, 12))):
                 feed = model.feed(rng, b)
                 feed[group_ids] = ids
-                sums = _user_sums(sess.run(refs[b], feed), ids)
-                feed[clip] = float(np.median(testing.numpy_norms(sums)))
-                ref_sums, ref_norms = testing.numpy_clipped(sums, feed[clip])
-                got, got_norms = sess.run(
-                    [[g for g in clipped if g is not None], norms], feed)
+                feed[clip] = 1.0
                 label = "%s B=%d" % (name, b)
+                # Reference and result in one run: dropout draws anew in
+                # each.
+                ref, got_norms = sess.run([refs[b], norms], feed)
+                ref_norms = testing.numpy_norms(_user_sums(ref, ids))
                 testing.assert_close(got_norms, ref_norms, rtol,
                                      label + " norms")
+                feed[clip] = float(np.median(ref_norms))
+                ref, got, got_norms = sess.run(
+                    [refs[b], [g for g in clipped if g is not None], norms],
+                    feed)
+                ref_sums, ref_norms = testing.numpy_clipped(
+                    _user_sums(ref, ids), feed[clip])
+                testing.assert_close(got_norms, ref_norms, rtol,
+                                     label + " clip norms")
                 present = [j for j, g in enumerate(clipped) if g is not None]
                 scale = max(float(np.max(np.abs(s))) for s in ref_sums)
                 for j, g in zip(present, got):
