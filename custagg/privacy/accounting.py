@@ -14,7 +14,10 @@ double the sensitivity for microbatches of more than one example (TF
 Privacy deprecated it for that). `compute_dp_sgd_privacy_statement` (TF
 Privacy's replacement, same arguments and figures) states both the
 shuffled-batches and the Poisson ε, doubles the sensitivity when
-`used_microbatching`, and gives user-level ε with `max_examples_per_user`.
+`used_microbatching`, and gives user-level ε with `max_examples_per_user`
+(group privacy), and, with `number_of_users` and `users_per_batch`
+(custagg's addition), the user-level ε of training with user-level
+clipping (`group_ids`; `user_clipping_epsilon`).
 
 dp-accounting is imported when first needed, so `import custagg` does not
 pay for it (and stays importable where it is missing).
