@@ -556,3 +556,16 @@ def test_zoo_user_norms_and_clipped_sums(name, dtype):
                 for j, g in zip(present, got):
                     testing.assert_close(g, ref_sums[j], rtol,
                                          "%s clipped[%d]" % (label, j), scale)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_and_reports_ratios():
+    pytest.importorskip("sklearn")
+    from benchmarks import user_level_clipping  # pylint: disable=g-import-not-at-top
+    rows = user_level_clipping.run(batch=16, repeats=1, models=("mlp",),
+                                   log=lambda *_: None)
+    assert [r["kind"] for r in rows] == list(user_level_clipping.KINDS)
+    assert rows[0]["time_ratio"] == 1.0 and rows[0]["memory_ratio"] == 1.0
+    assert all(r["peak_mb"] > 0 for r in rows)
+    ids = user_level_clipping.user_ids(256, 64, 1)
+    assert len(set(ids.tolist())) == 64 and len(ids) == 256
