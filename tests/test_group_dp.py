@@ -6,7 +6,7 @@ sum clipped once, the clipped sums added. `clipped_gradients(...,
 group_ids=g)` and `per_example_norms(..., group_ids=g)` must give that
 (users in order of first appearance) for a dense MLP, a CNN and an
 embedding model (IndexedSlices), float64, every graph with a dynamic batch,
-B = 1, 5, 33, ids of any values (negative, large int64, int32), groups of
+B = 1, 5, 32, 33, ids of any values (negative, large int64, int32), groups of
 unequal sizes with singletons and one user holding the whole batch. The DP
 optimizers (custagg's, TF Privacy's named classes, the vectorized ones, the
 per-layer fast path and the generic query path) with zero noise must give
@@ -44,6 +44,7 @@ def _id_patterns(rng):
         5: [("unequal", np.array([3, 3, 10, 3, -2])),
             ("all one user", np.array([4, 4, 4, 4, 4])),
             ("singletons", np.array([9, 1, 5, 0, 2]))],
+        32: [("pairs", np.arange(32) // 2 * -3)],
         MAX_B: [("random", np.concatenate([
             [big + 5], rng.choice([big, -1, 17, 3], MAX_B - 2), [99]]))],
     }
