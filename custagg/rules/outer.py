@@ -19,10 +19,8 @@ follows from `a` `[B, T, D]` and `g = dz` `[B, T, K]` without materializing
 * Users (groups by fed ids, `segments.Segments`, any sizes): the group
   gradient `G_u = sum_{b in u, t} a_bt (x) g_bt` (`SegmentedOuter`); its
   norm is the masked Gram form `sum_{r,s} [u_r = u_s] (a_r . a_s)(g_r . g_s)`
-  over the `R = B T` rows (formed only for chunks of rows, sorted by user,
-  close enough to share one: `_banded_gram`), or the `[B, D, K]`
-  per-example gradients summed per user, whichever holds fewer numbers
-  (`R^2` against `B D K`).
+  over the `R = B T` rows, or the `[B, D, K]` per-example gradients summed
+  per user, whichever holds fewer numbers (`R^2` against `B D K`).
 """
 
 import numpy as np
