@@ -30,7 +30,6 @@ from custagg.privacy import dp_optimizer_vectorized
 from custagg.privacy.dp_query import gaussian_query
 from custagg.privacy.dp_query import nested_query
 from custagg.privacy.dp_query import no_privacy_query
-from custagg.rules import outer
 
 MAX_B = 33
 RTOL = 1e-9
@@ -120,13 +119,8 @@ def _dense(v):
     return testing.to_numpy(v)
 
 
-@pytest.mark.parametrize("model, chunk", [(m, None) for m in sorted(MODELS)]
-                         + [("mlp", 4)])
-def test_clipped_gradients_match_loop_reference(model, chunk, monkeypatch):
-    """`chunk`: the banded Gram's rows per chunk (None: the default); 4
-    makes up to 9 chunks at B = 33, so the band skips chunk pairs."""
-    if chunk is not None:
-        monkeypatch.setattr(outer.SegmentedOuter, "BAND_CHUNK", chunk)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_clipped_gradients_match_loop_reference(model):
     rng = np.random.default_rng(sum(map(ord, model)))
     graph = tf.Graph()
     with graph.as_default():

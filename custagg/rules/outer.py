@@ -211,53 +211,6 @@ class SegmentedOuter(object):
         return tf.math.unsorted_segment_sum(tf.reduce_sum(gram, axis=1), seg,
                                             self.segments.count)
 
-    def _banded_gram(self):
-        """`[U]` squared norms by the masked Gram restricted to the pairs of
-        rows that can share a user.
-
-        Rows sorted by user (stable) put each user's `n_u T` rows side by
-        side; cut into chunks of `BAND_CHUNK` rows, a pair of one user lies
-        at most `w = ceil((max_u n_u T - 1) / chunk)` chunks apart, so only
-        chunk pairs `(i, i + o)`, `o <= w`, are formed (`o > 0` twice, by
-        symmetry): about `R (w + 1) chunk (D + K)` multiply-adds instead of
-        `R^2 (D + K)`; `w` is known at run time (a while loop over o).
-        """
-        a, g, seg = self._rows()
-        c = self.BAND_CHUNK
-        rows = tf.shape(seg)[0]
-        order = tf.argsort(seg, stable=True)
-        seg_sorted = tf.gather(seg, order)
-        n = (rows + c - 1) // c
-        pad = n * c - rows
-
-        def chunks(t, value=0):
-            t = tf.pad(tf.gather(t, order), [[0, pad]] + [[0, 0]] * (
-                t.shape.rank - 1), constant_values=value)
-            return tf.reshape(t, tf.concat([[n, c], tf.shape(t)[1:]], 0))
-        a3, g3 = chunks(a), chunks(g)                        # [n, c, D|K]
-        s2 = chunks(seg, -1)                                 # [n, c]
-        largest = tf.reduce_max(self.segments.sizes(tf.int32)) * tf.shape(
-            self.a)[1]
-        width = tf.minimum((largest + c - 2) // c, n - 1)
-
-        def body(o, acc):
-            ga = tf.matmul(a3[:n - o], a3[o:], transpose_b=True)  # [n-o,c,c]
-            gg = tf.matmul(g3[:n - o], g3[o:], transpose_b=True)
-            same = tf.cast(tf.equal(s2[:n - o, :, None], s2[o:, None, :]),
-                           ga.dtype)
-            part = tf.reduce_sum(ga * gg * same, axis=2)          # [n-o, c]
-            factor = tf.where(o > 0, tf.constant(2, ga.dtype),
-                              tf.constant(1, ga.dtype))
-            return o + 1, acc + factor * tf.pad(part, [[0, o], [0, 0]])
-        _, acc = tf.while_loop(
-            lambda o, _: o <= width, body,
-            [tf.constant(0), tf.zeros([n, c], a.dtype)])
-        return tf.math.unsorted_segment_sum(
-            tf.reshape(acc, [-1])[:rows], seg_sorted, self.segments.count)
-
-    # Rows per chunk of the banded Gram: chunk pairs are [c, c] products.
-    BAND_CHUNK = 32
-
     def _full_norms(self):
         """`[U]` from the `[B, D, K]` per-example gradients summed per user
         (cheaper than the `[R, R]` Gram for long rows of small layers)."""
@@ -271,14 +224,15 @@ class SegmentedOuter(object):
         b, t = _static(self.a.shape[0]), _static(self.a.shape[1])
         d, k = _static(self.a.shape[2]), _static(self.g.shape[2])
         if None not in (b, t, d, k):
-            return (self._banded_gram() if b * t * t < d * k
+            return (self._masked_gram(self) if b * t * t < d * k
                     else self._full_norms())
         shape_a, shape_g = tf.shape(self.a), tf.shape(self.g)
         gram_wins = (tf.cast(shape_a[0] * shape_a[1], tf.int64) *
                      tf.cast(shape_a[1], tf.int64) <
                      tf.cast(shape_a[2], tf.int64) *
                      tf.cast(shape_g[2], tf.int64))
-        return tf.cond(gram_wins, self._banded_gram, self._full_norms)
+        return tf.cond(gram_wins, lambda: self._masked_gram(self),
+                       self._full_norms)
 
     def inner(self, other):
         """`[U]` `<G_u, G'_u>` with a `SegmentedOuter` of the same key and
