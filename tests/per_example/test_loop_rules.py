@@ -20,7 +20,11 @@ from custagg import testing
 import per_example_reference
 import test_loops
 
-BATCHES = (1, 5, 32, 33)
+# The default run checks B in {1, 5}; `-m slow` adds {32, 33} (the loop
+# reference, one tf.gradients through the loop per example, costs most of
+# each test: 33 backward while loops).
+BATCHES = (1, 5)
+LARGE_BATCHES = (32, 33)
 RTOL = 1e-7
 # The dense head outside the loop has ordinary rules.
 HEAD = ("readout/",)
@@ -34,9 +38,12 @@ HEAD = ("readout/",)
 DEFAULT_MODELS = frozenset(["hand_while_rnn", "weight_inside_and_outside",
                             "keras_lstm_last", "keras_gru_sequence",
                             "dynamic_rnn_lstm_seqlen"])
-V2_MODELS = [n if n in DEFAULT_MODELS else
-             pytest.param(n, marks=pytest.mark.slow)
-             for n in sorted(test_loops.MODELS)]
+V2_MODELS = [pytest.param(n, b, marks=() if n in DEFAULT_MODELS and
+                          b == BATCHES else pytest.mark.slow,
+                          id="%s-%s" % (n, "large" if b == LARGE_BATCHES
+                                        else "small"))
+             for n in sorted(test_loops.MODELS)
+             for b in (BATCHES, LARGE_BATCHES)]
 
 
 def _check_all(loss, xs, feed, batches=BATCHES, seed=0, rtol=RTOL,
@@ -59,8 +66,8 @@ def _check_all(loss, xs, feed, batches=BATCHES, seed=0, rtol=RTOL,
     return built
 
 
-@pytest.mark.parametrize("name", V2_MODELS)
-def test_rnn_weights_take_loop_rules_and_match_the_loop(graph, name):
+@pytest.mark.parametrize("name,batches", V2_MODELS)
+def test_rnn_weights_take_loop_rules_and_match_the_loop(graph, name, batches):
     loss, xs, feed = test_loops.MODELS[name]()
     plan = custagg.plan_per_example(loss, xs)
     for a in plan.assignments:
@@ -68,7 +75,7 @@ def test_rnn_weights_take_loop_rules_and_match_the_loop(graph, name):
         assert a.form == want, str(plan)
     assert not plan.slow(), str(plan)
     assert "in loop '" in str(plan), str(plan)
-    built = _check_all(loss, xs, feed)
+    built = _check_all(loss, xs, feed, batches=batches)
     # Plan == execution: the per-example graph is the loop rules' (with the
     # shared backward pass of the rules), never a recompute or whole pass.
     for a, g in zip(plan.assignments, built["per_example_gradients"]):
@@ -95,7 +102,9 @@ def test_microbatch_norms_and_strategy_rules(graph):
     np.testing.assert_allclose(got, want, rtol=RTOL)
 
 
-def test_float32_hand_lstm(graph):
+@pytest.mark.parametrize("batches", [
+    BATCHES, pytest.param(LARGE_BATCHES, marks=pytest.mark.slow)])
+def test_float32_hand_lstm(graph, batches):
     """The benchmarks' LSTM (float32, tf.nn.bias_add, tf.split gates)."""
     steps, din, hidden = 4, 3, 5
     x = tf.compat.v1.placeholder(tf.float32, [None, steps, din])
@@ -130,7 +139,7 @@ def test_float32_hand_lstm(graph):
     def feed(b, r):
         return {x: r.normal(size=(b, steps, din)).astype(np.float32),
                 y: r.integers(0, 3, size=b)}
-    _check_all(loss, xs, feed, batches=(1, 32, 33), rtol=1e-4)
+    _check_all(loss, xs, feed, batches=batches, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------
