@@ -45,8 +45,8 @@ import tensorflow as tf
 from custagg import errors
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import resource_variable_ops
-from custagg.aggregation import AggregationMethod
-from custagg.gradients import gradients
+from custagg.traversal.aggregation import AggregationMethod
+from custagg.traversal.gradients import gradients
 from custagg.per_example import engine as engine_lib
 from custagg.per_example import planning
 from custagg.per_example.planning import Plan  # noqa: F401  (public name)

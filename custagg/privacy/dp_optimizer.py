@@ -54,7 +54,8 @@ from __future__ import annotations
 from absl import logging
 import tensorflow as tf
 
-from custagg import optimizers as _opt
+from custagg.per_example import api as per_example_api
+from custagg.training import optimizers as _opt
 from custagg.privacy import _query_fast as _fast
 from custagg.privacy import gaussian_query
 
@@ -457,8 +458,7 @@ def _var_list(var_list, fn):
 def _microbatch_gradients(loss, var_list, num_microbatches):
     """Gradients of each microbatch's mean loss, `[M, *v.shape]` (or None),
     and M as an int32 scalar tensor."""
-    import custagg  # pylint: disable=g-import-not-at-top
-    per_example = custagg.per_example_gradients(loss, var_list)
+    per_example = per_example_api.per_example_gradients(loss, var_list)
     batch = tf.shape(loss)[0]
     m = batch if num_microbatches is None else tf.constant(num_microbatches)
     check = tf.debugging.assert_equal(

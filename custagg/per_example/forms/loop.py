@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from custagg import sparse
-from custagg.gradients import gradients
+from custagg.traversal.gradients import gradients
 from custagg.per_example.forms import base
 
 

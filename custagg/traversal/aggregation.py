@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 from custagg import errors
-from custagg import slice_recognizer
+from custagg.traversal import slice_recognizer
 from custagg import sparse
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import ops
