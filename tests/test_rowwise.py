@@ -17,7 +17,8 @@ import tensorflow as tf
 
 import custagg
 from custagg import batch_axis
-from custagg import recompute
+from custagg.graph.copier import CannotCopy
+from custagg.per_example.forms import copies
 from custagg.batch_axis import rowwise
 from custagg import graph as graph_lib
 
@@ -27,7 +28,7 @@ T, D = test_loops.T, test_loops.D
 
 
 def _forward(loss):
-    return recompute.analyze(loss, graph_lib.ancestors(loss), None)
+    return copies.analyze(loss, graph_lib.ancestors(loss), None)
 
 
 def elementwise_rnn(couple=None, dtype=tf.float64):
@@ -171,7 +172,7 @@ def test_reversal_over_the_batch_hides_the_data_and_the_copies_refuse(graph):
     refuse (rather than crash or be wrong), and auto falls back to an exact
     form."""
     loss, xs, feed = elementwise_rnn(couple=lambda h, x: tf.reverse(h, [0]))
-    with pytest.raises(recompute.Refused,
+    with pytest.raises(CannotCopy,
                        match="not computed from the batch sources"):
         _forward(loss)
     plan = custagg.plan_per_example(loss, xs)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from custagg import recompute
 from custagg import batch_axis
+from custagg.graph.copier import CannotCopy
 from custagg.per_example import vectorized
 from custagg.per_example.forms import base
+from custagg.per_example.forms import copies
 from custagg.per_example.forms.loop import LOOP
 
 
@@ -69,7 +70,7 @@ class CopiesForm(base.Form):
 
     def plan(self, x_tensor, ctx):
         forward = ctx.forward()
-        if isinstance(forward, recompute.Refused):
+        if isinstance(forward, CannotCopy):
             raise base.Refused(batch_axis.Reason(str(forward), forward.op))
         if x_tensor.op in forward.op_set:
             raise base.Refused(batch_axis.Reason(
@@ -86,13 +87,13 @@ class CopiesForm(base.Form):
 
     def _args(self, engine, group):
         tensors = [a.tensor for a in group]
-        dtypes = [recompute.grad_dtype(t) for t in tensors]
-        batch = recompute.batch_size(group[0].forward, engine.batch_size)
+        dtypes = [copies.grad_dtype(t) for t in tensors]
+        batch = copies.batch_size(group[0].forward, engine.batch_size)
         return tensors, _zeros(engine, group), dtypes, batch
 
     def build(self, engine, group):
         tensors, zeros, dtypes, batch = self._args(engine, group)
-        out = recompute.per_example_pfor(
+        out = copies.per_example_pfor(
             group[0].forward, tensors, zeros, dtypes, batch, engine.chunk,
             copy_gradients)
         return dict(zip([id(a) for a in group], out))
@@ -111,7 +112,7 @@ class CopiesLoopForm(CopiesForm):
 
     def build(self, engine, group):
         tensors, zeros, dtypes, batch = self._args(engine, group)
-        out = recompute.per_example_loop(
+        out = copies.per_example_loop(
             group[0].forward, tensors, zeros, dtypes,
             [engine.static_x_shape(a) for a in group], batch, copy_gradients)
         return dict(zip([id(a) for a in group], out))
