@@ -333,12 +333,7 @@ class _Interpreter(object):
         the condition must be the same in the batch and in the copies (the
         same number of iterations)."""
         body, cond = _function(op, "body"), _function(op, "cond", outputs=1)
-        try:
-            n = op.get_attr("_num_original_outputs")
-        except ValueError:
-            n = len(op.outputs)
-        keep = [k for k in range(n)
-                if not graph.is_accumulator(op, body, k)]
+        keep = graph.own_loop_variables(op, body)
         # The accumulators a gradient added collect intermediates; nothing
         # the loss needs may read them.
         others = {k: UNKNOWN for k in range(len(op.inputs)) if k not in keep}

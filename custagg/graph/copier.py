@@ -182,16 +182,9 @@ class Copier(object):
         would one traced from Python code.
         """
         body, cond = func_graph(op, "body"), func_graph(op, "cond")
-        try:
-            n = op.get_attr("_num_original_outputs")
-        except ValueError:
-            n = len(op.outputs)
-        # A gradient built earlier may have added accumulators of intermediates
-        # (and counted them as original outputs): not rebuilt.
-        keep = [k for k in range(n)
-                if not functions.is_accumulator(op, body, k)]
-        ins = [self.input(t, mapping) if k in keep else None
-               for k, t in enumerate(op.inputs[:n])]
+        # Accumulators a gradient built earlier added: not rebuilt.
+        keep = functions.own_loop_variables(op, body)
+        ins = {k: self.input(op.inputs[k], mapping) for k in keep}
         through = [k for k in keep if body.outputs[k] is body.inputs[k]]
         var_idx = _live_vars(body, cond, [k for k in keep if k not in through],
                              set(used))
@@ -433,14 +426,6 @@ def ancestors_in(graph_outputs, stop=(), skip=()):
                           stop_tensors=frozenset(stop), skip=frozenset(skip))
 
 
-def ancestors_in(graph_outputs, stop=(), skip=()):
-    """Ops behind `graph_outputs` through data and control edges, not past
-    the tensors whose refs are in `stop` (bound values: a loop's variables)
-    nor into the ops in `skip` (a v1 frame's Merge/Switch)."""
-    return walks.upstream(graph_outputs, control=True,
-                          stop_tensors=frozenset(stop), skip=frozenset(skip))
-
-
 def frame_ops(ctxt, graph):
     """Ops of the v1 while context `ctxt` and of the contexts inside it."""
     out = []
@@ -520,30 +505,3 @@ def _while_loop(cond_fn, body_fn, loop_vars, shapes, parallel_iterations):
     return tf.compat.v1.while_loop(
         cond_fn, body_fn, loop_vars, shape_invariants=shapes,
         parallel_iterations=parallel_iterations, return_same_structure=True)
-
-
-def _is_batch_dim(d):
-    # analyze() takes only a dynamic batch (or one of 1): the batch axis is
-    # the unknown one.
-    return d is None or d < 0
-
-
-def _one_row_invariant(shape):
-    """A loop variable's shape invariant for a one-example copy: the
-    leading axis left open."""
-    shape = tf.TensorShape(shape)
-    if shape.rank is None or shape.rank == 0:
-        return shape
-    return tf.TensorShape([None] + shape.as_list()[1:])
-
-
-def _tight_invariant(relaxed, init):
-    """`relaxed` (a `_one_row_invariant`) with the initial value's static
-    dimensions filled in, where that value has them."""
-    if relaxed.rank is None or not isinstance(init, tf.Tensor) or \
-            init.shape.rank != relaxed.rank:
-        return relaxed
-    try:
-        return relaxed.merge_with(init.shape)
-    except ValueError:
-        return relaxed

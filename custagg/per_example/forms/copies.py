@@ -126,12 +126,7 @@ def _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b):
         for op in t.consumers():
             if op not in in_region:
                 continue
-            if op.type in table.RANDOM:
-                raise CannotCopy(
-                    "op '%s' (type %s) draws random numbers between the "
-                    "inputs and the loss, and a per-example copy would draw "
-                    "new ones; pass the random tensor in as a placeholder, "
-                    "or use strategy='loop'" % (op.name, op.type), op)
+            # (Random ops: `analyze` refused them all before this walk.)
             outs = [o for o in op.outputs if o.ref() in live]
             if not table.known(op):
                 for o in op.outputs:

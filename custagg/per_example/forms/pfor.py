@@ -33,13 +33,29 @@ def _zeros(engine, group):
             for a in group]
 
 
-class BoundaryForm(base.Form):
-    name = "boundary"
+class _PforForm(base.Form):
+    """The forms built by pfor: ops in the scope "<name>_form", refusals
+    read "no <name> form: ", and a refused build under "auto" takes the
+    loop."""
+
     strategy = "pfor"
-    what = "pfor at the ops where x meets batch data"
     cost = "O(B)"
-    scope = "boundary_form"
-    refused_as = "no boundary form: "
+
+    @property
+    def scope(self):
+        return self.name.replace("-", "_") + "_form"
+
+    @property
+    def refused_as(self):
+        return "no %s form: " % self.name
+
+    def fallback(self, requested):
+        return LOOP if requested == "auto" else None
+
+
+class BoundaryForm(_PforForm):
+    name = "boundary"
+    what = "pfor at the ops where x meets batch data"
 
     def plan(self, x_tensor, ctx):
         bounds, why = vectorized.find_boundary(
@@ -54,19 +70,12 @@ class BoundaryForm(base.Form):
             engine.batch_size, engine.chunk)
         return dict(zip([id(a) for a in group], stacked))
 
-    def fallback(self, requested):
-        return LOOP if requested == "auto" else None
 
-
-class CopiesForm(base.Form):
+class CopiesForm(_PforForm):
     """pfor over per-example copies of the forward pass."""
 
     name = "recompute"
-    strategy = "pfor"
     what = "pfor over per-example copies of the forward pass"
-    cost = "O(B)"
-    scope = "recompute_form"
-    refused_as = "no recompute form: "
 
     def plan(self, x_tensor, ctx):
         forward = ctx.forward()
@@ -108,7 +117,7 @@ class CopiesLoopForm(CopiesForm):
 
     name = "recompute-loop"
     what = ("a while loop over per-example copies of the forward pass")
-    scope = "recompute_loop_form"
+    refused_as = "no recompute form: "     # its plan is CopiesForm's
 
     def build(self, engine, group):
         tensors, zeros, dtypes, batch = self._args(engine, group)
@@ -129,25 +138,17 @@ def copy_gradients(ys, xs, **kwargs):
     return tf.compat.v1.gradients(ys, xs, **kwargs)
 
 
-class WholePassForm(base.Form):
+class WholePassForm(_PforForm):
     name = "whole-pass"
-    strategy = "pfor"
     what = "pfor over the whole backward pass"
     cost = "O(B^2)"
-    scope = "whole_pass_form"
-
-    def plan(self, x_tensor, ctx):
-        del x_tensor, ctx
-        return base.Choice(self)
+    plan = base.takes_every_x
 
     def build(self, engine, group):
         stacked = vectorized.whole_pass_per_example(
             engine.loss, [a.tensor for a in group], _zeros(engine, group),
             engine.batch_size, engine.chunk)
         return dict(zip([id(a) for a in group], stacked))
-
-    def fallback(self, requested):
-        return LOOP if requested == "auto" else None
 
 
 BOUNDARY = BoundaryForm()
