@@ -1,6 +1,6 @@
 """A proof that a forward pass is row-wise: loss[b] depends on example b only.
 
-The per-example copies (`custagg.recompute`) give example b's gradient only
+The per-example copies (`per_example.forms.copies`) give example b's gradient only
 if b's loss computed from its rows alone equals row b of the batch's loss:
 
     loss(inputs)[b] == loss(inputs[b:b+1])[0]     for every b and weights.

@@ -1,7 +1,9 @@
-"""Graph plumbing below every analysis: walks and function lookup.
+"""Graph plumbing below every analysis: walks, function lookup, copies.
 
 Nothing here knows about batches or gradients of examples; `batch_axis`
-and the per-example engine build on it. Imports go one way: `graph`
+and the per-example engine build on it. `copier` (the `Copier` of
+forward-pass ops: one object per copy job, no module state) and `pfor`
+(`chunked_pfor`) are imported by module. Imports go one way: `graph`
 imports only TensorFlow and `custagg._tf_compat`.
 """
 

@@ -25,7 +25,7 @@ Strategies (chosen per x by `plan_per_example`):
 
 "pfor" takes, per x, the first form that applies: the boundary ops (O(B));
 per-example copies of the forward pass, vectorized by pfor ("recompute",
-O(B): `custagg.recompute`, for weights inside loops and ops no rule covers),
+O(B): `per_example.forms.copies`, for weights inside loops and ops no rule covers),
 or run in a while loop when pfor cannot convert the copies
 ("recompute-loop", O(B)); the whole backward pass per example (O(B^2), the
 last resort, used where examples interact or the forward pass cannot be

@@ -5,7 +5,7 @@
   data, seeded with the rows of their output gradients
   (`vectorized.find_boundary`, `vectorized.boundary_per_example`).
 * "recompute" (O(B)): pfor over per-example copies of the forward pass
-  (`custagg.recompute`); "recompute-loop" runs the same copies in a while
+  (`forms.copies`); "recompute-loop" runs the same copies in a while
   loop (a loop whose trip count depends on the example, or a graph pfor
   cannot convert).
 * "whole-pass" (O(B^2)): pfor over the whole backward pass seeded with
