@@ -5,7 +5,7 @@ The traversal does no maths of its own. It finds the ops between `ys` and
 path to `ys` has sent back its contribution), sums the contributions for each
 output (`aggregation.aggregate_contributions`), and calls the gradient
 function TensorFlow registered for the op (found and called by
-`custagg.op_gradients`, which holds no state of the pass).
+`traversal.op_gradients`, which holds no state of the pass).
 
 Semantics follow `tf.compat.v1.gradients` (TF 2.21): the same lookup of
 gradient functions (`gradient_override_map`, `tf.custom_gradient`,
