@@ -46,11 +46,13 @@ def _package(module, modules):
     return module if is_package else module.rpartition(".")[0]
 
 
-def scan(modules):
+def scan(modules, every_depth=None):
     """(module-level import edges, findings) over `modules`.
 
     Findings are strings naming a private name read across modules or a
-    private module used outside its package.
+    private module used outside its package. `every_depth`, a
+    defaultdict(set), gets the import edges at every depth (imports inside
+    functions included).
     """
     edges = collections.defaultdict(set)
     findings = []
@@ -86,6 +88,8 @@ def scan(modules):
             for target in targets:
                 if id(node) in top_level and target != module:
                     edges[module].add(target)
+                if every_depth is not None and target != module:
+                    every_depth[module].add(target)
                 last = target.rpartition(".")[2]
                 if (_private(last) and target not in SHARED_PRIVATE and
                         target in modules and
@@ -181,20 +185,7 @@ def all_imports(modules):
     """{module: {imported custagg module}} at every depth (function bodies
     included), resolved to modules of `modules`."""
     found = collections.defaultdict(set)
-    for module, path in modules.items():
-        with open(path) as f:
-            tree = ast.parse(f.read(), path)
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and \
-                    node.module.split(".")[0] == "custagg":
-                for a in node.names:
-                    full = node.module + "." + a.name
-                    names.append(full if full in modules else node.module)
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names
-                         if a.name.split(".")[0] == "custagg"]
-            found[module].update(n for n in names if n != module)
+    scan(modules, every_depth=found)
     return found
 
 
