@@ -71,9 +71,11 @@ _API = {
 # The application (`custagg.app`: the CLI, its models and data) is not: the
 # library never imports it.
 # `custagg.privacy` (TF Privacy's TF1 surface and epsilon) loads on its own:
-# it also imports dp-accounting's modules when epsilon is computed.
-_SUBMODULES = ("optimizers", "testing")
-_LAZY_SUBMODULES = ("privacy", "distributed")
+# it also imports dp-accounting's modules when epsilon is computed. So do
+# `custagg.optimizers` (the public path binds privacy's short names, below)
+# and `custagg.distributed` (it imports privacy).
+_SUBMODULES = ("testing",)
+_LAZY_SUBMODULES = ("optimizers", "privacy", "distributed")
 
 # Public module paths whose code lives in a layer folder (docs/architecture.md,
 # "Public paths"). No file stands at the public path: `_PublicPaths` below
