@@ -23,10 +23,11 @@ before `import custagg` (README, "Keras 2 layers").
 """
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
-import types
 
 from custagg._version import __version__
 
@@ -40,8 +41,8 @@ if "TF_USE_LEGACY_KERAS" not in os.environ and \
 # them at once on first use, so the package looks exactly as if this file
 # had imported them eagerly.
 _API = {
-    "AggregationMethod": "custagg.aggregation",
-    "gradients": "custagg.gradients",
+    "AggregationMethod": "custagg.traversal.aggregation",
+    "gradients": "custagg.traversal.gradients",
     "use_as_tf_gradients": "custagg.install",
     "STRATEGIES": "custagg.per_example.api",
     "Plan": "custagg.per_example.api",
@@ -56,23 +57,47 @@ _API = {
     "RuleRegistry": "custagg.rules.registry",
     "default_registry": "custagg.rules.registry",
     "register_rule": "custagg.rules.registry",
-    "ClippedOptimizer": "custagg.optimizers",
-    "DPAdagradGaussianOptimizer": "custagg.optimizers",
-    "DPAdamGaussianOptimizer": "custagg.optimizers",
-    "DPGradientDescentGaussianOptimizer": "custagg.optimizers",
-    "DPMomentumGaussianOptimizer": "custagg.optimizers",
-    "DPOptimizer": "custagg.optimizers",
-    "PerExampleOptimizer": "custagg.optimizers",
-    "WeightedOptimizer": "custagg.optimizers",
-    "make_gaussian_optimizer_class": "custagg.optimizers",
+    "ClippedOptimizer": "custagg.training.optimizers",
+    "DPAdagradGaussianOptimizer": "custagg.training.optimizers",
+    "DPAdamGaussianOptimizer": "custagg.training.optimizers",
+    "DPGradientDescentGaussianOptimizer": "custagg.training.optimizers",
+    "DPMomentumGaussianOptimizer": "custagg.training.optimizers",
+    "DPOptimizer": "custagg.training.optimizers",
+    "PerExampleOptimizer": "custagg.training.optimizers",
+    "WeightedOptimizer": "custagg.training.optimizers",
+    "make_gaussian_optimizer_class": "custagg.training.optimizers",
 }
 # Submodules that are part of the public surface (`custagg.testing`, ...).
 # The application (`custagg.app`: the CLI, its models and data) is not: the
 # library never imports it.
 # `custagg.privacy` (TF Privacy's TF1 surface and epsilon) loads on its own:
-# it also imports dp-accounting's modules when epsilon is computed.
-_SUBMODULES = ("optimizers", "testing")
-_LAZY_SUBMODULES = ("privacy",)
+# it also imports dp-accounting's modules when epsilon is computed. So do
+# `custagg.optimizers` (the public path binds privacy's short names, below)
+# and `custagg.distributed` (it imports privacy).
+_SUBMODULES = ("testing",)
+_LAZY_SUBMODULES = ("optimizers", "privacy", "distributed")
+
+# Public module paths whose code lives in a layer folder (docs/architecture.md,
+# "Public paths"). No file stands at the public path: `_PublicPaths` below
+# answers an import of `custagg.optimizers` with the module
+# `custagg.training.optimizers` itself, registered in sys.modules under both
+# names, so `custagg.optimizers.X`, `from custagg.optimizers import X` and
+# `import custagg.optimizers` all reach one module object.
+_PUBLIC_PATHS = {
+    "custagg.optimizers": "custagg.training.optimizers",
+    "custagg.distributed": "custagg.training.distributed",
+}
+# Names a public path shows that a higher layer defines. TF Privacy's short
+# names (`custagg.optimizers.DPAdamOptimizer`, ...) are
+# `custagg.privacy.dp_optimizer`'s query-based classes; `training` sits below
+# `privacy` (privacy's classes are built on the optimizers' helpers), so the
+# optimizers module cannot import them itself: this package, above both
+# layers, binds them when the public path is first imported.
+_PUBLIC_EXTRAS = {
+    "custagg.optimizers": ("custagg.privacy.dp_optimizer", (
+        "DPGradientDescentOptimizer", "DPAdagradOptimizer",
+        "DPAdamOptimizer", "DPMomentumOptimizer")),
+}
 
 __all__ = (["__version__"] + list(_API) + list(_SUBMODULES)
            + list(_LAZY_SUBMODULES))
@@ -101,20 +126,37 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-class _Package(types.ModuleType):
-    """The package object: importing the submodule `custagg.gradients` must
-    not hide the function `custagg.gradients`.
+class _PublicPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds and loads the public module paths of `_PUBLIC_PATHS`.
 
-    The import system binds each imported submodule as an attribute of its
-    package; for a name that is also a public function (`gradients`) that
-    binding is skipped, so the name resolves to the function (through
-    `__getattr__` above), as it did when this file imported it eagerly.
+    `create_module` imports the module where it lives and returns that very
+    object (so nothing runs twice and `isinstance` checks see one class);
+    `exec_module` only restores the module's own `__spec__`, which the
+    import system overwrote with the public path's, and binds
+    `_PUBLIC_EXTRAS`. The import system then registers the module under the
+    public name in sys.modules and on this package.
     """
 
-    def __setattr__(self, name, value):
-        if name in _API and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
+    def find_spec(self, fullname, path=None, target=None):
+        del path, target  # Only the name decides.
+        if fullname not in _PUBLIC_PATHS:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module(_PUBLIC_PATHS[spec.name])
+        spec.loader_state = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        public = module.__spec__
+        module.__spec__ = public.loader_state
+        source, names = _PUBLIC_EXTRAS.get(public.name, (None, ()))
+        if source is not None:
+            defining = importlib.import_module(source)
+            for name in names:
+                setattr(module, name, getattr(defining, name))
 
 
-sys.modules[__name__].__class__ = _Package
+if not any(isinstance(f, _PublicPaths) for f in sys.meta_path):
+    sys.meta_path.append(_PublicPaths())

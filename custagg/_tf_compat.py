@@ -265,7 +265,7 @@ def gradients_modules():
 
 
 # ---------------------------------------------------------- graph copies
-# custagg.recompute re-creates forward ops op by op; what TF's Python keeps
+# graph.copier re-creates forward ops op by op; what TF's Python keeps
 # beside the C op must come along. 2.12-2.21.
 
 from tensorflow.python.ops import handle_data_util  # noqa: E402

@@ -28,7 +28,7 @@ import contextlib
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg.gradients import gradients as _gradients
+from custagg.traversal.gradients import gradients as _gradients
 
 _HELPER = "_GradientsHelper"
 

@@ -222,7 +222,7 @@ _SLICE_EXPRESSIONS = [
                          ids=[n for n, _, _ in _SLICE_EXPRESSIONS])
 def test_slice_recognition_and_its_result(expr, recognized, sess, rng):
     """What is taken for one example, and the result either way (vs TF)."""
-    from custagg import slice_recognizer
+    from custagg.traversal import slice_recognizer
     batch = 4
     x = tf.compat.v1.placeholder(tf.float64, [batch, 2])
     w = tf.compat.v1.Variable(rng.normal(size=(2, 3)))
@@ -513,7 +513,7 @@ def test_rnn_in_a_while_loop(control_flow, request, sess, rng):
 def test_the_walk_does_not_visit_the_slices(monkeypatch):
     """The B slices consume the tensor custom_seeds starts from; the walk
     from xs stops at that tensor instead of visiting each slice."""
-    gradients_module = importlib.import_module("custagg.gradients")
+    gradients_module = importlib.import_module("custagg.traversal.gradients")
     visited = []
     consumers = gradients_module._Backprop._consumers
 
@@ -555,7 +555,7 @@ def test_one_y_with_consumers_that_lead_to_xs(sess, rng):
 
 
 def test_one_per_class_checks_each_class_once():
-    gradients_module = importlib.import_module("custagg.gradients")
+    gradients_module = importlib.import_module("custagg.traversal.gradients")
 
     class Proxy(object):
         """Claims another class, as wrapt-style proxies do."""

@@ -1,5 +1,8 @@
 """The package's import discipline (issue 23): no import circle inside
-custagg, and no module reading another module's private names.
+custagg, no module reading another module's private names, and imports
+that go one way through the layers of docs/architecture.md -- at any depth,
+so a lazy import inside a function (or a module `__getattr__` re-exporting
+another layer's names) cannot hide an upward edge.
 
 Private modules (`rules/_reduce.py`, `privacy/_query_fast.py`) serve their
 own package only; `custagg._tf_compat` (TensorFlow's internals behind one
@@ -43,11 +46,13 @@ def _package(module, modules):
     return module if is_package else module.rpartition(".")[0]
 
 
-def scan(modules):
+def scan(modules, every_depth=None):
     """(module-level import edges, findings) over `modules`.
 
     Findings are strings naming a private name read across modules or a
-    private module used outside its package.
+    private module used outside its package. `every_depth`, a
+    defaultdict(set), gets the import edges at every depth (imports inside
+    functions included).
     """
     edges = collections.defaultdict(set)
     findings = []
@@ -83,6 +88,8 @@ def scan(modules):
             for target in targets:
                 if id(node) in top_level and target != module:
                     edges[module].add(target)
+                if every_depth is not None and target != module:
+                    every_depth[module].add(target)
                 last = target.rpartition(".")[2]
                 if (_private(last) and target not in SHARED_PRIVATE and
                         target in modules and
@@ -136,6 +143,137 @@ def cycles(edges, modules):
     return found
 
 
+# The layers, bottom first (docs/architecture.md). A module may import
+# modules of its own layer and of the layers below it, never above. Each
+# entry is a module or a package prefix; the longest matching prefix names a
+# module's layer. `training` is split around `privacy`: TF Privacy's DP
+# classes build on the optimizers' helpers, and the multi-worker wrapper
+# also takes those classes.
+LAYERS = [
+    ("shared", ["custagg._tf_compat", "custagg._version", "custagg.errors",
+                "custagg.sparse"]),
+    ("graph", ["custagg.graph"]),
+    ("traversal", ["custagg.traversal"]),
+    ("batch_axis", ["custagg.batch_axis"]),
+    ("rules", ["custagg.rules"]),
+    ("per_example", ["custagg.per_example"]),
+    ("training", ["custagg.training", "custagg.training.optimizers"]),
+    ("privacy", ["custagg.privacy"]),
+    ("training above privacy", ["custagg.training.distributed"]),
+    ("tools", ["custagg.install", "custagg.testing"]),
+    ("public API", ["custagg"]),
+    ("application", ["custagg.app", "custagg.__main__"]),
+]
+
+
+def layer_of(module):
+    """(index in LAYERS, name) of the layer `module` belongs to."""
+    best = None
+    for index, (name, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            # "custagg" is the package's own __init__ only: a new
+            # top-level module must be placed in a layer here.
+            if module == prefix or (prefix != "custagg" and
+                                    module.startswith(prefix + ".")):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), index, name)
+    assert best is not None, "%s is in no layer of LAYERS" % module
+    return best[1], best[2]
+
+
+def all_imports(modules):
+    """{module: {imported custagg module}} at every depth (function bodies
+    included), resolved to modules of `modules`."""
+    found = collections.defaultdict(set)
+    scan(modules, every_depth=found)
+    return found
+
+
+def upward_imports(modules):
+    """Findings: each import of a module in a higher layer, at any depth."""
+    findings = []
+    for module, targets in sorted(all_imports(modules).items()):
+        here, here_name = layer_of(module)
+        for target in sorted(targets):
+            there, there_name = layer_of(target)
+            if there > here:
+                findings.append("%s (layer %s) imports %s (layer %s, above)"
+                                % (module, here_name, target, there_name))
+    return findings
+
+
+def module_getattr_hooks(modules):
+    """Modules other than the package's own __init__ defining a module-level
+    `__getattr__`: a lazy re-export hides an import edge from any scan."""
+    found = []
+    for module, path in sorted(modules.items()):
+        if module == "custagg":
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        if any(isinstance(node, ast.FunctionDef) and
+               node.name == "__getattr__" for node in tree.body):
+            found.append(module)
+    return found
+
+
+def test_imports_go_one_way_through_the_layers():
+    findings = upward_imports(_modules())
+    assert not findings, "\n".join(findings)
+
+
+def test_no_module_getattr_outside_the_package_init():
+    assert module_getattr_hooks(_modules()) == []
+
+
+def test_the_layer_scan_finds_a_lazy_upward_import(tmp_path):
+    """A planted low-layer module re-exporting a higher layer's class lazily
+    (a module `__getattr__` importing inside its body) is caught twice."""
+    pkg = tmp_path / "custagg"
+    (pkg / "graph").mkdir(parents=True)
+    (pkg / "privacy").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "graph" / "__init__.py").write_text("")
+    (pkg / "privacy" / "__init__.py").write_text("")
+    (pkg / "privacy" / "dp.py").write_text("class DP:\n    pass\n")
+    (pkg / "graph" / "walks.py").write_text(
+        "def __getattr__(name):\n"
+        "    from custagg.privacy import dp\n"
+        "    return getattr(dp, name)\n")
+    modules = _modules(str(pkg))
+    assert upward_imports(modules) == [
+        "custagg.graph.walks (layer graph) imports custagg.privacy.dp "
+        "(layer privacy, above)"]
+    assert module_getattr_hooks(modules) == ["custagg.graph.walks"]
+    edges, _ = scan(modules)
+    assert not cycles(edges, modules)  # what the circle check alone misses
+
+
+def test_public_module_paths_are_the_layer_modules():
+    """`custagg.optimizers` and `custagg.distributed` are public paths with
+    no file behind them: the same module objects as their homes in
+    `training/`, with TF Privacy's short names bound on the optimizers."""
+    import importlib
+    import sys
+
+    import custagg
+    from custagg.optimizers import DPAdamOptimizer
+    from custagg.privacy import dp_optimizer
+    for public, home in [("optimizers", "training.optimizers"),
+                         ("distributed", "training.distributed")]:
+        module = importlib.import_module("custagg." + public)
+        assert module is importlib.import_module("custagg." + home)
+        assert sys.modules["custagg." + public] is module
+        assert getattr(custagg, public) is module
+        assert module.__spec__.name == "custagg." + home
+        assert not os.path.exists(os.path.join(ROOT, "custagg",
+                                               public + ".py"))
+    assert DPAdamOptimizer is dp_optimizer.DPAdamOptimizer
+    assert custagg.optimizers.DPGradientDescentOptimizer is \
+        dp_optimizer.DPGradientDescentOptimizer
+    assert callable(custagg.gradients)  # the function, not traversal's module
+
+
 def test_no_private_names_across_modules():
     _, findings = scan(_modules())
     assert not findings, "\n".join(findings)
@@ -172,6 +310,9 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
 
 @pytest.mark.parametrize("old", ["separability", "rowwise", "symbolic_shapes",
                                  "vectorized", "registry", "loop_rules",
-                                 "shortcuts", "cli", "datasets", "_walk"])
+                                 "shortcuts", "cli", "datasets", "_walk",
+                                 "gradients", "aggregation", "op_gradients",
+                                 "slice_recognizer", "optimizers",
+                                 "distributed", "recompute"])
 def test_moved_modules_left_no_shim(old):
     assert not os.path.exists(os.path.join(ROOT, "custagg", old + ".py"))

@@ -23,7 +23,7 @@ import custagg
 from custagg.per_example.forms import loop_rules
 from custagg.per_example.forms import Refused
 from custagg import testing
-from custagg import recompute
+from custagg.per_example.forms import copies
 
 import per_example_reference
 
@@ -240,7 +240,7 @@ class _forcing(object):
 
     def __init__(self, form):
         self.form = form
-        self.saved = recompute.per_example_pfor, loop_rules.find
+        self.saved = copies.per_example_pfor, loop_rules.find
 
     def __enter__(self):
         if self.form is None:
@@ -249,10 +249,10 @@ class _forcing(object):
         if self.form == "recompute-loop":
             def fail(*args, **kwargs):
                 raise Refused("forced off by the test")
-            recompute.per_example_pfor = fail
+            copies.per_example_pfor = fail
 
     def __exit__(self, *exc):
-        recompute.per_example_pfor, loop_rules.find = self.saved
+        copies.per_example_pfor, loop_rules.find = self.saved
 
 
 # --------------------------------------------------------------------------

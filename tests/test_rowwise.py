@@ -17,9 +17,11 @@ import tensorflow as tf
 
 import custagg
 from custagg import batch_axis
-from custagg import recompute
-from custagg.batch_axis import rowwise
 from custagg import graph as graph_lib
+from custagg.batch_axis import proof_values
+from custagg.batch_axis import rowwise
+from custagg.graph.copier import CannotCopy
+from custagg.per_example.forms import copies
 
 import test_loops
 
@@ -27,7 +29,7 @@ T, D = test_loops.T, test_loops.D
 
 
 def _forward(loss):
-    return recompute.analyze(loss, graph_lib.ancestors(loss), None)
+    return copies.analyze(loss, graph_lib.ancestors(loss), None)
 
 
 def elementwise_rnn(couple=None, dtype=tf.float64):
@@ -171,7 +173,7 @@ def test_reversal_over_the_batch_hides_the_data_and_the_copies_refuse(graph):
     refuse (rather than crash or be wrong), and auto falls back to an exact
     form."""
     loss, xs, feed = elementwise_rnn(couple=lambda h, x: tf.reverse(h, [0]))
-    with pytest.raises(recompute.Refused,
+    with pytest.raises(CannotCopy,
                        match="not computed from the batch sources"):
         _forward(loss)
     plan = custagg.plan_per_example(loss, xs)
@@ -252,16 +254,16 @@ def test_abstract_values_of_shape_paths(graph):
     """`tf.zeros(tf.stack([tf.shape(x)[0], 3]))` is rows on axis 0; the
     batch size reaching arithmetic is not proved."""
     x = tf.compat.v1.placeholder(tf.float64, [None, 4], name="x")
-    values = {x.ref(): rowwise.Rows(0)}
+    values = {x.ref(): proof_values.Rows(0)}
     size = tf.shape(x)[0]
     zeros = tf.zeros(tf.stack([size, 3]), tf.float64)
     ops = [op for op in tf.compat.v1.get_default_graph().get_operations()
            if op is not x.op]
     rowwise._Interpreter(values).run(ops)
-    assert values[size.ref()] == rowwise.SIZE
-    assert values[zeros.ref()] == rowwise.Rows(0)
+    assert values[size.ref()] == proof_values.SIZE
+    assert values[zeros.ref()] == proof_values.Rows(0)
     bad = tf.cast(size, tf.float64) * tf.ones([], tf.float64)
-    with pytest.raises(rowwise.NotProved, match="batch size"):
+    with pytest.raises(proof_values.NotProved, match="batch size"):
         rowwise._Interpreter(values).run([bad.op.inputs[0].op])
 
 

@@ -14,13 +14,13 @@ import tensorflow as tf
 import tqdm
 
 import custagg
-from custagg import optimizers as opt_lib
 from custagg import testing
 from custagg.app import datasets
 from custagg.app.cli import DEFAULT_LEARNING_RATE
 from custagg.app.models import build_model
 from custagg.app.models import class_balanced_factors
 from custagg.app.models import per_example_loss
+from custagg.training import optimizers as opt_lib
 
 
 

@@ -1,8 +1,10 @@
 """Where the examples are: ONE batch-axis table and the analyses on it.
 
-* `table`: per (op, input index, input batch descriptor) -> the outputs'
-  descriptors, `MIXES` or `NO_BATCH`; read forward (`forward`) and
-  backward (`sources.inverse`).
+* `table`: one `Entry` per op type: per (op, input index, input batch
+  descriptor) -> the outputs' descriptors, `MIXES` or `NO_BATCH`, read
+  forward (`forward`) and backward (`sources.inverse`); and, where the
+  batch size flows, the row-wise proof's values (`size_rule`).
+* `proof_values`: those values (`Rows`, `Dims`, `SAME`, `SIZE`, ...).
 * `separation`: the forward walk (`coupling`: do examples stay apart from
   a tensor to the loss; `walk_body` inside loop bodies; `propagate`: the
   table plus v2 loops).
@@ -12,8 +14,8 @@
   per-example copies).
 * `symbolic_shapes`: dimensions as products of symbols, for reshapes.
 
-Imports go one way: `custagg.graph` <- `table` <- `separation` <-
-`sources`, `rowwise`.
+Imports go one way: `custagg.graph` <- `proof_values` <- `table` <-
+`separation` <- `sources`, `rowwise`.
 """
 
 from custagg.batch_axis.rowwise import NotProved

@@ -1,6 +1,6 @@
 """A proof that a forward pass is row-wise: loss[b] depends on example b only.
 
-The per-example copies (`custagg.recompute`) give example b's gradient only
+The per-example copies (`per_example.forms.copies`) give example b's gradient only
 if b's loss computed from its rows alone equals row b of the batch's loss:
 
     loss(inputs)[b] == loss(inputs[b:b+1])[0]     for every b and weights.
@@ -51,30 +51,16 @@ from custagg import graph
 from custagg.batch_axis import separation
 from custagg.batch_axis import symbolic_shapes
 from custagg.batch_axis import table
+from custagg.batch_axis.proof_values import AS_ROWS
+from custagg.batch_axis.proof_values import SAME
+from custagg.batch_axis.proof_values import UNKNOWN
+from custagg.batch_axis.proof_values import Dims
+from custagg.batch_axis.proof_values import NotProved
+from custagg.batch_axis.proof_values import Rows
+from custagg.batch_axis.proof_values import op_text
+from custagg.batch_axis.proof_values import sized
 from custagg.batch_axis.table import MIXES
 from custagg.batch_axis.table import NO_BATCH
-
-SAME = "same"
-SIZE = "size"
-# An output the proof cannot describe; only an error if something uses it.
-UNKNOWN = "unknown"
-
-
-class Rows(collections.namedtuple("Rows", ["desc"])):
-    """Example b's entries are slice b along `desc`, from example b alone."""
-
-
-class Dims(collections.namedtuple("Dims", ["entries"])):
-    """An int vector of dimensions: each "B", "=" or "?" (see the module)."""
-
-
-def _sized(v):
-    """Whether `v` is built from the batch size (`SIZE` or `Dims`)."""
-    return v == SIZE or isinstance(v, Dims)
-
-
-class NotProved(Exception):
-    """The graph is not proved row-wise; the message says where and why."""
 
 
 class Unexplained(Exception):
@@ -83,10 +69,6 @@ class Unexplained(Exception):
     from the batch sources, so a copy would read it whole. The copies are
     not exact there, whatever the run-time check says; the message names
     the op."""
-
-
-def _op_text(op):
-    return "op '%s' (type %s)" % (op.name, op.type)
 
 
 _CALLS = graph.CALL_TYPES
@@ -148,7 +130,7 @@ def _control_effects(batch_inputs, outputs, where):
         if op in touched and op.type not in _HARMLESS_EFFECTS:
             raise NotProved("%s depends on batch data and %s waits for it "
                             "through a control dependency"
-                            % (_op_text(op), where))
+                            % (op_text(op), where))
     return data
 
 
@@ -198,18 +180,21 @@ class _Interpreter(object):
         """The outputs' values of `op` given its inputs' (`ins`)."""
         if op.type in graph.V1_CONTROL_FLOW:
             raise NotProved("%s is v1 control flow, which the proof does not "
-                            "follow" % _op_text(op))
+                            "follow" % op_text(op))
         if op.type in table.RANDOM:
-            raise NotProved("%s draws random numbers" % _op_text(op))
+            raise NotProved("%s draws random numbers" % op_text(op))
         if op.type in graph.LOOP_TYPES:
             return self.loop(op, ins)
         if op.type in _CALLS:
             return self.call(op, ins)
         if all(v in (None, SAME) for v in ins):
             return [SAME] * len(op.outputs)
-        special = getattr(self, "op_" + op.type, None)
-        if special is not None:
-            return special(op, ins)
+        sizes = table.size_rule(op)
+        if sizes is not None:
+            # The batch size may flow here (the table's `sizes` entry).
+            out = sizes(op, ins)
+            if out is not AS_ROWS:
+                return out
         return self.rows_op(op, ins)
 
     def rows_op(self, op, ins):
@@ -226,16 +211,16 @@ class _Interpreter(object):
                 raise NotProved(
                     "%s takes a value built from the batch size at input %d, "
                     "which a copy of one example would see as 1"
-                    % (_op_text(op), index))
+                    % (op_text(op), index))
             out = separation.propagate(op, index, v.desc, self.shapes)
             if out is MIXES:
                 raise NotProved("%s mixes examples or is not known to keep "
-                                "them apart" % _op_text(op))
+                                "them apart" % op_text(op))
             for k in range(len(op.outputs)):
                 here = out[k] if isinstance(out, list) else out
                 if here is MIXES:
                     raise NotProved("output %d of %s mixes examples"
-                                    % (k, _op_text(op)))
+                                    % (k, op_text(op)))
                 if here is NO_BATCH:
                     descs[k].add(UNKNOWN)
                 else:
@@ -251,7 +236,7 @@ class _Interpreter(object):
         if op.type == "Reshape" and isinstance(ins[1], Dims) and \
                 not isinstance(ins[0], Rows):
             raise NotProved("%s reshapes a tensor without rows to a shape "
-                            "built from the batch size" % _op_text(op))
+                            "built from the batch size" % op_text(op))
         for index, v in enumerate(ins):
             if isinstance(v, Dims) and (op.type, index) in _ELEMENT_SHAPE:
                 self.batch_at(op, v, _item_axis(op, ins[0]))
@@ -291,7 +276,7 @@ class _Interpreter(object):
                         "found from the loss (data behind an op that mixes "
                         "examples, or that custagg does not know), so a "
                         "per-example copy would read all of its rows"
-                        % (j, _op_text(op), t.name, axis))
+                        % (j, op_text(op), t.name, axis))
 
     def no_broadcast(self, op, ins, out):
         """A broadcasting op spreads an operand's row over the batch when
@@ -301,7 +286,7 @@ class _Interpreter(object):
         if not isinstance(out, Rows) or isinstance(out.desc,
                                                     table.ListOf):
             raise NotProved("%s broadcasts onto an axis the proof cannot "
-                            "place" % _op_text(op))
+                            "place" % op_text(op))
         folded = isinstance(out.desc, table.Folded)
         axis = out.desc.axis if folded else out.desc
         out_rank = op.outputs[0].shape.rank
@@ -312,7 +297,7 @@ class _Interpreter(object):
             rank = t.shape.rank
             if rank is None or out_rank is None:
                 raise NotProved("%s broadcasts operands of unknown rank"
-                                % _op_text(op))
+                                % op_text(op))
             pos = axis - (out_rank - rank)
             if op.type == "Select" and index == 0 and rank == 1 and \
                     out_rank > 1:
@@ -330,7 +315,7 @@ class _Interpreter(object):
             raise NotProved(
                 "input %d of %s is not rows on the batch axis and may have "
                 "more than one entry there, so broadcasting would give each "
-                "copy other entries than its row" % (index, _op_text(op)))
+                "copy other entries than its row" % (index, op_text(op)))
 
     def batch_at(self, op, dims, axis):
         """Every "B" of `dims` is at `axis` (an int), none is "?"."""
@@ -338,146 +323,7 @@ class _Interpreter(object):
                 e == "B" and k != axis for k, e in enumerate(dims.entries)):
             raise NotProved("%s gets a shape built from the batch size with "
                             "the batch off the axis its rows are on"
-                            % _op_text(op))
-
-    # ----------------------------------------------------------------------
-    # Shapes: where the batch size comes from and where it may go.
-
-    def op_Shape(self, op, ins):
-        return [_shape_of(op.inputs[0], ins[0])]
-
-    def op_ShapeN(self, op, ins):
-        return [_shape_of(t, v) if v is not None else None
-                for t, v in zip(op.inputs, ins)]
-
-    def op_Rank(self, op, ins):
-        return [SAME]
-
-    def op_TensorListLength(self, op, ins):
-        return [SAME]
-
-    def op_Cast(self, op, ins):
-        v = ins[0]
-        if _sized(v):
-            if not op.outputs[0].dtype.is_integer:
-                raise NotProved("%s casts the batch size to %s" % (
-                    _op_text(op), op.outputs[0].dtype.name))
-            return [v]
-        return self.rows_op(op, ins)
-
-    def op_Identity(self, op, ins):
-        if _sized(ins[0]):
-            return [ins[0]]
-        return self.rows_op(op, ins)
-
-    def op_StridedSlice(self, op, ins):
-        v = ins[0]
-        if not isinstance(v, Dims):
-            if any(_sized(w) for w in ins[1:]):
-                raise NotProved("%s slices at positions built from the "
-                                "batch size" % _op_text(op))
-            return self.rows_op(op, ins)
-        picked = symbolic_shapes.slice_vector(
-            op, list(v.entries),
-            *(table.const_ints(t) for t in op.inputs[1:4]))
-        if picked is None:
-            return [UNKNOWN]
-        if isinstance(picked, str):
-            return [{"B": SIZE, "=": SAME}.get(picked, UNKNOWN)]
-        return [Dims(tuple(picked))]
-
-    def op_ExpandDims(self, op, ins):
-        if ins[0] == SIZE and ins[1] in (None, SAME) and \
-                table.const_ints(op.inputs[1]) in ([0], [-1]):
-            return [Dims(("B",))]
-        if _sized(ins[0]) or _sized(ins[1]):
-            return [UNKNOWN]
-        return self.rows_op(op, ins)
-
-    def op_Pack(self, op, ins):
-        if not any(_sized(v) for v in ins):
-            return self.rows_op(op, ins)
-        if op.get_attr("axis") != 0 or op.outputs[0].shape.rank != 1:
-            return [UNKNOWN]
-        entries = []
-        for v in ins:
-            if v == SIZE:
-                entries.append("B")
-            elif v in (None, SAME):
-                entries.append("=")
-            else:
-                return [UNKNOWN]
-        return [Dims(tuple(entries))]
-
-    def op_ConcatV2(self, op, ins):
-        n = op.get_attr("N")
-        if not any(isinstance(v, Dims) for v in ins[:n]):
-            return self.rows_op(op, ins)
-        if op.outputs[0].shape.rank != 1:
-            return [UNKNOWN]
-        entries = []
-        for t, v in zip(op.inputs[:n], ins[:n]):
-            if isinstance(v, Dims):
-                entries.extend(v.entries)
-            elif v in (None, SAME) and t.shape.is_fully_defined():
-                entries.extend("=" * t.shape.num_elements())
-            else:
-                return [UNKNOWN]
-        return [Dims(tuple(entries))]
-
-    def op_Fill(self, op, ins):
-        dims, value = ins
-        if value not in (None, SAME):
-            raise NotProved("%s fills with a value that depends on batch "
-                            "data" % _op_text(op))
-        return [self.new_rows(op, dims)]
-
-    def new_rows(self, op, dims):
-        """Rows(p) for a new tensor of shape `dims` with "B" at p only."""
-        if not isinstance(dims, Dims):
-            raise NotProved("%s makes a tensor whose shape depends on batch "
-                            "data in a way the proof cannot read"
-                            % _op_text(op))
-        where = [k for k, e in enumerate(dims.entries) if e != "="]
-        if len(where) != 1 or dims.entries[where[0]] != "B":
-            raise NotProved("%s makes a tensor with the batch size on %s "
-                            "axes" % (_op_text(op), len(where) or "no"))
-        return Rows(where[0])
-
-    def op_BroadcastTo(self, op, ins):
-        v, dims = ins
-        if not isinstance(dims, Dims):
-            return self.rows_op(op, ins)
-        out = self.new_rows(op, dims)
-        rank = op.inputs[0].shape.rank
-        if rank is None:
-            raise NotProved("%s broadcasts a tensor of unknown rank"
-                            % _op_text(op))
-        pos = out.desc - (len(dims.entries) - rank)
-        if isinstance(v, Rows):
-            if v.desc != pos:
-                raise NotProved("%s broadcasts rows onto another axis"
-                                % _op_text(op))
-        elif pos >= 0 and tf.compat.dimension_value(
-                op.inputs[0].shape[pos]) != 1:
-            raise NotProved("%s broadcasts a tensor with more than one entry "
-                            "onto the batch axis" % _op_text(op))
-        return [out]
-
-    def op_ZerosLike(self, op, ins):
-        return [ins[0]] if isinstance(ins[0], Rows) else [UNKNOWN]
-
-    op_OnesLike = op_ZerosLike
-
-    def op_TensorListReserve(self, op, ins):
-        shape, count = ins
-        if count not in (None, SAME):
-            raise NotProved("%s sizes a list from batch data" % _op_text(op))
-        if shape in (None, SAME):
-            return [SAME]
-        return [Rows(table.ListOf(self.new_rows(op, shape).desc))]
-
-    op_EmptyTensorList = op_TensorListReserve
+                            % op_text(op))
 
     # ----------------------------------------------------------------------
     # Loops and calls
@@ -487,12 +333,7 @@ class _Interpreter(object):
         the condition must be the same in the batch and in the copies (the
         same number of iterations)."""
         body, cond = _function(op, "body"), _function(op, "cond", outputs=1)
-        try:
-            n = op.get_attr("_num_original_outputs")
-        except ValueError:
-            n = len(op.outputs)
-        keep = [k for k in range(n)
-                if not graph.is_accumulator(op, body, k)]
+        keep = graph.own_loop_variables(op, body)
         # The accumulators a gradient added collect intermediates; nothing
         # the loss needs may read them.
         others = {k: UNKNOWN for k in range(len(op.inputs)) if k not in keep}
@@ -508,14 +349,14 @@ class _Interpreter(object):
             state = new
         else:
             raise NotProved("the values of %s's loop variables do not "
-                            "settle" % _op_text(op))
+                            "settle" % op_text(op))
         bound = dict(others)
         bound.update(state)
         go = _run_graph(cond, bound, [cond.outputs[0]])
         if go[0] not in (None, SAME):
             raise NotProved("the condition of %s depends on batch data, so "
                             "the batch and a copy may run other numbers of "
-                            "iterations" % _op_text(op))
+                            "iterations" % op_text(op))
         return [state.get(k, UNKNOWN) for k in range(len(op.outputs))]
 
     def call(self, op, ins):
@@ -534,7 +375,7 @@ def _function(op, attr, outputs=None):
     want = len(op.outputs) if outputs is None else outputs
     if len(func.inputs) != len(op.inputs) or len(func.outputs) != want:
         raise NotProved("the %s function of %s has a signature the proof "
-                        "does not know" % (attr, _op_text(op)))
+                        "does not know" % (attr, op_text(op)))
     return func
 
 
@@ -548,18 +389,6 @@ def _item_axis(op, first):
     if op.type == "TensorListFromTensor" and isinstance(first.desc, int):
         return first.desc - 1
     return None
-
-
-def _shape_of(t, v):
-    """The value of `tf.shape(t)` for `t` holding `v`."""
-    if isinstance(v, Rows) and isinstance(v.desc, table.ListOf):
-        return SAME         # a list is a scalar variant
-    rank = t.shape.rank
-    if not isinstance(v, Rows) or rank is None:
-        return UNKNOWN
-    if isinstance(v.desc, int):
-        return Dims(tuple("B" if k == v.desc else "=" for k in range(rank)))
-    return Dims(tuple("?" if k == v.desc.axis else "=" for k in range(rank)))
 
 
 def _run_graph(func, bound, outputs):

@@ -31,13 +31,25 @@ import tensorflow as tf
 from custagg import graph
 from custagg._tf_compat import tensor_util
 from custagg.batch_axis import symbolic_shapes
+from custagg.batch_axis.proof_values import AS_ROWS
+from custagg.batch_axis.proof_values import Dims
+from custagg.batch_axis.proof_values import NotProved
+from custagg.batch_axis.proof_values import Rows
+from custagg.batch_axis.proof_values import SAME
+from custagg.batch_axis.proof_values import SIZE
+from custagg.batch_axis.proof_values import UNKNOWN
+from custagg.batch_axis.proof_values import new_rows
+from custagg.batch_axis.proof_values import op_text
+from custagg.batch_axis.proof_values import sized
 
+# Cast, Identity, ZerosLike and OnesLike are elementwise too; their entries
+# (below) also carry the batch size.
 _ELEMENTWISE_UNARY = frozenset("""
-Abs Acos Acosh Asin Asinh Atan Atanh Cast Ceil Cos Cosh Digamma Elu Erf Erfc
-Exp Expm1 Floor Identity IdentityN Inv Lgamma Log Log1p LeakyRelu Neg
+Abs Acos Acosh Asin Asinh Atan Atanh Ceil Cos Cosh Digamma Elu Erf Erfc
+Exp Expm1 Floor IdentityN Inv Lgamma Log Log1p LeakyRelu Neg
 PreventGradient Reciprocal Relu Relu6 Round Rsqrt Selu Sigmoid Sign Sin Sinh
 Snapshot Softplus Softsign Sqrt Square StopGradient Tan Tanh CheckNumerics
-EnsureShape Gelu LogicalNot IsNan IsInf IsFinite ZerosLike OnesLike""".split())
+EnsureShape Gelu LogicalNot IsNan IsInf IsFinite""".split())
 
 _ELEMENTWISE_BINARY = frozenset("""
 Add AddV2 AddN Atan2 BiasAdd BiasAddV1 Div DivNoNan FloorDiv FloorMod Maximum
@@ -523,42 +535,255 @@ def _item_list(op, index, batch):
     return None
 
 
+# --------------------------------------------------------------------------
+# The batch *size* through an op: the row-wise proof's `sizes` entries
+# (`proof_values`). `tf.zeros(tf.stack([tf.shape(x)[0], H]))` makes rows
+# of a new tensor; a batch size used any other way (a copy sees 1) is not
+# proved.
+
+def _size_of(t, v):
+    """The proof's value of `tf.shape(t)` for `t` holding `v`."""
+    if isinstance(v, Rows) and isinstance(v.desc, ListOf):
+        return SAME      # a list is a scalar variant
+    rank = t.shape.rank
+    if not isinstance(v, Rows) or rank is None:
+        return UNKNOWN
+    if isinstance(v.desc, int):
+        return Dims(tuple("B" if k == v.desc else "="
+                                 for k in range(rank)))
+    return Dims(tuple("?" if k == v.desc.axis else "="
+                             for k in range(rank)))
+
+
+def _size_shape(op, ins):
+    """`tf.shape(x)`: B where x holds its rows (`_size_of`)."""
+    return [_size_of(op.inputs[0], ins[0])]
+
+
+def _size_shape_n(op, ins):
+    """`tf.shape_n`: each like `_size_shape`."""
+    return [_size_of(t, v) if v is not None else None
+            for t, v in zip(op.inputs, ins)]
+
+
+def _size_same(op, ins):
+    """A rank, a list length: the same in the batch and in a copy."""
+    return [SAME]
+
+
+def _size_cast(op, ins):
+    """The batch size cast to another int type stays the size; to a float
+    it would enter arithmetic (a copy sees 1): not proved."""
+    v = ins[0]
+    if sized(v):
+        if not op.outputs[0].dtype.is_integer:
+            raise NotProved("%s casts the batch size to %s" % (
+                op_text(op), op.outputs[0].dtype.name))
+        return [v]
+    return AS_ROWS
+
+
+def _size_identity(op, ins):
+    """The batch size passes through."""
+    if sized(ins[0]):
+        return [ins[0]]
+    return AS_ROWS
+
+
+def _size_strided_slice(op, ins):
+    """Entries of a shape vector picked (`tf.shape(x)[0]` is B)."""
+    v = ins[0]
+    if not isinstance(v, Dims):
+        if any(sized(w) for w in ins[1:]):
+            raise NotProved("%s slices at positions built from the "
+                            "batch size" % op_text(op))
+        return AS_ROWS
+    picked = symbolic_shapes.slice_vector(
+        op, list(v.entries),
+        *(_const(t) for t in op.inputs[1:4]))
+    if picked is None:
+        return [UNKNOWN]
+    if isinstance(picked, str):
+        return [{"B": SIZE, "=": SAME}.get(picked, UNKNOWN)]
+    return [Dims(tuple(picked))]
+
+
+def _size_expand_dims(op, ins):
+    """B made a vector `[B]`."""
+    if ins[0] == SIZE and ins[1] in (None, SAME) and \
+            const_ints(op.inputs[1]) in ([0], [-1]):
+        return [Dims(("B",))]
+    if sized(ins[0]) or sized(ins[1]):
+        return [UNKNOWN]
+    return AS_ROWS
+
+
+def _size_pack(op, ins):
+    """`tf.stack([B, H])`: a shape vector."""
+    if not any(sized(v) for v in ins):
+        return AS_ROWS
+    if op.get_attr("axis") != 0 or op.outputs[0].shape.rank != 1:
+        return [UNKNOWN]
+    entries = []
+    for v in ins:
+        if v == SIZE:
+            entries.append("B")
+        elif v in (None, SAME):
+            entries.append("=")
+        else:
+            return [UNKNOWN]
+    return [Dims(tuple(entries))]
+
+
+def _size_concat(op, ins):
+    """`tf.concat` of shape vectors."""
+    n = op.get_attr("N")
+    if not any(isinstance(v, Dims) for v in ins[:n]):
+        return AS_ROWS
+    if op.outputs[0].shape.rank != 1:
+        return [UNKNOWN]
+    entries = []
+    for t, v in zip(op.inputs[:n], ins[:n]):
+        if isinstance(v, Dims):
+            entries.extend(v.entries)
+        elif v in (None, SAME) and t.shape.is_fully_defined():
+            entries.extend("=" * t.shape.num_elements())
+        else:
+            return [UNKNOWN]
+    return [Dims(tuple(entries))]
+
+
+def _size_fill(op, ins):
+    """`tf.fill(dims, value)`: a new tensor with B on one axis is rows
+    there (value the same everywhere)."""
+    dims, value = ins
+    if value not in (None, SAME):
+        raise NotProved("%s fills with a value that depends on batch "
+                        "data" % op_text(op))
+    return [new_rows(op, dims)]
+
+
+def _size_broadcast_to(op, ins):
+    """`tf.broadcast_to(v, dims)` onto a shape with B on one axis."""
+    v, dims = ins
+    if not isinstance(dims, Dims):
+        return AS_ROWS
+    out = new_rows(op, dims)
+    rank = op.inputs[0].shape.rank
+    if rank is None:
+        raise NotProved("%s broadcasts a tensor of unknown rank"
+                        % op_text(op))
+    pos = out.desc - (len(dims.entries) - rank)
+    if isinstance(v, Rows):
+        if v.desc != pos:
+            raise NotProved("%s broadcasts rows onto another axis"
+                            % op_text(op))
+    elif pos >= 0 and tf.compat.dimension_value(
+            op.inputs[0].shape[pos]) != 1:
+        raise NotProved("%s broadcasts a tensor with more than one entry "
+                        "onto the batch axis" % op_text(op))
+    return [out]
+
+
+def _size_like(op, ins):
+    """`zeros_like` / `ones_like`: rows where the input is rows."""
+    return [ins[0]] if isinstance(ins[0], Rows) else [UNKNOWN]
+
+
+def _size_list_reserve(op, ins):
+    """A TensorList whose element shape has B on one axis: a list of
+    rows (its items hold the batch there)."""
+    shape, count = ins
+    if count not in (None, SAME):
+        raise NotProved("%s sizes a list from batch data" % op_text(op))
+    if shape in (None, SAME):
+        return [SAME]
+    return [Rows(ListOf(new_rows(op, shape).desc))]
+
+
+# --------------------------------------------------------------------------
+# The table
+
+
+class Entry(collections.namedtuple("Entry", ["axes", "sizes",
+                                             "fold_aware"])):
+    """What one op type does to the batch: the one table entry that the
+    separation walk, the batch-source inference, the copy and boundary
+    forms, the loop rules and the row-wise proof all read.
+
+    axes: `fn(op, index, axis)` -> the outputs' descriptor (an axis, or a
+      list with one per output) given the batch at input `index` on `axis`;
+      None inside it means MIXES and NO_PATH means NO_BATCH (`forward`
+      turns them into the sentinels). With `fold_aware`,
+      `fn(op, index, desc, shapes)` sees the whole descriptor (a `Folded`
+      included) and the symbolic shapes; otherwise a folded axis is moved
+      like a plain one. None: the op is not known to keep examples apart.
+    sizes: `fn(op, ins)` -> the row-wise proof's values of the outputs
+      (`proof_values`) given the inputs' (`ins`), where the batch size may
+      flow through the op (`tf.shape(x)[0]`, `tf.stack`, `tf.fill`), or
+      `AS_ROWS` to let `axes` decide; None: only `axes`.
+    """
+
+    def __new__(cls, axes=None, sizes=None, fold_aware=False):
+        return super(Entry, cls).__new__(cls, axes, sizes, fold_aware)
+
+
 # Inside the per-op functions, None means MIXES and NO_PATH means
 # NO_BATCH; `forward` turns them into the sentinels.
 NO_PATH = NO_BATCH
 
 _TABLE = {}
 for _t in _ELEMENTWISE_UNARY | _ELEMENTWISE_BINARY:
-    _TABLE[_t] = _elementwise
+    _TABLE[_t] = Entry(_elementwise)
 for _t in _SPATIAL:
-    _TABLE[_t] = _first_axis_only
+    _TABLE[_t] = Entry(_first_axis_only)
 for _t in _REDUCTIONS:
-    _TABLE[_t] = _reduction
+    _TABLE[_t] = Entry(_reduction)
 _TABLE.update({
-    "Softmax": _last_axis_op, "LogSoftmax": _last_axis_op,
-    "MatMul": _matmul, "BatchMatMul": _batch_matmul,
-    "BatchMatMulV2": _batch_matmul, "BatchMatMulV3": _batch_matmul,
-    "Einsum": _einsum, "Squeeze": _squeeze,
-    "ExpandDims": _expand_dims, "Transpose": _transpose,
-    "SparseSoftmaxCrossEntropyWithLogits": _xent,
-    "SoftmaxCrossEntropyWithLogits": _xent,
-    "Pad": _pad, "PadV2": _pad,
-    "MirrorPad": _pad, "ConcatV2": _concat, "Pack": _pack,
-    "StridedSlice": _strided_slice, "Slice": _slice, "GatherV2": _gather,
-    "ResourceGather": _gather, "Tile": _tile, "Split": _split,
-    "SplitV": _split, "Unpack": _unpack,
-    "ParseExample": _parse_example, "ParseExampleV2": _parse_example,
-    "Shape": _shape, "ShapeN": _shape, "Rank": _shape, "Size": _shape,
+    "Softmax": Entry(_last_axis_op), "LogSoftmax": Entry(_last_axis_op),
+    "MatMul": Entry(_matmul), "BatchMatMul": Entry(_batch_matmul),
+    "BatchMatMulV2": Entry(_batch_matmul),
+    "BatchMatMulV3": Entry(_batch_matmul),
+    "Einsum": Entry(_einsum), "Squeeze": Entry(_squeeze),
+    "Transpose": Entry(_transpose),
+    "SparseSoftmaxCrossEntropyWithLogits": Entry(_xent),
+    "SoftmaxCrossEntropyWithLogits": Entry(_xent),
+    "Pad": Entry(_pad), "PadV2": Entry(_pad), "MirrorPad": Entry(_pad),
+    "Slice": Entry(_slice), "GatherV2": Entry(_gather),
+    "ResourceGather": Entry(_gather), "Tile": Entry(_tile),
+    "Split": Entry(_split), "SplitV": Entry(_split),
+    "Unpack": Entry(_unpack),
+    "ParseExample": Entry(_parse_example),
+    "ParseExampleV2": Entry(_parse_example),
+    "Reshape": Entry(_reshape, fold_aware=True),
+    "FusedBatchNorm": Entry(_batch_norm, fold_aware=True),
+    "FusedBatchNormV2": Entry(_batch_norm, fold_aware=True),
+    "FusedBatchNormV3": Entry(_batch_norm, fold_aware=True),
+    # Where the batch size flows (the row-wise proof reads `sizes`).
+    "Shape": Entry(_shape, _size_shape),
+    "ShapeN": Entry(_shape, _size_shape_n),
+    "Rank": Entry(_shape, _size_same),
+    "Size": Entry(_shape),
+    "TensorListLength": Entry(sizes=_size_same),
+    "Cast": Entry(_elementwise, _size_cast),
+    "Identity": Entry(_elementwise, _size_identity),
+    "ZerosLike": Entry(_elementwise, _size_like),
+    "OnesLike": Entry(_elementwise, _size_like),
+    "StridedSlice": Entry(_strided_slice, _size_strided_slice),
+    "ExpandDims": Entry(_expand_dims, _size_expand_dims),
+    "Pack": Entry(_pack, _size_pack),
+    "ConcatV2": Entry(_concat, _size_concat),
+    "Fill": Entry(sizes=_size_fill),
+    "BroadcastTo": Entry(sizes=_size_broadcast_to),
+    "TensorListReserve": Entry(sizes=_size_list_reserve),
+    "EmptyTensorList": Entry(sizes=_size_list_reserve),
 })
 
 
-# Ops whose rule needs the whole batch descriptor (fold included) and the
-# symbolic shapes; every other entry sees only the axis position.
-_FOLD_AWARE = {
-    "Reshape": _reshape,
-    "FusedBatchNorm": _batch_norm, "FusedBatchNormV2": _batch_norm,
-    "FusedBatchNormV3": _batch_norm,
-}
+def size_rule(op):
+    """The `sizes` entry of `op`'s type (the row-wise proof's), or None."""
+    entry = _TABLE.get(op.type)
+    return None if entry is None else entry.sizes
 
 
 def _fold(op, x, z):
@@ -603,7 +828,8 @@ def normalize(t, axis):
 
 def known(op):
     """Whether the table has an entry for `op`'s type (loops aside)."""
-    return (op.type in _TABLE or op.type in _FOLD_AWARE or
+    entry = _TABLE.get(op.type)
+    return ((entry is not None and entry.axes is not None) or
             op.type in _CONTROL_FLOW or op.type in _LIST_OPS)
 
 
@@ -642,15 +868,16 @@ def _forward(op, index, axis, shapes):
             return None if op.type in _SWITCHES and index == 1 else axis
         if isinstance(axis, ListOf) or op.type in _LIST_OPS:
             return _item_list(op, index, axis)
-        if op.type in _FOLD_AWARE:
-            out = _FOLD_AWARE[op.type](op, index, axis, shapes)
+        entry = _TABLE.get(op.type)
+        if entry is None or entry.axes is None:
+            return None
+        fn = entry.axes
+        if entry.fold_aware:
+            out = fn(op, index, axis, shapes)
             if out is None and op.type == "Reshape" and axis == 0 and \
                     index == 0:
                 out = _fold(op, op.inputs[0], op.outputs[0])
             return out
-        fn = _TABLE.get(op.type)
-        if fn is None:
-            return None
         position = axis.axis if isinstance(axis, Folded) else axis
         if position < 0 and fn is not _elementwise:
             return None     # only broadcasting knows axes from the end
@@ -698,7 +925,8 @@ def candidates(t, like, output=None):
 
 
 # Public views of the op sets, for the analyses that build on the table.
-ELEMENTWISE = _ELEMENTWISE_UNARY | _ELEMENTWISE_BINARY
+ELEMENTWISE = frozenset(t for t, e in _TABLE.items()
+                        if e.axes is _elementwise)
 const_ints = _const
 
 # Ops whose copy (or second run) would draw new random numbers.

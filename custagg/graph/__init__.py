@@ -1,7 +1,9 @@
-"""Graph plumbing below every analysis: walks and function lookup.
+"""Graph plumbing below every analysis: walks, function lookup, copies.
 
 Nothing here knows about batches or gradients of examples; `batch_axis`
-and the per-example engine build on it. Imports go one way: `graph`
+and the per-example engine build on it. `copier` (the `Copier` of
+forward-pass ops: one object per copy job, no module state) and `pfor`
+(`chunked_pfor`) are imported by module. Imports go one way: `graph`
 imports only TensorFlow and `custagg._tf_compat`.
 """
 
@@ -11,6 +13,7 @@ from custagg.graph.functions import LOOP_TYPES
 from custagg.graph.functions import V1_CONTROL_FLOW
 from custagg.graph.functions import func_graph
 from custagg.graph.functions import is_accumulator
+from custagg.graph.functions import own_loop_variables
 from custagg.graph.walks import ancestors
 from custagg.graph.walks import blocks_gradient
 from custagg.graph.walks import depth_first
@@ -22,7 +25,7 @@ from custagg.graph.walks import upstream
 
 __all__ = [
     "CALL_TYPES", "FunctionNotFound", "LOOP_TYPES", "V1_CONTROL_FLOW",
-    "func_graph", "is_accumulator", "ancestors", "blocks_gradient",
+    "func_graph", "is_accumulator", "own_loop_variables", "ancestors", "blocks_gradient",
     "depth_first", "downstream", "gradient_paths", "has_replaced_gradient",
     "in_creation_order", "upstream",
 ]

@@ -59,3 +59,15 @@ def is_accumulator(op, body, k):
     return (op.inputs[k].op.type == "EmptyTensorList" and
             out.op.type == "TensorListPushBack" and
             out.op.inputs[0] is body.inputs[k])
+
+
+def own_loop_variables(op, body):
+    """The positions of While `op`'s own loop variables: its original
+    outputs (`_num_original_outputs`: a gradient built before may have added
+    more) less the accumulators of intermediates (`is_accumulator`), which
+    a gradient may also have counted as original."""
+    try:
+        n = op.get_attr("_num_original_outputs")
+    except ValueError:
+        n = len(op.outputs)
+    return [k for k in range(n) if not is_accumulator(op, body, k)]

@@ -2,7 +2,7 @@
 vectorized passes whose outputs fit a memory budget.
 
 A graph utility with no per-example knowledge: the per-example forms
-(`custagg.per_example.vectorized`) and the copies (`custagg.recompute`) both
+(`custagg.per_example.vectorized`) and the copies (`per_example.forms.copies`) both
 run their per-example bodies through `chunked_pfor`.
 """
 

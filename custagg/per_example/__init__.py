@@ -4,7 +4,8 @@
   planning    `Plan` / `Assignment`: what runs and why (never changed once
               returned), and the planner
   forms/      each form behind one interface (plan, then build): rules,
-              loop rules, boundary, copies (recompute), whole pass, loop
+              loop rules, boundary, copies (recompute), whole pass, loop;
+              `forms.copies`: the per-example copies of the forward pass
   engine      the rules' shared backward pass and the quantity dispatch
   chains      gradients through ops that see no batch data
   norm_algebra  norms of sums of terms without materializing

@@ -25,7 +25,7 @@ Strategies (chosen per x by `plan_per_example`):
 
 "pfor" takes, per x, the first form that applies: the boundary ops (O(B));
 per-example copies of the forward pass, vectorized by pfor ("recompute",
-O(B): `custagg.recompute`, for weights inside loops and ops no rule covers),
+O(B): `per_example.forms.copies`, for weights inside loops and ops no rule covers),
 or run in a while loop when pfor cannot convert the copies
 ("recompute-loop", O(B)); the whole backward pass per example (O(B^2), the
 last resort, used where examples interact or the forward pass cannot be
@@ -45,8 +45,8 @@ import tensorflow as tf
 from custagg import errors
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import resource_variable_ops
-from custagg.aggregation import AggregationMethod
-from custagg.gradients import gradients
+from custagg.traversal.aggregation import AggregationMethod
+from custagg.traversal.gradients import gradients
 from custagg.per_example import engine as engine_lib
 from custagg.per_example import planning
 from custagg.per_example.planning import Plan  # noqa: F401  (public name)

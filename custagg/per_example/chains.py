@@ -12,7 +12,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from custagg import sparse
-from custagg.gradients import gradients
+from custagg.traversal.gradients import gradients
 from custagg.graph import pfor as pfor_lib
 
 

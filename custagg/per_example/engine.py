@@ -21,8 +21,8 @@ import tensorflow as tf
 
 from custagg import sparse
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
-from custagg.aggregation import AggregationMethod
-from custagg.gradients import gradients
+from custagg.traversal.aggregation import AggregationMethod
+from custagg.traversal.gradients import gradients
 from custagg.per_example import chains as chains_lib
 from custagg.per_example import norm_algebra
 from custagg.per_example import planning

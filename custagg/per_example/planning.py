@@ -17,11 +17,12 @@ import weakref
 import tensorflow as tf
 
 from custagg import batch_axis
-from custagg import recompute
 from custagg import graph as graph_lib
+from custagg.graph.copier import CannotCopy
 from custagg.per_example.forms import CHAINS
 from custagg.per_example.forms import FORMS
 from custagg.per_example.forms import Refused
+from custagg.per_example.forms import copies
 from custagg.per_example.forms import loop_rules
 from custagg.per_example.forms import rules as rules_form
 from custagg.rules import shortcuts
@@ -46,7 +47,7 @@ class Assignment(object):
         form of the chain was, or none was considered.
       consumers: the rule ops, loop uses and chains, for "rules".
       boundaries: the boundary ops, for the "boundary" form.
-      forward: the forward pass to copy (`recompute.Forward`), for the
+      forward: the forward pass to copy (`forms.copies.Forward`), for the
         "recompute" and "recompute-loop" forms.
       blocker: the op that kept x off a cheaper form, when one op did.
     """
@@ -192,20 +193,20 @@ class PlanContext(object):
         return self._region
 
     def forward(self):
-        """The forward pass to copy (`recompute.Forward`), or the
-        `recompute.Refused` saying why it cannot be copied."""
+        """The forward pass to copy (`copies.Forward`), or the
+        `CannotCopy` saying why it cannot be copied."""
         if self._forward is None:
             try:
-                self._forward = recompute.analyze(self.loss, self.ancestors,
-                                                  self.static_b)
-            except recompute.Refused as e:
+                self._forward = copies.analyze(self.loss, self.ancestors,
+                                               self.static_b)
+            except CannotCopy as e:
                 self._forward = e
         return self._forward
 
     def varying_loop(self, forward):
-        """`recompute.varying_loop(forward)`, once per call."""
+        """`copies.varying_loop(forward)`, once per call."""
         if "loop" not in self._varying:
-            self._varying["loop"] = recompute.varying_loop(forward)
+            self._varying["loop"] = copies.varying_loop(forward)
         return self._varying["loop"]
 
     def inner_assignment(self, tensor, consumers):

@@ -36,7 +36,7 @@ from custagg._tf_compat import attr_value_pb2
 from custagg._tf_compat import backprop_util
 from custagg._tf_compat import pfor_ops
 from custagg._tf_compat import resource_variable_ops
-from custagg.gradients import gradients
+from custagg.traversal.gradients import gradients
 
 _Boundary = collections.namedtuple("_Boundary", ["op", "batch_inputs"])
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from custagg.per_example import api as per_example_api
+from custagg.training import optimizers as _opt
 from custagg.privacy.dp_query import gaussian_query as _gq
 from custagg.privacy.dp_query import nested_query as _nq
 from custagg.privacy.dp_query import normalized_query as _normq
@@ -106,11 +108,9 @@ def clipped_mean_sum(loss, xs, clips, num_microbatches, owner,
       `(sums aligned with xs (None where unconnected), norms ([M], or a list
       of [M] per x with per-x clips), M as a loss.dtype scalar)`.
     """
-    import custagg  # pylint: disable=g-import-not-at-top
     if group_ids is not None:
-        from custagg import optimizers  # pylint: disable=g-import-not-at-top
-        loss, m = optimizers.user_mean_loss(loss, group_ids, owner)
-        sums, norms = custagg.clipped_gradients(
+        loss, m = _opt.user_mean_loss(loss, group_ids, owner)
+        sums, norms = per_example_api.clipped_gradients(
             loss, xs, clips, return_norms=True, group_ids=group_ids)
         return sums, norms, m
     static_b = tf.compat.dimension_value(loss.shape[0])
@@ -129,7 +129,7 @@ def clipped_mean_sum(loss, xs, clips, num_microbatches, owner,
         k = tf.cast(tf.shape(loss)[0] // mb, loss.dtype)
         m = tf.constant(mb, loss.dtype)
         scaled = [c * k for c in clips] if per_x else clips * k
-    sums, norms = custagg.clipped_gradients(
+    sums, norms = per_example_api.clipped_gradients(
         loss, xs, scaled, return_norms=True, num_microbatches=mb)
     if k is not None:
         sums = [None if g is None else _scale(g, 1.0 / k) for g in sums]

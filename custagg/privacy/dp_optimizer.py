@@ -54,7 +54,8 @@ from __future__ import annotations
 from absl import logging
 import tensorflow as tf
 
-from custagg import optimizers as _opt
+from custagg.per_example import api as per_example_api
+from custagg.training import optimizers as _opt
 from custagg.privacy import _query_fast as _fast
 from custagg.privacy import gaussian_query
 
@@ -472,16 +473,15 @@ def _microbatch_gradients(loss, var_list, num_microbatches, group_ids=None,
     """Gradients of each microbatch's mean loss, `[M, *v.shape]` (or None),
     and M as an int32 scalar tensor; with `group_ids` each user's, `[U,
     ...]` (users in order of first appearance)."""
-    import custagg  # pylint: disable=g-import-not-at-top
     if group_ids is not None:
-        from custagg.per_example import api  # pylint: disable=g-import-not-at-top
-        segments, checks = api.group_segments(loss, group_ids, owner)
+        segments, checks = per_example_api.group_segments(loss, group_ids,
+                                                          owner)
         with tf.control_dependencies(checks):
             loss, _ = _opt.user_mean_loss(loss, group_ids, owner)
-        per_example = custagg.per_example_gradients(loss, var_list)
+        per_example = per_example_api.per_example_gradients(loss, var_list)
         return [None if g is None else segments.sum(tf.convert_to_tensor(g))
                 for g in per_example], segments.count
-    per_example = custagg.per_example_gradients(loss, var_list)
+    per_example = per_example_api.per_example_gradients(loss, var_list)
     batch = tf.shape(loss)[0]
     m = batch if num_microbatches is None else tf.constant(num_microbatches)
     check = tf.debugging.assert_equal(

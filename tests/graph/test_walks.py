@@ -3,7 +3,6 @@
 import tensorflow as tf
 
 from custagg import graph
-from custagg import recompute
 
 
 def test_upstream_downstream_and_stops():
@@ -44,15 +43,3 @@ def test_gradient_paths_do_not_depend_on_an_earlier_call():
         x2 = tf.compat.v1.placeholder(tf.float32, [None, 2])
         a2 = tf.reduce_sum(x2 * 3.0, axis=1)
         assert x2.ref() in graph.gradient_paths(a2)
-
-
-def test_whole_batch_restores_the_state_it_found():
-    # pylint: disable=protected-access
-    outer, inner = object(), object()
-    assert recompute._STATE["one_row"]
-    with recompute.whole_batch({"loop_a": outer}):
-        with recompute.whole_batch({"loop_a": inner, "loop_b": inner}):
-            assert recompute._HOOKS == {"loop_a": inner, "loop_b": inner}
-        assert not recompute._STATE["one_row"]
-        assert recompute._HOOKS == {"loop_a": outer}
-    assert recompute._STATE["one_row"] and recompute._HOOKS == {}

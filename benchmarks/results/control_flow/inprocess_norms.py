@@ -6,7 +6,7 @@ os.environ["TF_USE_LEGACY_KERAS"]="1"; os.environ["TF_CPP_MIN_LOG_LEVEL"]="3"
 import numpy as np, tensorflow as tf
 tf.compat.v1.disable_eager_execution()
 import custagg
-from custagg import recompute
+from custagg.per_example.forms import copies as recompute
 from benchmarks import models
 m=sys.argv[1]; B=int(sys.argv[2])
 x,y=models.tf_placeholders(m,B,dynamic=True)  # [None, ...]: recompute refuses a static B

@@ -12,7 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf
 tf.compat.v1.disable_eager_execution()
 import custagg
-from custagg import recompute
+from custagg.per_example.forms import copies as recompute
 import ab_common  # this folder's
 m, B, task = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 variants = sys.argv[4].split(",")

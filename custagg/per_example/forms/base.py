@@ -32,6 +32,8 @@ import os
 
 import tensorflow as tf
 
+from custagg.graph.copier import CannotCopy
+
 
 class Refused(Exception):
     """A form declines x (at plan time) or a group (at build time).
@@ -64,14 +66,13 @@ REFUSAL_TYPES = (Refused,) + _TF_ERRORS
 
 def is_refusal(error):
     """Whether a build's exception is a legitimate refusal: ours (`Refused`,
-    or the copies' `recompute.Refused`), or one of TF's own errors raised
+    or the copies' `CannotCopy`), or one of TF's own errors raised
     inside TensorFlow (the innermost frame is in TF's package). An error
     raised in custagg's code is a bug and must propagate, never turn into a
     slower form."""
     if isinstance(error, Refused):
         return True
-    from custagg import recompute  # pylint: disable=g-import-not-at-top
-    if isinstance(error, recompute.Refused):
+    if isinstance(error, CannotCopy):
         return True
     if not isinstance(error, _TF_ERRORS):
         return False
@@ -94,7 +95,7 @@ class Choice(collections.namedtuple(
       itself: the rules to the loop rules, the copies to their while loop).
     consumers: the rule ops and chains ("rules", "loop-rules").
     boundaries: the boundary ops ("boundary").
-    forward: the forward pass to copy (`recompute.Forward`: the copies).
+    forward: the forward pass to copy (`copies.Forward`: the copies).
     note: a reason to add to the plan (why the variant), or None.
     """
 
@@ -145,3 +146,10 @@ class Form(object):
 
     def __repr__(self):
         return "<form %s>" % self.name
+
+
+def takes_every_x(form, x_tensor, ctx):
+    """`Form.plan` of a form that needs nothing of the graph (the loop, the
+    whole pass): every x, as it is."""
+    del x_tensor, ctx
+    return Choice(form)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from custagg import sparse
-from custagg.gradients import gradients
+from custagg.traversal.gradients import gradients
 from custagg.per_example.forms import base
 
 
@@ -19,10 +19,7 @@ class LoopForm(base.Form):
     what = "one backward pass per example"
     cost = "O(B^2)"
     scope = "per_example_loop"
-
-    def plan(self, x_tensor, ctx):
-        del x_tensor, ctx
-        return base.Choice(self)
+    plan = base.takes_every_x
 
     def build(self, engine, group):
         tensors = [a.tensor for a in group]

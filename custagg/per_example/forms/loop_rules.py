@@ -16,7 +16,7 @@ Dense layer on a sequence (Gram form, `A^T diag(c) G`). A rule without an
 
 TF's gradient of the loop sums over the batch inside the gradient loop,
 where no one can reach it. So the loop is **rebuilt once on the whole
-batch** (`recompute`'s copy machinery, the batch kept whole) with each
+batch** (`graph.copier`'s `Copier`, the batch kept whole) with each
 tapped op's output perturbed by a zero tensor, `z_t + eps[t]`, with `eps`
 `[T, B, *z.shape[1:]]` read from a TensorList, and each of the op's other
 inputs pushed to an extra TensorList. One backward pass of the rebuilt
@@ -32,7 +32,7 @@ output, through the rest of the body, into the next iterations (loop
 variables) and out of the loop to the loss, every op must be known to keep
 the batch axis (`separability`), TensorLists included (items keep their
 batch axis). Anything unknown refuses the tap, and the planner takes an
-exact form instead (per-example copies, `custagg.recompute`).
+exact form instead (per-example copies, `forms/copies.py`).
 
 Handled: `While`/`StatelessWhile` at the top level of the loss's graph and
 top-level v1 frames (Enter/Exit, `disable_v2_behavior`), x entering as a
@@ -50,11 +50,11 @@ import collections
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import recompute
-from custagg.rules import registry as registry_lib
 from custagg import batch_axis
-from custagg.rules import outer as _outer
+from custagg.graph import copier
 from custagg.rules import applies
+from custagg.rules import outer as _outer
+from custagg.rules import registry as registry_lib
 
 LOOP_TYPES = batch_axis.LOOP_TYPES
 # The ops through which x enters a loop: a v2 While, a v1 frame's Enter.
@@ -112,8 +112,8 @@ def find(op, index, loss, loss_ancestors, registry, batch_size):
     if op.type not in LOOP_TYPES:
         return None, "not a while loop"
     try:
-        body = recompute.func_graph(op, "body")
-    except recompute.Refused as e:
+        body = copier.func_graph(op, "body")
+    except copier.CannotCopy as e:
         return None, str(e)
     why = _counted(op, body)
     if why:
@@ -124,7 +124,7 @@ def find(op, index, loss, loss_ancestors, registry, batch_size):
                       "changes" % op.name)
     used = _used_outputs(op, loss_ancestors)
     # Body ops behind the loop variables whose outputs the loss reads.
-    live = recompute.ancestors_in([body.outputs[k] for k in used])
+    live = copier.ancestors_in([body.outputs[k] for k in used])
 
     def coupling(z):
         return _coupling(op, body, z, live, loss, loss_ancestors)
@@ -157,7 +157,7 @@ def _find_v1(enter, loss, loss_ancestors, taps):
     counter = _v1_counter(ctxt)
     if counter is None:
         return None, "v1 loop '%s' has no iteration counter from 0" % name
-    live = set(o for o in recompute.frame_ops(ctxt, enter.graph)
+    live = set(o for o in copier.frame_ops(ctxt, enter.graph)
                if o in loss_ancestors)
 
     def coupling(z):
@@ -219,14 +219,14 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
     """The LoopUse of x entering at `entry` (a body tensor), or the reason
     the loop rules cannot read it."""
     for c in live:
-        if c.type in recompute.RANDOM or (
+        if c.type in batch_axis.RANDOM or (
                 _stateful(c) and c.type not in _STATEFUL_OK):
             # The rebuilt loop would draw new numbers (or act twice).
             return None, batch_axis.Reason(
                 "op '%s' (type %s) inside loop '%s' %s, and the loop rules "
                 "run the loop once more" % (
                     c.name, c.type, name, "draws random numbers"
-                    if c.type in recompute.RANDOM else "has side effects"), c)
+                    if c.type in batch_axis.RANDOM else "has side effects"), c)
     taps, value = [], None
     for t, slot in _values(entry, live):
         value = t if slot is None else t.op.inputs[0]
@@ -379,7 +379,7 @@ def _element_shape(t):
 
 
 class _Hook(object):
-    """Taps one rebuilt While body (see `recompute.whole_batch`): adds
+    """Taps one rebuilt While body (`Copier.hooks`): adds
     `eps[t]` to each tap's output and pushes the tap's other inputs."""
 
     def __init__(self, taps, steps, batch, v1=False):
@@ -529,18 +529,19 @@ def _build_loop(loop, group, cotangent_of, batch):
     hook = _Hook(taps, final - start, batch, v1=not v2)
     outputs = [t for t in cotangent_targets(group)
                if cotangent_of.get(t.ref()) is not None]
-    with recompute.whole_batch({loop: hook}):
-        if v2:
-            new = recompute.rebuild_while(loop, {}, [
-                t.value_index for t in outputs])
-            ys = [new[t.value_index] for t in outputs]
-        else:
-            mapping = {}
-            exits = {e.ref() for e in loop.loop_exits}
-            recompute.rebuild_v1_while(loop, mapping, {
-                t.ref() if t.ref() in exits else t.op.inputs[2].ref()
-                for t in outputs})
-            ys = [_remap(t, mapping, {}) for t in outputs]
+    # The loop rebuilt on the whole batch, its body tapped by the hook.
+    rebuild = copier.Copier(one_row=False, hooks={loop: hook})
+    if v2:
+        new = rebuild.rebuild_while(loop, {}, [
+            t.value_index for t in outputs])
+        ys = [new[t.value_index] for t in outputs]
+    else:
+        mapping = {}
+        exits = {e.ref() for e in loop.loop_exits}
+        rebuild.rebuild_v1_while(loop, mapping, {
+            t.ref() if t.ref() in exits else t.op.inputs[2].ref()
+            for t in outputs})
+        ys = [_remap(t, mapping, {}, rebuild) for t in outputs]
     seeds = [cotangent_of[t.ref()] for t in outputs]
     dz = tf.compat.v1.gradients(
         ys, hook.eps, grad_ys=seeds,
@@ -548,18 +549,19 @@ def _build_loop(loop, group, cotangent_of, batch):
     return {(use.op, use.index): _outer_of(use, hook, dz) for use in group}
 
 
-def _remap(t, mapping, memo):
+def _remap(t, mapping, memo, copies):
     """`t` as computed from the tensors in `mapping` (ref -> replacement):
-    the ops between them and `t` copied, the others kept."""
+    the ops between them and `t` copied (by the `Copier` `copies`), the
+    others kept."""
     if t.ref() in mapping:
         return mapping[t.ref()]
     if t.op in memo:
         return t
-    new = [_remap(i, mapping, memo) for i in t.op.inputs]
+    new = [_remap(i, mapping, memo, copies) for i in t.op.inputs]
     if all(n is i for n, i in zip(new, t.op.inputs)):
         memo[t.op] = True       # does not depend on the rebuilt loop
         return t
-    outs = recompute.copy_op(t.op, {
+    outs = copies.copy_op(t.op, {
         i.ref(): n for i, n in zip(t.op.inputs, new)})
     for old, out in zip(t.op.outputs, outs):
         mapping[old.ref()] = out

@@ -5,7 +5,7 @@
   data, seeded with the rows of their output gradients
   (`vectorized.find_boundary`, `vectorized.boundary_per_example`).
 * "recompute" (O(B)): pfor over per-example copies of the forward pass
-  (`custagg.recompute`); "recompute-loop" runs the same copies in a while
+  (`forms.copies`); "recompute-loop" runs the same copies in a while
   loop (a loop whose trip count depends on the example, or a graph pfor
   cannot convert).
 * "whole-pass" (O(B^2)): pfor over the whole backward pass seeded with
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from custagg import recompute
 from custagg import batch_axis
+from custagg.graph.copier import CannotCopy
 from custagg.per_example import vectorized
 from custagg.per_example.forms import base
+from custagg.per_example.forms import copies
 from custagg.per_example.forms.loop import LOOP
 
 
@@ -32,13 +33,29 @@ def _zeros(engine, group):
             for a in group]
 
 
-class BoundaryForm(base.Form):
-    name = "boundary"
+class _PforForm(base.Form):
+    """The forms built by pfor: ops in the scope "<name>_form", refusals
+    read "no <name> form: ", and a refused build under "auto" takes the
+    loop."""
+
     strategy = "pfor"
-    what = "pfor at the ops where x meets batch data"
     cost = "O(B)"
-    scope = "boundary_form"
-    refused_as = "no boundary form: "
+
+    @property
+    def scope(self):
+        return self.name.replace("-", "_") + "_form"
+
+    @property
+    def refused_as(self):
+        return "no %s form: " % self.name
+
+    def fallback(self, requested):
+        return LOOP if requested == "auto" else None
+
+
+class BoundaryForm(_PforForm):
+    name = "boundary"
+    what = "pfor at the ops where x meets batch data"
 
     def plan(self, x_tensor, ctx):
         bounds, why = vectorized.find_boundary(
@@ -53,23 +70,16 @@ class BoundaryForm(base.Form):
             engine.batch_size, engine.chunk)
         return dict(zip([id(a) for a in group], stacked))
 
-    def fallback(self, requested):
-        return LOOP if requested == "auto" else None
 
-
-class CopiesForm(base.Form):
+class CopiesForm(_PforForm):
     """pfor over per-example copies of the forward pass."""
 
     name = "recompute"
-    strategy = "pfor"
     what = "pfor over per-example copies of the forward pass"
-    cost = "O(B)"
-    scope = "recompute_form"
-    refused_as = "no recompute form: "
 
     def plan(self, x_tensor, ctx):
         forward = ctx.forward()
-        if isinstance(forward, recompute.Refused):
+        if isinstance(forward, CannotCopy):
             raise base.Refused(batch_axis.Reason(str(forward), forward.op))
         if x_tensor.op in forward.op_set:
             raise base.Refused(batch_axis.Reason(
@@ -86,13 +96,13 @@ class CopiesForm(base.Form):
 
     def _args(self, engine, group):
         tensors = [a.tensor for a in group]
-        dtypes = [recompute.grad_dtype(t) for t in tensors]
-        batch = recompute.batch_size(group[0].forward, engine.batch_size)
+        dtypes = [copies.grad_dtype(t) for t in tensors]
+        batch = copies.batch_size(group[0].forward, engine.batch_size)
         return tensors, _zeros(engine, group), dtypes, batch
 
     def build(self, engine, group):
         tensors, zeros, dtypes, batch = self._args(engine, group)
-        out = recompute.per_example_pfor(
+        out = copies.per_example_pfor(
             group[0].forward, tensors, zeros, dtypes, batch, engine.chunk,
             copy_gradients)
         return dict(zip([id(a) for a in group], out))
@@ -107,11 +117,11 @@ class CopiesLoopForm(CopiesForm):
 
     name = "recompute-loop"
     what = ("a while loop over per-example copies of the forward pass")
-    scope = "recompute_loop_form"
+    refused_as = "no recompute form: "     # its plan is CopiesForm's
 
     def build(self, engine, group):
         tensors, zeros, dtypes, batch = self._args(engine, group)
-        out = recompute.per_example_loop(
+        out = copies.per_example_loop(
             group[0].forward, tensors, zeros, dtypes,
             [engine.static_x_shape(a) for a in group], batch, copy_gradients)
         return dict(zip([id(a) for a in group], out))
@@ -128,25 +138,17 @@ def copy_gradients(ys, xs, **kwargs):
     return tf.compat.v1.gradients(ys, xs, **kwargs)
 
 
-class WholePassForm(base.Form):
+class WholePassForm(_PforForm):
     name = "whole-pass"
-    strategy = "pfor"
     what = "pfor over the whole backward pass"
     cost = "O(B^2)"
-    scope = "whole_pass_form"
-
-    def plan(self, x_tensor, ctx):
-        del x_tensor, ctx
-        return base.Choice(self)
+    plan = base.takes_every_x
 
     def build(self, engine, group):
         stacked = vectorized.whole_pass_per_example(
             engine.loss, [a.tensor for a in group], _zeros(engine, group),
             engine.batch_size, engine.chunk)
         return dict(zip([id(a) for a in group], stacked))
-
-    def fallback(self, requested):
-        return LOOP if requested == "auto" else None
 
 
 BOUNDARY = BoundaryForm()

@@ -18,6 +18,7 @@ import collections
 import tensorflow as tf
 
 from custagg.privacy.dp_query import dp_query
+from custagg.training import optimizers as _opt
 
 __all__ = ["GaussianSumQuery"]
 
@@ -69,7 +70,6 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
                                           ["l2_norm_clip", "stddev"])
 
     def __init__(self, l2_norm_clip, stddev):
-        from custagg import optimizers as _opt  # pylint: disable=g-import-not-at-top
         # TF Privacy checks neither; a negative or NaN one would train
         # without the guarantee. l2_norm_clip = 0 clips every record to 0.
         self._l2_norm_clip = _opt.check_positive(

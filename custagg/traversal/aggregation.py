@@ -7,7 +7,7 @@ Two places combine gradients during reverse mode:
    (`aggregate_contributions`, with the methods TF offers).
 2. With `AggregationMethod.CUSTOM`, the per-example terms of the loss are
    weighted by `gradient_factors` before the backward pass starts
-   (`custom_seeds`; `custagg.slice_recognizer` finds the ys that are rows
+   (`custom_seeds`; `traversal.slice_recognizer` finds the ys that are rows
    of one tensor, so the list form costs one backward pass). Weighting the seeds is exactly weighting each example's
    contribution: reverse mode is linear in the seed, so
    `sum_i f_i * d y_i/dx == d/dx <f, y>` computed with seed `f`.
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 from custagg import errors
-from custagg import slice_recognizer
+from custagg.traversal import slice_recognizer
 from custagg import sparse
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import ops
@@ -128,7 +128,7 @@ def aggregate_contributions(contribs, method, op, gradient_uid):
 #
 # The list form must build in about the time of the vector form although B
 # is often 512 or more: which ys are rows of one tensor is read by
-# `custagg.slice_recognizer` (a few microseconds per slice), and no op is
+# `traversal.slice_recognizer` (a few microseconds per slice), and no op is
 # created per slice: the seeds are built per source tensor with a constant
 # number of ops.
 

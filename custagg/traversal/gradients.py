@@ -5,7 +5,7 @@ The traversal does no maths of its own. It finds the ops between `ys` and
 path to `ys` has sent back its contribution), sums the contributions for each
 output (`aggregation.aggregate_contributions`), and calls the gradient
 function TensorFlow registered for the op (found and called by
-`custagg.op_gradients`, which holds no state of the pass).
+`traversal.op_gradients`, which holds no state of the pass).
 
 Semantics follow `tf.compat.v1.gradients` (TF 2.21): the same lookup of
 gradient functions (`gradient_override_map`, `tf.custom_gradient`,
@@ -36,9 +36,9 @@ import operator
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import aggregation
+from custagg.traversal import aggregation
 from custagg import errors
-from custagg import op_gradients
+from custagg.traversal import op_gradients
 from custagg._tf_compat import backprop_util
 from custagg._tf_compat import composite_tensor
 from custagg._tf_compat import composite_tensor_gradient
@@ -49,7 +49,7 @@ from custagg._tf_compat import indexed_slices as indexed_slices_lib
 from custagg._tf_compat import object_identity
 from custagg._tf_compat import ops
 from custagg._tf_compat import resource_variable_ops
-from custagg.aggregation import AggregationMethod
+from custagg.traversal.aggregation import AggregationMethod
 
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]

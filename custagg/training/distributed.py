@@ -85,7 +85,7 @@ import time
 
 import tensorflow as tf
 
-from custagg import optimizers as _opt
+from custagg.training import optimizers as _opt
 from custagg.privacy import gaussian_query as _gq
 
 __all__ = ["DistributedDPOptimizer", "sync_replicas_dp_optimizer",

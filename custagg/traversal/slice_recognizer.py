@@ -7,7 +7,7 @@ the vector form although B is often 512 or more. `SliceFinder.find` runs
 once per y, so the work per slice is kept to reading two or three parsed
 NodeDefs (`op.node_def` costs a few microseconds; each `op.get_attr` or
 `tensor_util.constant_value` call costs 10-100x that); the aggregation then
-seeds each source tensor once (`custagg.aggregation.custom_seeds`).
+seeds each source tensor once (`traversal.aggregation.custom_seeds`).
 """
 
 from __future__ import annotations

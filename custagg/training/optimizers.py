@@ -49,8 +49,10 @@ import numpy as np
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import aggregation
 from custagg import errors
+from custagg.per_example import api as per_example_api
+from custagg.traversal import aggregation
+from custagg.traversal import gradients as traversal_gradients
 
 __all__ = [
     "PerExampleOptimizer",
@@ -62,21 +64,10 @@ __all__ = [
     "DPMomentumGaussianOptimizer",
     "DPAdagradGaussianOptimizer",
     "DPAdamGaussianOptimizer",
-    "DPGradientDescentOptimizer",
-    "DPAdagradOptimizer",
-    "DPAdamOptimizer",
-    "DPMomentumOptimizer",
     "ComputeGradientsNotCalledError",
 ]
 
 _Optimizer = tf.compat.v1.train.Optimizer
-
-
-def _api(name):
-    """custagg's public function `name`, looked up when first needed
-    (custagg/__init__.py may import this module before it defines them)."""
-    import custagg  # pylint: disable=g-import-not-at-top
-    return getattr(custagg, name)
 
 
 def _is_number(x):
@@ -314,7 +305,7 @@ class PerExampleOptimizer(_Optimizer):
         computed(self._last_loss, self, "per_example_norms")
         if self._norms is None:
             with self._last_loss.graph.as_default():
-                self._norms = _api("per_example_norms")(
+                self._norms = per_example_api.per_example_norms(
                     self._last_loss, self._last_var_list,
                     strategy=self._strategy)
         return self._norms
@@ -479,7 +470,7 @@ class PerExampleOptimizer(_Optimizer):
     def _aggregate(self, loss, var_list, grad_loss, gate_gradients,
                    aggregation_method, colocate_gradients_with_ops):
         """Returns the list of aggregated gradients aligned with `var_list`."""
-        return list(_api("gradients")(
+        return list(traversal_gradients.gradients(
             loss, var_list, grad_ys=grad_loss, gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops))
@@ -535,7 +526,7 @@ class WeightedOptimizer(PerExampleOptimizer):
                 self._factors = tf.compat.v1.placeholder(
                     loss.dtype, [tf.compat.dimension_value(loss.shape[0])],
                     name="gradient_factors")
-        return list(_api("gradients")(
+        return list(traversal_gradients.gradients(
             loss, var_list, grad_ys=grad_loss, gate_gradients=gate_gradients,
             aggregation_method=aggregation.AggregationMethod.CUSTOM,
             gradient_factors=self._factors,
@@ -850,7 +841,7 @@ def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
         scaled = ([c * group_size for c in clips] if isinstance(clips, list)
                   else clips * group_size)
         num_units = tf.constant(mb, loss.dtype)
-    grads, norms = _api("clipped_gradients")(
+    grads, norms = per_example_api.clipped_gradients(
         loss, var_list, scaled, strategy=strategy, return_norms=True,
         num_microbatches=mb)
     if group_size is not None:
@@ -948,15 +939,7 @@ DPAdagradGaussianOptimizer = make_gaussian_optimizer_class(
     tf.compat.v1.train.AdagradOptimizer)
 DPAdamGaussianOptimizer = make_gaussian_optimizer_class(
     tf.compat.v1.train.AdamOptimizer)
-# TF Privacy's short names take a DPQuery (`dp_sum_query`) first, not
-# `l2_norm_clip`: they are `custagg.privacy.dp_optimizer`'s classes, looked up
-# on first use (that module imports this one).
-_QUERY_CLASSES = ("DPGradientDescentOptimizer", "DPAdagradOptimizer",
-                  "DPAdamOptimizer", "DPMomentumOptimizer")
-
-
-def __getattr__(name):
-    if name in _QUERY_CLASSES:
-        from custagg.privacy import dp_optimizer  # pylint: disable=g-import-not-at-top
-        return getattr(dp_optimizer, name)
-    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+# TF Privacy's short names (`DPGradientDescentOptimizer`, `DPAdamOptimizer`,
+# ...) take a DPQuery first: they are `custagg.privacy.dp_optimizer`'s
+# classes, which build on this module. The public path `custagg.optimizers`
+# shows them too: custagg/__init__.py (above both layers) binds them there.
