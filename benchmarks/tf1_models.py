@@ -239,8 +239,12 @@ def wide_deep(dtype, rng, full=False):
                                             name="interests"),
     }
     label = tf1.placeholder(dtype, [None, 1], name="label")
-    age = fc.numeric_column("age", dtype=dtype)
-    hours = fc.numeric_column("hours_per_week", dtype=dtype)
+    # Standardized as the input pipelines of these models do (raw ages
+    # saturate the sigmoid at initialization: gradients of 1e-20).
+    age = fc.numeric_column("age", dtype=dtype,
+                            normalizer_fn=lambda v: (v - 45.0) / 15.0)
+    hours = fc.numeric_column("hours_per_week", dtype=dtype,
+                              normalizer_fn=lambda v: (v - 40.0) / 12.0)
     # Everything below is float32 whatever `dtype` is (FLOAT32_ONLY).
     education = fc.categorical_column_with_vocabulary_list("education",
                                                            _EDUCATION)
@@ -248,7 +252,7 @@ def wide_deep(dtype, rng, full=False):
         "occupation", hash_bucket_size=50 if full else 11)
     interests = fc.categorical_column_with_hash_bucket(
         "interests", hash_bucket_size=50 if full else 9)
-    age_buckets = fc.bucketized_column(age, [25, 35, 45, 55, 65])
+    age_buckets = fc.bucketized_column(age, [-1.0, -0.5, 0.0, 0.5, 1.0])
     wide_columns = [education, occupation, age_buckets, fc.crossed_column(
         ["education", "occupation"], hash_bucket_size=100 if full else 13)]
     deep_columns = [age, hours, fc.embedding_column(education, emb),

@@ -2,24 +2,29 @@
 
 Issue 24's yardstick. Each model is built once with a dynamic batch (and a
 dynamic sequence length where it has one) and run at two batch sizes: B=1
-and B=7 by default, B=32 and B=33 under `-m slow` (one at the pfor chunk
-size, one past it). Sequence models get a different T at each B, so a
-shape frozen at the first run would show. strategy "auto" must give, for
-every variable:
+and B=7 by default, B=32 and B=33 under `-m slow` (at the pfor chunk size
+and past it). Sequence models get a shorter T at the smaller B, so a shape
+frozen at the first run would show. With strategy "auto", for every
+variable:
 
-* `per_example_gradients` equal to the loop reference (one
+* `per_example_gradients` must equal the loop reference (one
   `tf.compat.v1.gradients(loss[i])` per example, `custagg.testing`);
-* `per_example_norms` equal to the reference's norms;
-* `clipped_gradients(..., return_norms=True)` equal to the clipped sum of
-  the reference (C = the median norm, so about half the examples clip);
+* `clipped_gradients(..., return_norms=True)` must give the reference's
+  norms and its clipped sum, with C the median norm (about half the
+  examples clip); `per_example_norms` the same norms (slow cases only);
 
-fetched in the same `Session.run` as the reference (the NCE sampler draws
+all fetched in one `Session.run` with the reference (the NCE sampler draws
 once per run). float64 to rtol 1e-9 where TF builds the model in float64,
-else float32 to 1e-4 (`FLOAT32_ONLY` says why). A variable whose examples
-truly interact (`Model.coupled`) must not be on "rules".
+else float32 to 1e-4 (`tf1_models.FLOAT32_ONLY` says why). A variable whose
+examples truly interact (`Model.coupled`) must not be on "rules".
 
-The plan the engine makes today is not asserted here (it is what issue 24
-changes); `python -m benchmarks --tf1-models --plans` prints it.
+Budget: the default cases must stay near 25 s on the 2-core CI machine.
+The recurrent models are O(B^2) today (their whole-pass form builds the
+pfor of a while loop's gradient, 15-20 s of graph building each), so their
+B=1,7 cases run under `-m slow` too until issue 24 puts them on rules.
+
+The plan the engine makes today is not asserted here (issue 24 changes
+it); `python -m benchmarks --tf1-models --plans` prints it.
 """
 
 import numpy as np
@@ -35,6 +40,8 @@ RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 DEFAULT_BATCHES = (1, 7)
 SLOW_BATCHES = (32, 33)
 
+# Too slow to build for the default run today (see the module docstring).
+SLOW_MODELS = {"bilstm_tagger", "ptb_lm"}
 
 # tf.compat.v1.losses computes every loss in float32
 # (`compute_weighted_loss` casts the losses to float32 and back): the
@@ -44,27 +51,38 @@ SLOW_BATCHES = (32, 33)
 # there. Per-example gradients and norms (seed 1) stay float64-exact.
 CLIP_RTOL = {"transformer": 1e-6}
 
+# Cases that fail today because of an engine bug (issue 24), by (model,
+# batches): strict, so a fix shows up as an XPASS failure to remove.
+_ROLL = ("issue 24: 'auto' puts the document tower (behind tf.roll along the "
+         "batch) on the 'recompute' copies, whose run-time check then fails: "
+         "InvalidArgumentError: assertion failed: [custagg: the per-example "
+         "recomputation of the forward pass gives other losses than the "
+         "batch does (largest gap, scale):] ... instead of taking an exact "
+         "form")
+XFAIL = {
+    ("in_batch_negatives", DEFAULT_BATCHES): _ROLL,
+    ("in_batch_negatives", SLOW_BATCHES): _ROLL,
+}
+
 
 def _dtype(name):
     return tf.float32 if name in tf1_models.FLOAT32_ONLY else tf.float64
 
 
-# Cases that fail today because of an engine bug (issue 24), by
-# (model, batches): kept strict so a fix shows up.
-XFAIL = {}
-
-
 def _cases():
     cases = []
-    for batches, marks in ((DEFAULT_BATCHES, ()),
-                           (SLOW_BATCHES, (pytest.mark.slow,))):
+    for batches in (DEFAULT_BATCHES, SLOW_BATCHES):
         for name in tf1_models.MODELS:
+            marks = []
+            if batches == SLOW_BATCHES or name in SLOW_MODELS:
+                marks.append(pytest.mark.slow)
             why = XFAIL.get((name, batches))
-            case_marks = list(marks)
             if why:
-                case_marks.append(pytest.mark.xfail(strict=True, reason=why))
+                marks.append(pytest.mark.xfail(
+                    strict=True, reason=why,
+                    raises=tf.errors.InvalidArgumentError))
             cases.append(pytest.param(
-                name, batches, marks=case_marks,
+                name, batches, marks=marks,
                 id="%s-B%s" % (name, ",".join(map(str, batches)))))
     return cases
 
@@ -80,7 +98,6 @@ def _scale(arrays):
 @pytest.mark.parametrize("name, batches", _cases())
 def test_tf1_model_matches_loop(name, batches, graph):
     dtype = _dtype(name)
-    rtol = RTOL[dtype]
     rng = np.random.default_rng(sum(map(ord, name)) + batches[-1])
     model = tf1_models.MODELS[name](dtype, rng)
     loss, xs = model.loss, model.xs
@@ -92,51 +109,56 @@ def test_tf1_model_matches_loop(name, batches, graph):
             assert form != "rules", str(plan)
 
     clip = tf.compat.v1.placeholder(loss.dtype, [])
-    rows = testing.loop_per_example(loss, xs, max(batches), rows=True)
-    got = {
+    fetches = {
+        "ref": testing.loop_per_example(loss, xs, max(batches), rows=True),
         "per_example": custagg.per_example_gradients(loss, xs),
-        "norms": custagg.per_example_norms(loss, xs),
         "clipped": custagg.clipped_gradients(loss, xs, clip,
                                              return_norms=True),
     }
+    if batches == SLOW_BATCHES:
+        fetches["norms"] = custagg.per_example_norms(loss, xs)
 
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf1_models.initializer())
         for batch in batches:
-            # Sequence models: T shorter by one at the smaller batch.
-            steps = (None if not model.dynamic_steps or batch == batches[-1]
-                     else _short_steps(name))
+            steps = (_short_steps(name) if model.dynamic_steps and
+                     batch != batches[-1] else None)
             feed = model.feed(rng, batch, steps)
-            # The clip norm: the reference's median norm on this feed.
+            run = dict(fetches, ref=fetches["ref"][:batch])
+            # Twice: the first run finds C, the median norm of the feed.
             feed[clip] = 1.0
-            ref = sess.run(rows[:batch], feed)
-            per_example = [np.stack(col) for col in zip(*ref)]
-            norms = testing.numpy_norms(per_example)
-            feed[clip] = float(np.median(norms))
-            values = sess.run({"ref": rows[:batch], "got": got}, feed)
-            _check(values, feed[clip], rtol, CLIP_RTOL.get(name, rtol),
+            values = sess.run(run, feed)
+            feed[clip] = float(np.median(testing.numpy_norms(
+                _stacked(values["ref"]))))
+            values = sess.run(run, feed)
+            _check(values, feed[clip], RTOL[dtype],
+                   CLIP_RTOL.get(name, RTOL[dtype]),
                    "%s %s B=%d T=%s" % (name, dtype.name, batch, steps))
 
 
 def _short_steps(name):
-    # One less than each model's own default T (benchmarks/tf1_models.py).
+    # One less than the model's own T (benchmarks/tf1_models.py).
     return {"transformer": 4, "bilstm_tagger": 3, "ptb_lm": 3}[name]
 
 
+def _stacked(rows):
+    return [np.stack(col) for col in zip(*rows)]
+
+
 def _check(values, clip_value, rtol, clip_rtol, label):
-    per_example = [np.stack(col) for col in zip(*values["ref"])]
-    got = values["got"]
-    # Entries zero up to rounding are judged on the scale of all the model's
-    # per-example gradients.
+    per_example = _stacked(values["ref"])
+    # Entries zero up to rounding (the attention key bias) are judged on the
+    # scale of all the model's per-example gradients.
     scale = _scale(per_example)
     for j, g in enumerate(per_example):
-        testing.assert_close(got["per_example"][j], g, rtol,
+        testing.assert_close(values["per_example"][j], g, rtol,
                              "%s per_example[%d]" % (label, j), scale)
     norms = testing.numpy_norms(per_example)
-    testing.assert_close(got["norms"], norms, rtol, label + " norms")
     sums, _ = testing.numpy_clipped(per_example, clip_value)
-    clipped, clip_norms = got["clipped"]
+    clipped, clip_norms = values["clipped"]
     testing.assert_close(clip_norms, norms, rtol, label + " clip norms")
+    if "norms" in values:
+        testing.assert_close(values["norms"], norms, rtol, label + " norms")
     sum_scale = _scale(sums)
     for j, s in enumerate(sums):
         testing.assert_close(clipped[j], s, clip_rtol,
