@@ -39,8 +39,9 @@ placeholders in the default graph and returns a `Model`:
   other examples' data (the document tower of `in_batch_negatives`);
 * `dynamic_steps`: whether the model takes any sequence length.
 
-`full=True` gives the sizes the benchmark uses (`benchmarks/tf1_models_bench`
-is `python -m benchmarks --tf1-models`); the tests use the small default.
+`full=True` gives the sizes the benchmark uses (benchmarks/tf1_bench.py,
+`python -m benchmarks --tf1-models`); the tests
+(tests/per_example/test_tf1_models.py) use the small default.
 Models that TF cannot build in float64 are listed in `FLOAT32_ONLY` with
 the reason. Run `initializer()` (variables and lookup tables) before use.
 """
