@@ -1,6 +1,6 @@
 """Other people's TF1 models, re-typed the way their authors write them.
 
-Issue 24's yardstick: six models whose style comes from public TF1 code
+Issue 24's yardstick: six models (and a control) whose style comes from public TF1 code
 (tutorials and widely copied repositories), with their own layers, input
 style and losses, on synthetic data and a dynamic batch (placeholders
 `[None, ...]`; a dynamic sequence length too where the model has one):
@@ -26,7 +26,9 @@ style and losses, on synthetic data and a dynamic batch (placeholders
   per sequence;
 * `in_batch_negatives`: a two-tower retrieval model whose negative for query
   i is document i-1 (`tf.roll(k, shift=1, axis=0)`): the examples truly
-  interact, so only an exact (O(B^2)) form is right for it.
+  interact, so only an exact (O(B^2)) form is right for it;
+* `in_batch_softmax`: the same towers with the full in-batch softmax
+  (`q @ d^T` over the batch), a control whose coupling is a MatMul.
 
 Each builder takes `(dtype, rng, full=False)`, creates its variables and
 placeholders in the default graph and returns a `Model`:
@@ -431,9 +433,45 @@ def in_batch_negatives(dtype, rng, full=False):
                                           if "doc_tower" in v.name])
 
 
+def in_batch_softmax(dtype, rng, full=False):
+    """The same towers with the full in-batch softmax: query i's logits are
+    its scores against every document of the batch (`q @ d^T`, `[B, B]`),
+    its label is i. Every document is a negative for every query: the
+    document tower's variables are coupled (a control for the `tf.roll`
+    model: the coupling is a MatMul the batch-axis table knows)."""
+    q_dim, d_dim, hidden, out = (64, 96, 128, 32) if full else (5, 6, 7, 4)
+    query = tf1.placeholder(dtype, [None, q_dim], name="query")
+    doc = tf1.placeholder(dtype, [None, d_dim], name="doc")
+
+    def build():
+        init = tf1.glorot_uniform_initializer(
+            seed=int(rng.integers(1 << 30)), dtype=dtype)
+
+        def tower(x, scope):
+            with tf1.variable_scope(scope):
+                h = tf1.layers.dense(x, hidden, activation=tf.nn.tanh,
+                                     kernel_initializer=init, name="h")
+                return tf.nn.l2_normalize(
+                    tf1.layers.dense(h, out, kernel_initializer=init,
+                                     name="out"), axis=-1)
+        return tower(query, "query_tower"), tower(doc, "doc_tower")
+    (q, d), xs = _new_variables(build)
+    logits = 5.0 * tf.matmul(q, d, transpose_b=True)             # [B, B]
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.range(tf.shape(q)[0]), logits=logits)
+
+    def feed(rng, batch, t=None):
+        del t
+        return {query: rng.normal(size=[batch, q_dim]),
+                doc: rng.normal(size=[batch, d_dim])}
+    return Model(loss, xs, feed, coupled=[v.name for v in xs
+                                          if "doc_tower" in v.name])
+
+
 MODELS = collections.OrderedDict(
     (fn.__name__, fn) for fn in [transformer, bilstm_tagger, wide_deep,
-                                 word2vec, ptb_lm, in_batch_negatives])
+                                 word2vec, ptb_lm, in_batch_negatives,
+                                 in_batch_softmax])
 
 # Models TF cannot build in float64, and why.
 FLOAT32_ONLY = {

@@ -41,7 +41,8 @@ DEFAULT_BATCHES = (1, 7)
 SLOW_BATCHES = (32, 33)
 
 # Too slow to build for the default run today (see the module docstring).
-SLOW_MODELS = {"bilstm_tagger", "ptb_lm"}
+# in_batch_softmax (a control, exact today) only for the budget.
+SLOW_MODELS = {"bilstm_tagger", "ptb_lm", "in_batch_softmax"}
 
 # tf.compat.v1.losses computes every loss in float32
 # (`compute_weighted_loss` casts the losses to float32 and back): the
@@ -125,11 +126,12 @@ def test_tf1_model_matches_loop(name, batches, graph):
                      batch != batches[-1] else None)
             feed = model.feed(rng, batch, steps)
             run = dict(fetches, ref=fetches["ref"][:batch])
-            # Twice: the first run finds C, the median norm of the feed.
+            # Twice: the first run finds C, the median norm of the feed
+            # (1 where that is 0: in_batch_softmax at B=1 has loss 0).
             feed[clip] = 1.0
             values = sess.run(run, feed)
             feed[clip] = float(np.median(testing.numpy_norms(
-                _stacked(values["ref"]))))
+                _stacked(values["ref"])))) or 1.0
             values = sess.run(run, feed)
             _check(values, feed[clip], RTOL[dtype],
                    CLIP_RTOL.get(name, RTOL[dtype]),
