@@ -563,6 +563,12 @@ class DPOptimizer(PerExampleOptimizer):
         (or its name, with or without ":0") to clip norm.
       noise_multiplier: sigma / C >= 0.
       num_microbatches: M, which must divide the batch size; None means B.
+      group_ids: None, or a `[B]` integer tensor of user ids fed with each
+        batch (any values and group sizes; not with `num_microbatches`):
+        user-level DP. Each user is one microbatch, TF Privacy's way: `g_m`
+        is the gradient of the user's mean loss, clipped once, and M is the
+        number of users U in the batch. One example per user is the M = B
+        step; equal groups of consecutive examples are `num_microbatches`.
       seed: None draws the noise with a stateful `tf.random.normal` (TF's
         graph-level seed applies). An int makes the noise a function of
         `(seed, step)` where `step` counts evaluations of the noise and is a
@@ -583,9 +589,11 @@ class DPOptimizer(PerExampleOptimizer):
 
     def __init__(self, optimizer, l2_norm_clip, noise_multiplier,
                  num_microbatches=None, seed=None, strategy="auto",
-                 name=None):
+                 name=None, group_ids=None):
         super().__init__(optimizer, strategy=strategy, name=name)
         cls_name = type(self).__name__
+        self._group_ids = check_group_ids(group_ids, num_microbatches,
+                                          cls_name)
         self._l2_norm_clip = self._check_clip(l2_norm_clip)
         self._noise_multiplier = check_positive(
             noise_multiplier, "noise_multiplier", cls_name, allow_zero=True)
@@ -626,6 +634,7 @@ class DPOptimizer(PerExampleOptimizer):
     l2_norm_clip = read_only("_l2_norm_clip")
     noise_multiplier = read_only("_noise_multiplier")
     num_microbatches = read_only("_num_microbatches")
+    group_ids = read_only("_group_ids", "The `[B]` user ids (or None).")
 
     @property
     def per_example_clipped_norms(self):
@@ -747,12 +756,51 @@ class DPOptimizer(PerExampleOptimizer):
         grads, num_units, self._norms, self._clipped_norms = \
             clipped_microbatch_sum(loss, var_list, clips,
                                    self._num_microbatches, self._strategy,
-                                   type(self).__name__)
+                                   type(self).__name__,
+                                   group_ids=self._group_ids)
         return grads, num_units
 
 
+def check_group_ids(group_ids, num_microbatches, owner):
+    """`group_ids` for a DP optimizer: None or an integer tensor (checked
+    further against the loss in `compute_gradients`)."""
+    if group_ids is None:
+        return None
+    if num_microbatches is not None:
+        raise ValueError(
+            "%s: pass num_microbatches or group_ids, not both (with "
+            "group_ids each user is one microbatch)." % owner)
+    if not isinstance(group_ids, (tf.Tensor, tf.Variable)):
+        raise TypeError(
+            "%s: group_ids must be a [B] integer tensor of user ids, e.g. "
+            "tf.compat.v1.placeholder(tf.int64, [None]) fed each step; got "
+            "%r." % (owner, group_ids))
+    if not group_ids.dtype.base_dtype.is_integer:
+        raise TypeError("%s: group_ids must be an integer tensor (user ids); "
+                        "got dtype %s." % (owner, group_ids.dtype.name))
+    return group_ids
+
+
+def user_mean_loss(loss, group_ids, owner):
+    """`(loss_b / n_u(b), U)`: each example's loss divided by its user's
+    number of examples, so a user's summed gradient is the gradient of the
+    user's mean loss (TF Privacy's microbatch record), and the number of
+    users U as a `loss.dtype` scalar.
+
+    Raises:
+      TypeError, ValueError: `group_ids` of another dtype, rank or length
+        than the loss's (run-time assertions where not static).
+    """
+    from custagg.per_example import api  # pylint: disable=g-import-not-at-top
+    segments, checks = api.group_segments(loss, group_ids, owner)
+    with tf.control_dependencies(checks):
+        sizes = segments.spread(segments.sizes(loss.dtype))
+    return (loss / tf.stop_gradient(sizes),
+            tf.cast(segments.count, loss.dtype))
+
+
 def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
-                           strategy, owner):
+                           strategy, owner, group_ids=None):
     """`sum_m clip(g_m)` per variable over M microbatches, TF Privacy's way.
 
     `g_m` is the gradient of microbatch m's mean loss; clipping is by the
@@ -766,11 +814,20 @@ def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
       num_microbatches: M (must divide B), or None for M = B.
       strategy: custagg strategy for the per-example quantities.
       owner: name used in error messages.
+      group_ids: None, or `[B]` user ids (not with `num_microbatches`): each
+        user is a microbatch of any size, `g_m` the gradient of the user's
+        mean loss and M the number of users U in the batch.
 
     Returns:
       `(grads, M as a loss.dtype scalar, norms [M], clipped_norms [M])`;
       `grads` is aligned with `var_list` (None where unconnected).
     """
+    if group_ids is not None:
+        loss, num_units = user_mean_loss(loss, group_ids, owner)
+        grads, norms = _api("clipped_gradients")(
+            loss, var_list, clips, strategy=strategy, return_norms=True,
+            group_ids=group_ids)
+        return (grads, num_units) + _norm_pair(norms, clips)
     batch_static = tf.compat.dimension_value(loss.shape[0])
     mb = num_microbatches
     if mb is not None and batch_static is not None and batch_static % mb:
@@ -801,6 +858,11 @@ def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
                  for g in grads]
         norms = ([n / group_size for n in norms] if isinstance(norms, list)
                  else norms / group_size)
+    return (grads, num_units) + _norm_pair(norms, clips)
+
+
+def _norm_pair(norms, clips):
+    """`(norms [M], clipped norms [M])` from the clipped sum's norms."""
     if isinstance(clips, list):
         # Per-layer: the norms come per variable and each variable's
         # contribution is clipped on its own.
@@ -809,7 +871,7 @@ def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
         norms = tf.sqrt(tf.add_n([tf.square(n) for n in norms]))
     else:
         clipped_norms = tf.minimum(norms, clips)
-    return grads, num_units, norms, clipped_norms
+    return norms, clipped_norms
 
 
 def _scale(g, factor):
@@ -844,10 +906,10 @@ class ClippedOptimizer(DPOptimizer):
     _name_prefix = "Clipped"
 
     def __init__(self, optimizer, l2_norm_clip, num_microbatches=None,
-                 strategy="auto", name=None):
+                 strategy="auto", name=None, group_ids=None):
         super().__init__(optimizer, l2_norm_clip, noise_multiplier=0.0,
                          num_microbatches=num_microbatches, strategy=strategy,
-                         name=name)
+                         name=name, group_ids=group_ids)
 
 
 def make_gaussian_optimizer_class(cls):
@@ -863,11 +925,11 @@ def make_gaussian_optimizer_class(cls):
 
         def __init__(self, l2_norm_clip, noise_multiplier,
                      num_microbatches=None, *args, seed=None,
-                     strategy="auto", **kwargs):
+                     strategy="auto", group_ids=None, **kwargs):
             super().__init__(cls(*args, **kwargs), l2_norm_clip,
                              noise_multiplier,
                              num_microbatches=num_microbatches, seed=seed,
-                             strategy=strategy)
+                             strategy=strategy, group_ids=group_ids)
 
     base = cls.__name__.replace("Optimizer", "")
     DPGaussianOptimizerClass.__name__ = "DP%sGaussianOptimizer" % base

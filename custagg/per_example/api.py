@@ -52,6 +52,7 @@ from custagg.per_example import planning
 from custagg.per_example.planning import Plan  # noqa: F401  (public name)
 from custagg.per_example.planning import warn_slow
 from custagg.rules import registry as registry_lib
+from custagg.rules import segments as segments_lib
 
 STRATEGIES = ("auto", "rules", "pfor", "loop")
 
@@ -182,7 +183,7 @@ def per_example_gradients(per_example_loss, xs, strategy="auto",
 
 def per_example_norms(per_example_loss, xs, strategy="auto", registry=None,
                       pfor_chunk_size=32, name="per_example_norms",
-                      num_microbatches=None):
+                      num_microbatches=None, group_ids=None):
     """`[B]` global L2 norms of the per-example gradients over all `xs`.
 
     With rules, computed without materializing per-example gradients
@@ -195,19 +196,34 @@ def per_example_norms(per_example_loss, xs, strategy="auto", registry=None,
     and its gradient that of its summed loss, `sum_{b in m} g_b`, again
     without materializing where the rules allow (see `Rule.
     group_squared_norms`).
+
+    With `group_ids` (a `[B]` integer tensor, e.g. fed user ids of any
+    values; not with `num_microbatches`): `[U]` norms of each user's summed
+    gradient `sum_{b: group_ids[b] = u} g_b`, users in order of first
+    appearance in the batch (`tf.unique`'s order); any group sizes, U known
+    at run time (see `Rule.segment_squared_norms`).
     """
     fn = "custagg.per_example_norms"
     with tf.name_scope(name):
         plan, engine = _engine(per_example_loss, xs, strategy, registry,
                                pfor_chunk_size, fn)
-        groups, check = _groups(plan.loss, num_microbatches, fn)
+        groups, check = _groups(plan.loss, num_microbatches, fn, group_ids)
         with tf.control_dependencies(check):
             return tf.sqrt(_total_squared_norms(plan, engine,
                                                 plan.assignments, groups))
 
 
-def _groups(loss, num_microbatches, fn):
-    """(M or None when M = B is static, [assert that M divides B])."""
+def _groups(loss, num_microbatches, fn, group_ids=None):
+    """(M or None when M = B is static, or a `Segments` for `group_ids`;
+    [run-time assertions on them])."""
+    if group_ids is not None:
+        if num_microbatches is not None:
+            raise ValueError(
+                "%s: pass num_microbatches or group_ids, not both; "
+                "group_ids=[0, 0, 1, 1, ...] (each example's microbatch) "
+                "groups like num_microbatches and allows unequal groups."
+                % fn)
+        return group_segments(loss, group_ids, fn)
     if num_microbatches is None:
         return None, []
     m = num_microbatches
@@ -226,10 +242,69 @@ def _groups(loss, num_microbatches, fn):
         message="%s: num_microbatches=%d must divide the batch size" % (fn, m))]
 
 
+def group_segments(per_example_loss, group_ids, fn="custagg.group_segments"):
+    """Checks fed group ids against the loss and groups the examples.
+
+    Args:
+      per_example_loss: `[B]` tensor.
+      group_ids: `[B]` integer tensor (any values: user ids).
+      fn: the caller's name, for error messages.
+
+    Returns:
+      `(segments.Segments, [run-time assertions])`: each example's user in
+      `0 .. U-1` (order of first appearance) and U; the assertions check
+      rank and length where they are not static.
+
+    Raises:
+      TypeError: an eager tensor outside a function, or a non-integer dtype.
+      ValueError: a static rank other than 1, a static length other than
+        the loss's, or another graph.
+    """
+    loss = per_example_loss
+    errors.check_graph_tensor(group_ids, "group_ids", fn)
+    ids = tf.convert_to_tensor(group_ids)
+    if not ids.dtype.is_integer:
+        raise TypeError(
+            "%s: group_ids must be an integer tensor of shape [B] (one user "
+            "id per example, e.g. a tf.int64 placeholder); got dtype %s. "
+            "Map other keys to integers first (e.g. a lookup table)."
+            % (fn, ids.dtype.name))
+    if ids.graph is not loss.graph:
+        raise ValueError("%s: group_ids is from another graph than "
+                         "per_example_loss." % fn)
+    checks = []
+    if ids.shape.rank is not None and ids.shape.rank != 1:
+        raise ValueError(
+            "%s: group_ids must have shape [B], one id per example of "
+            "per_example_loss %s; got shape %s." % (fn, loss.shape,
+                                                    ids.shape))
+    if ids.shape.rank is None:
+        checks.append(tf.debugging.assert_rank(
+            ids, 1, message="%s: group_ids must have shape [B]" % fn))
+        ids = tf.reshape(ids, [-1])
+    n, b = (tf.compat.dimension_value(ids.shape[0]),
+            tf.compat.dimension_value(loss.shape[0]))
+    if n is not None and b is not None:
+        if n != b:
+            raise ValueError(
+                "%s: group_ids has %d entries but per_example_loss has %d "
+                "examples; give one id per example." % (fn, n, b))
+    else:
+        checks.append(tf.debugging.assert_equal(
+            tf.shape(ids)[0], tf.shape(loss)[0],
+            message="%s: group_ids must hold one id per example of "
+                    "per_example_loss (the same length B)" % fn))
+    with tf.control_dependencies(checks):
+        ids = tf.identity(ids)
+    return segments_lib.Segments.from_ids(ids), checks
+
+
 def _group_weights(factors, loss, groups):
-    """`[M]` microbatch factors -> `[B]` (each example its group's)."""
+    """`[M]` (`[U]`) group factors -> `[B]` (each example its group's)."""
     if groups is None:
         return factors
+    if isinstance(groups, segments_lib.Segments):
+        return groups.spread(factors)
     k = tf.shape(loss)[0] // groups
     return tf.reshape(tf.tile(factors[:, None], tf.stack([1, k])), [-1])
 
@@ -237,8 +312,8 @@ def _group_weights(factors, loss, groups):
 def _total_squared_norms(plan, engine, group, groups=None):
     parts = [engine.squared_norms(a, groups) for a in group if a.strategy]
     if not parts:
-        return tf.zeros([groups] if groups else tf.shape(plan.loss),
-                        plan.loss.dtype)
+        return tf.zeros([engine_lib.group_count(groups)] if groups
+                        is not None else tf.shape(plan.loss), plan.loss.dtype)
     return tf.add_n(parts)
 
 
@@ -257,7 +332,8 @@ def _clip_factors(sq_norms, clip, dtype):
 
 def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
                       return_norms=False, registry=None, pfor_chunk_size=32,
-                      name="clipped_gradients", num_microbatches=None):
+                      name="clipped_gradients", num_microbatches=None,
+                      group_ids=None):
     """`sum_b min(1, C / ||g_b||) g_b`: the per-example clipped sum (DP-SGD).
 
     The clip factors are constants (never differentiated through). For xs
@@ -282,6 +358,15 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
         then `[M]`. The same one-pass sum with each example weighted by its
         microbatch's factor: a DP step with M < B costs about what M = B
         costs.
+      group_ids: None, or a `[B]` integer tensor (fed user ids: any values,
+        any order, groups of any size; the number of users U may vary from
+        batch to batch) for user-level DP: `sum_u min(1, C / ||G_u||) G_u`
+        with `G_u = sum_{b: group_ids[b] = u} g_b` the user's summed
+        gradient, each user clipped once. The norms are then `[U]`, users
+        in order of first appearance in the batch. Computed like
+        microbatches (group norms from the rules' identities, one weighted
+        pass); not together with `num_microbatches`. A wrong rank, dtype
+        or length raises (run-time assertions where shapes are dynamic).
 
     Returns:
       List aligned with xs (`Tensor`, `IndexedSlices` for embedding tables,
@@ -294,7 +379,7 @@ def clipped_gradients(per_example_loss, xs, l2_norm_clip, strategy="auto",
         plan, engine = _engine(per_example_loss, xs, strategy, registry,
                                pfor_chunk_size, fn)
         live = [a for a in plan.assignments if a.strategy]
-        groups, check = _groups(plan.loss, num_microbatches, fn)
+        groups, check = _groups(plan.loss, num_microbatches, fn, group_ids)
         with tf.control_dependencies(check):
             grads, norms = _clipped(plan, engine, live, l2_norm_clip, per_x,
                                     groups, fn)
@@ -317,7 +402,8 @@ def _clipped(plan, engine, live, l2_norm_clip, per_x, groups, fn):
         sums, norms = {}, []
         for a, clip in zip(plan.assignments, l2_norm_clip):
             if not a.strategy:
-                norms.append(tf.zeros([groups] if groups else
+                norms.append(tf.zeros([engine_lib.group_count(groups)]
+                                      if groups is not None else
                                       tf.shape(plan.loss), dtype))
                 continue
             sq = engine.squared_norms(a, groups)

@@ -33,6 +33,7 @@ from custagg.per_example.forms import loop_rules
 from custagg.per_example.forms import rules as rules_form
 from custagg.rules import registry as registry_lib
 from custagg.rules import outer as outer_lib
+from custagg.rules import segments as segments_lib
 
 _LOG = logging.getLogger("custagg")
 
@@ -263,7 +264,8 @@ class Engine(object):
 
     def squared_norms(self, a, groups=None):
         """[B] squared norms of x's per-example gradients (loss dtype), or
-        with `groups` (M) the [M] squared norms of the microbatch sums:
+        with `groups` (M, or a `segments.Segments` of U users) the [M] ([U])
+        squared norms of the group sums:
         each rule's own identity for one consumer, the terms' inner
         products for several, else from the materialized gradients."""
         dtype = self.loss.dtype
@@ -271,14 +273,18 @@ class Engine(object):
             pairs = self.shared.contexts(a)
             if len(pairs) == 1:      # one consumer: the rule's own identity
                 rule, ctx = pairs[0]
-                sq = (rule.squared_norms(ctx) if groups is None
-                      else rule.group_squared_norms(ctx, groups))
+                if groups is None:
+                    sq = rule.squared_norms(ctx)
+                elif isinstance(groups, segments_lib.Segments):
+                    sq = rule.segment_squared_norms(ctx, groups)
+                else:
+                    sq = rule.group_squared_norms(ctx, groups)
                 sq = tf.cast(sq, dtype)
                 return sq if groups is not None else \
                     self._checked(sq, a, "norms")
             if not pairs:
                 return tf.zeros(tf.shape(self.loss) if groups is None
-                                else [groups], dtype)
+                                else [group_count(groups)], dtype)
         if a.strategy == "rules":
             # A shared weight, or weight decay next to a layer: cross terms.
             cross = norm_algebra.squared_norms_of_terms(
@@ -367,6 +373,13 @@ def first_line(e):
         if "Error" in line or "error" in line:
             return line[:300]
     return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def group_count(groups):
+    """M (an int) or U (a scalar tensor) for a grouping."""
+    if isinstance(groups, segments_lib.Segments):
+        return groups.count
+    return groups
 
 
 def no_strategy(group, errors):

@@ -25,7 +25,10 @@ Migrating from TensorFlow Privacy is a change of import:
 * `compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta)`:
   `(epsilon, order)` with TF Privacy's meaning, from dp-accounting, and
   `compute_dp_sgd_privacy_statement(...)`, TF Privacy's statement (shuffled
-  and Poisson ε, microbatching's doubled sensitivity, user-level ε).
+  and Poisson ε, microbatching's doubled sensitivity, user-level ε; with
+  `number_of_users` and `users_per_batch` the ε of user-level clipping).
+* User-level DP: the optimizers take `group_ids=` (a `[B]` tensor of user
+  ids; each user's examples clipped together), docs/privacy.md section 6.
 """
 
 from custagg.privacy import accounting

@@ -90,7 +90,8 @@ def leaf_sample_state(query, params, clipped_sum, norms):
     return clipped_sum
 
 
-def clipped_mean_sum(loss, xs, clips, num_microbatches, owner):
+def clipped_mean_sum(loss, xs, clips, num_microbatches, owner,
+                     group_ids=None):
     """`sum_m clip(g_m)` with `g_m` the gradient of microbatch m's mean loss.
 
     Args:
@@ -98,12 +99,20 @@ def clipped_mean_sum(loss, xs, clips, num_microbatches, owner):
       xs: variables.
       clips: one clip norm (global norm over xs), or a list aligned with xs.
       num_microbatches: M (a Python int dividing B) or None (M = B).
+      group_ids: None, or `[B]` user ids: each user a microbatch (of any
+        size), M the number of users U.
 
     Returns:
       `(sums aligned with xs (None where unconnected), norms ([M], or a list
       of [M] per x with per-x clips), M as a loss.dtype scalar)`.
     """
     import custagg  # pylint: disable=g-import-not-at-top
+    if group_ids is not None:
+        from custagg import optimizers  # pylint: disable=g-import-not-at-top
+        loss, m = optimizers.user_mean_loss(loss, group_ids, owner)
+        sums, norms = custagg.clipped_gradients(
+            loss, xs, clips, return_norms=True, group_ids=group_ids)
+        return sums, norms, m
     static_b = tf.compat.dimension_value(loss.shape[0])
     mb = num_microbatches
     if mb is not None and static_b is not None and static_b % mb:
@@ -136,7 +145,7 @@ def _scale(g, factor):
 
 
 def fast_gradients(query, global_state, loss, var_list, num_microbatches,
-                   owner):
+                   owner, group_ids=None):
     """`(averaged noised gradients aligned with var_list, new global state,
     [M] norms of the first leaf)` on the fast path.
 
@@ -160,7 +169,7 @@ def fast_gradients(query, global_state, loss, var_list, num_microbatches,
         # One variable per leaf (per-layer clipping): one pass, per-x clips.
         order = [leaf_idx.index(j) for j in range(n)]
         s, nm, m = clipped_mean_sum(loss, var_list, [clips[i] for i in order],
-                                    num_microbatches, owner)
+                                    num_microbatches, owner, group_ids)
         for j, i in enumerate(order):
             sums[j] = s[j]
         norms = [nm[order.index(i)] for i in range(len(leaves))]
@@ -169,7 +178,8 @@ def fast_gradients(query, global_state, loss, var_list, num_microbatches,
         for idx, clip in zip(leaf_idx, clips):
             flat = tf.nest.flatten(idx)
             s, nm, m = clipped_mean_sum(loss, [var_list[j] for j in flat],
-                                        clip, num_microbatches, owner)
+                                        clip, num_microbatches, owner,
+                                        group_ids)
             for j, g in zip(flat, s):
                 sums[j] = g
             norms.append(nm)

@@ -14,7 +14,10 @@ double the sensitivity for microbatches of more than one example (TF
 Privacy deprecated it for that). `compute_dp_sgd_privacy_statement` (TF
 Privacy's replacement, same arguments and figures) states both the
 shuffled-batches and the Poisson ε, doubles the sensitivity when
-`used_microbatching`, and gives user-level ε with `max_examples_per_user`.
+`used_microbatching`, and gives user-level ε with `max_examples_per_user`
+(group privacy), and, with `number_of_users` and `users_per_batch`
+(custagg's addition), the user-level ε of training with user-level
+clipping (`group_ids`; `user_clipping_epsilon`).
 
 dp-accounting is imported when first needed, so `import custagg` does not
 pay for it (and stays importable where it is missing).
@@ -26,7 +29,8 @@ import math
 import numbers
 
 __all__ = ["compute_dp_sgd_privacy", "compute_dp_sgd_privacy_statement",
-           "AccountantType", "dp_sgd_epsilons", "RDP_ORDERS", "dp_sgd_steps"]
+           "AccountantType", "dp_sgd_epsilons", "RDP_ORDERS", "dp_sgd_steps",
+           "user_clipping_epsilon"]
 
 # TF Privacy 0.9.0's orders for compute_dp_sgd_privacy, so the optimal order
 # (and epsilon) match its result.
@@ -247,11 +251,59 @@ def user_epsilon(num_epochs, noise_multiplier, user_delta,
     return k * eps_at(low)
 
 
+def user_clipping_epsilon(num_epochs, noise_multiplier, delta,
+                          user_sampling_probability=None,
+                          accountant_type=AccountantType.RDP):
+    """Add-or-remove-one-user ε of DP-SGD with user-level clipping.
+
+    With `group_ids` each user's examples form one clipped contribution
+    (norm at most C), so adding or removing a user moves the noised sum by
+    at most C: each step is a Gaussian mechanism with `noise_multiplier`
+    over users (no halving, unlike example-level adjacency with
+    microbatches, where a microbatch stays when one example leaves it),
+    whatever the number of examples per user. Without sampling each user is
+    in one step per epoch (`ceil(num_epochs)` steps); with Poisson sampling
+    of users at rate q, `ceil(num_epochs / q)` subsampled steps.
+    """
+    return example_epsilon(num_epochs, noise_multiplier, delta,
+                           used_microbatching=False,
+                           poisson_subsampling_probability=(
+                               user_sampling_probability),
+                           accountant_type=accountant_type)
+
+
+def _check_users(number_of_users, users_per_batch):
+    fn = "custagg.privacy.compute_dp_sgd_privacy_statement"
+    if number_of_users is None and users_per_batch is None:
+        return None
+    if number_of_users is None or users_per_batch is None:
+        raise ValueError(
+            "%s: user-level clipping (group_ids) needs both number_of_users "
+            "(users in the training set) and users_per_batch (users in each "
+            "step, or the expected number under Poisson sampling); got "
+            "number_of_users=%r, users_per_batch=%r." % (
+                fn, number_of_users, users_per_batch))
+    if isinstance(number_of_users, bool) or not isinstance(
+            number_of_users, numbers.Integral) or number_of_users < 1:
+        raise ValueError("%s: number_of_users must be a positive int; got %r."
+                         % (fn, number_of_users))
+    if isinstance(users_per_batch, bool) or not isinstance(
+            users_per_batch, numbers.Real) or not (
+                0 < users_per_batch <= number_of_users):
+        raise ValueError(
+            "%s: users_per_batch must be a number in (0, number_of_users=%d] "
+            "(users per step, or their expected number); got %r."
+            % (fn, number_of_users, users_per_batch))
+    return users_per_batch / number_of_users
+
+
 def compute_dp_sgd_privacy_statement(number_of_examples, batch_size,
                                      num_epochs, noise_multiplier, delta,
                                      used_microbatching=True,
                                      max_examples_per_user=None,
-                                     accountant_type=AccountantType.RDP):
+                                     accountant_type=AccountantType.RDP,
+                                     number_of_users=None,
+                                     users_per_batch=None):
     """A statement of DP-SGD's guarantee, TF Privacy's arguments and figures.
 
     Gives the example-level ε (add-or-remove-one adjacency, every checkpoint
@@ -272,6 +324,16 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size,
       max_examples_per_user: a cap on any user's examples, for user-level ε.
       accountant_type: `AccountantType.RDP` (default) or `.PLD` (also TF
         Privacy's enum, or "RDP" / "PLD"); user-level ε needs RDP.
+      number_of_users, users_per_batch: custagg's addition, for training
+        with user-level clipping (`group_ids`: each user's examples clipped
+        together): the number of users in the training set and the users
+        in each step (the expected number under Poisson sampling of
+        users). The statement then adds the add-or-remove-one-user ε of
+        that training (each user once per epoch, and Poisson sampling of
+        users at `users_per_batch / number_of_users`), which needs no bound
+        on examples per user (`user_clipping_epsilon`). `num_epochs`
+        counts passes over the users. Without them the statement is TF
+        Privacy's, word for word.
 
     Returns:
       The statement (str, several paragraphs).
@@ -283,7 +345,8 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size,
     acc = _accountant_type(accountant_type)
     figures = dp_sgd_epsilons(number_of_examples, batch_size, num_epochs,
                               noise_multiplier, delta, used_microbatching,
-                              max_examples_per_user, acc)
+                              max_examples_per_user, acc, number_of_users,
+                              users_per_batch)
 
     def fill(text):
         return textwrap.fill(text, width=80)
@@ -325,6 +388,25 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size,
             "\n    Epsilon assuming Poisson sampling (*):               %s"
             % (fmt(figures["user_epsilon"]),
                fmt(figures["user_epsilon_poisson"])))
+    if number_of_users is not None:
+        parts.append(
+            fill("User-level DP with user-level clipping (all examples of a "
+                 "user clipped together, group_ids) over %s users with %s "
+                 "users per iteration, add-or-remove-one-user adjacency at "
+                 "delta = %s computed with %s accounting (no bound on "
+                 "examples per user needed):"
+                 % (number_of_users, users_per_batch, delta, acc.value)) +
+            "\n    Epsilon with each user occurring once per epoch:     %s"
+            "\n    Epsilon assuming Poisson sampling of users (*):      %s"
+            % (fmt(figures["user_clipping_epsilon"]),
+               fmt(figures["user_clipping_epsilon_poisson"])))
+        parts.append(fill(
+            "This user-level guarantee assumes that in every step all of a "
+            "user's examples in the batch carry that user's one id (so they "
+            "form one clipped contribution), and that users, not examples, "
+            "are sampled: each user in one step per epoch for the first "
+            "figure, each user independently with probability %.6g per step "
+            "for the second." % (users_per_batch / number_of_users)))
     parts.append(fill(
         "(*) Poisson sampling is not usually done in training pipelines, but "
         "assuming that the data was randomly shuffled, it is believed that "
@@ -344,11 +426,16 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size,
 def dp_sgd_epsilons(number_of_examples, batch_size, num_epochs,
                     noise_multiplier, delta, used_microbatching=True,
                     max_examples_per_user=None,
-                    accountant_type=AccountantType.RDP):
+                    accountant_type=AccountantType.RDP, number_of_users=None,
+                    users_per_batch=None):
     """The statement's figures as a dict: `example_epsilon` (each example
-    once per epoch), `example_epsilon_poisson`, and with
-    `max_examples_per_user` and RDP `user_epsilon`, `user_epsilon_poisson`.
+    once per epoch), `example_epsilon_poisson`, with
+    `max_examples_per_user` and RDP `user_epsilon`, `user_epsilon_poisson`
+    (group privacy), and with `number_of_users` and `users_per_batch`
+    `user_clipping_epsilon`, `user_clipping_epsilon_poisson` (user-level
+    clipping).
     """
+    user_q = _check_users(number_of_users, users_per_batch)
     _check(number_of_examples, batch_size, noise_multiplier,
            max(num_epochs, 1e-300), delta)
     acc = _accountant_type(accountant_type)
@@ -366,4 +453,9 @@ def dp_sgd_epsilons(number_of_examples, batch_size, num_epochs,
         out["user_epsilon_poisson"] = user_epsilon(
             num_epochs, noise_multiplier, delta, max_examples_per_user,
             used_microbatching, q, acc)
+    if user_q is not None:
+        out["user_clipping_epsilon"] = user_clipping_epsilon(
+            num_epochs, noise_multiplier, delta, None, acc)
+        out["user_clipping_epsilon_poisson"] = user_clipping_epsilon(
+            num_epochs, noise_multiplier, delta, user_q, acc)
     return out

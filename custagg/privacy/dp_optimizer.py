@@ -98,11 +98,16 @@ def make_optimizer_class(cls):
 
         def __init__(self, dp_sum_query, num_microbatches=None,
                      unroll_microbatches=False,
-                     while_loop_parallel_iterations=10, *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
+                     while_loop_parallel_iterations=10, *args,
+                     group_ids=None, **kwargs):  # pylint: disable=keyword-arg-before-vararg
             super().__init__(*args, **kwargs)
             self._dp_sum_query = dp_sum_query
             self._num_microbatches = _check_microbatches(num_microbatches,
                                                          type(self).__name__)
+            # User-level DP (custagg's addition; keyword only): each user
+            # one microbatch, see custagg.optimizers.DPOptimizer.
+            self._group_ids = _opt.check_group_ids(
+                group_ids, num_microbatches, type(self).__name__)
             self._unroll_microbatches = bool(unroll_microbatches)
             self._while_loop_parallel_iterations = int(
                 while_loop_parallel_iterations)
@@ -139,6 +144,12 @@ def make_optimizer_class(cls):
             name = type(self).__name__ + ".compute_gradients"
             self._was_compute_gradients_called = True
             if tf.executing_eagerly():
+                if self._group_ids is not None:
+                    raise ValueError(
+                        "%s: group_ids (user-level DP) is for graph mode, "
+                        "with the ids fed each step; eagerly, group the "
+                        "examples of each user into one microbatch "
+                        "yourself." % name)
                 return self._eager_gradients(loss, var_list, grad_loss,
                                              gradient_tape, name)
             if gradient_tape is not None or (
@@ -217,7 +228,8 @@ def make_optimizer_class(cls):
                 self._global_state_read = self._global_state
                 grads, new_state, self._dp_norms = _fast.fast_gradients(
                     self._dp_sum_query, self._global_state, loss, var_list,
-                    self._num_microbatches, type(self).__name__)
+                    self._num_microbatches, type(self).__name__,
+                    group_ids=self._group_ids)
                 return self._save_state(new_state, grads)
             return self._query_gradients(loss, var_list)
 
@@ -311,7 +323,7 @@ def make_optimizer_class(cls):
             dtype = loss.dtype
             sums, num_units, self._dp_norms, _ = _opt.clipped_microbatch_sum(
                 loss, var_list, tf.cast(clip, dtype), self._num_microbatches,
-                "auto", type(self).__name__)
+                "auto", type(self).__name__, group_ids=self._group_ids)
             stddev = tf.cast(stddev, dtype)
             out = []
             for g in sums:
@@ -329,7 +341,8 @@ def make_optimizer_class(cls):
             each, then the query's noised result."""
             query = self._dp_sum_query
             per_unit, num_units = _microbatch_gradients(
-                loss, var_list, self._num_microbatches)
+                loss, var_list, self._num_microbatches, self._group_ids,
+                type(self).__name__)
             present = [i for i, g in enumerate(per_unit) if g is not None]
             records = [per_unit[i] for i in present]
             params = query.derive_sample_params(self._global_state)
@@ -454,10 +467,20 @@ def _var_list(var_list, fn):
     return unique
 
 
-def _microbatch_gradients(loss, var_list, num_microbatches):
+def _microbatch_gradients(loss, var_list, num_microbatches, group_ids=None,
+                          owner=""):
     """Gradients of each microbatch's mean loss, `[M, *v.shape]` (or None),
-    and M as an int32 scalar tensor."""
+    and M as an int32 scalar tensor; with `group_ids` each user's, `[U,
+    ...]` (users in order of first appearance)."""
     import custagg  # pylint: disable=g-import-not-at-top
+    if group_ids is not None:
+        from custagg.per_example import api  # pylint: disable=g-import-not-at-top
+        segments, checks = api.group_segments(loss, group_ids, owner)
+        with tf.control_dependencies(checks):
+            loss, _ = _opt.user_mean_loss(loss, group_ids, owner)
+        per_example = custagg.per_example_gradients(loss, var_list)
+        return [None if g is None else segments.sum(tf.convert_to_tensor(g))
+                for g in per_example], segments.count
     per_example = custagg.per_example_gradients(loss, var_list)
     batch = tf.shape(loss)[0]
     m = batch if num_microbatches is None else tf.constant(num_microbatches)

@@ -110,6 +110,12 @@ class BilinearRule(registry.Rule):
             return outer.grouped(num_groups).squared_norms()
         return super(BilinearRule, self).group_squared_norms(ctx, num_groups)
 
+    def segment_squared_norms(self, ctx, segments):
+        outer = self._outer(ctx)
+        if outer is not None:
+            return outer.grouped(segments).squared_norms()
+        return super(BilinearRule, self).segment_squared_norms(ctx, segments)
+
     def weighted_sum(self, ctx, weights):
         outer = self._outer(ctx)
         if outer is not None:

@@ -263,6 +263,19 @@ class GatherRule(registry.Rule):
             tf.reshape(ctx.op.inputs[1], [num_groups, -1]),
             tf.reshape(values, [num_groups, -1, values.shape[-1]]))
 
+    def segment_squared_norms(self, ctx, segments):
+        # Rows keyed by (user, id): repeats of an id across one user's
+        # examples merge like repeats within one example; never dense.
+        rows = _Rows(ctx)
+        example = rows.keys // rows.vocab                           # [B*T]
+        user = tf.gather(tf.cast(segments.ids, tf.int64), example)
+        unique, idx = tf.unique(user * rows.vocab + rows.ids, out_idx=tf.int64)
+        merged = tf.math.unsorted_segment_sum(
+            rows.values, idx, tf.size(unique, out_type=tf.int64))
+        return tf.math.unsorted_segment_sum(
+            tf.reduce_sum(tf.square(merged), axis=1), unique // rows.vocab,
+            tf.cast(segments.count, tf.int64))
+
     def weighted_sum(self, ctx, weights):
         rows = _Rows(ctx)
         pooled = _broadcast_row(ctx.grad)

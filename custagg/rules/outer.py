@@ -16,12 +16,18 @@ follows from `a` `[B, T, D]` and `g = dz` `[B, T, K]` without materializing
   `T' = (B/M) T` (`grouped`), so its norm is the block-diagonal Gram form
   `sum_{(b,t),(c,s) in m} (a_bt . a_cs)(g_bt . g_cs)` or the materialized
   `[M, D, K]`, whichever costs less (chosen at run time when B is dynamic).
+* Users (groups by fed ids, `segments.Segments`, any sizes): the group
+  gradient `G_u = sum_{b in u, t} a_bt (x) g_bt` (`SegmentedOuter`); its
+  norm is the masked Gram form `sum_{r,s} [u_r = u_s] (a_r . a_s)(g_r . g_s)`
+  over the `R = B T` rows, or the `[B, D, K]` per-example gradients summed
+  per user, whichever holds fewer numbers (`R^2` against `B D K`).
 """
 
 import numpy as np
 import tensorflow as tf
 
 from custagg.rules import _reduce
+from custagg.rules import segments as segments_lib
 
 
 def _static(dim):
@@ -49,7 +55,11 @@ class Outer(object):
 
     def grouped(self, num_groups):
         """The Outer of the M group gradients `sum_{b in m} G_b` (M =
-        `num_groups` groups of B/M consecutive examples; M must divide B)."""
+        `num_groups` groups of B/M consecutive examples; M must divide B).
+        With `num_groups` a `segments.Segments` (groups by fed ids), a
+        `SegmentedOuter`."""
+        if isinstance(num_groups, segments_lib.Segments):
+            return SegmentedOuter(self, num_groups)
         if num_groups == _static(self.a.shape[0]):
             return self
         d, k = _static(self.a.shape[2]), _static(self.g.shape[2])
@@ -161,6 +171,84 @@ class Outer(object):
                                            transpose_a=True))
         full = tf.einsum("btd,btk->bdk", self.a, self.g)
         return self.to_param(tf.reduce_sum(tf.square(full), axis=0))
+
+
+class SegmentedOuter(object):
+    """The group gradients `G_u = sum_{b in u} G_b` of an `Outer`, the groups
+    given by fed ids (`segments.Segments`: any sizes, U known at run time).
+
+    Offers what `norm_algebra` asks of a grouped Outer (`squared_norms`,
+    `inner`, `inner_dense`, `key`), each `[U]`.
+    """
+
+    def __init__(self, outer, segments):
+        self.base = outer
+        self.segments = segments
+        self.a, self.g = outer.a, outer.g
+        self.to_param = outer.to_param
+
+    @property
+    def key(self):
+        return self.base.key
+
+    def _rows(self):
+        """(`[R, D]` activations, `[R, K]` output gradients, `[R]` segment
+        of each row), `R = B T` (row b*T + t is position t of example b)."""
+        a, g = self.a, self.g
+        t = tf.shape(a)[1]
+        seg = tf.reshape(tf.tile(self.segments.ids[:, None], tf.stack([1, t])),
+                         [-1])
+        return (tf.reshape(a, [-1, tf.shape(a)[2]]),
+                tf.reshape(g, [-1, tf.shape(g)[2]]), seg)
+
+    def _masked_gram(self, other):
+        """`[U]`: `sum_{r in u, s in u} (a_r . a'_s)(g_r . g'_s)`."""
+        a, g, seg = self._rows()
+        a2, g2, seg2 = other._rows()  # pylint: disable=protected-access
+        gram = (tf.matmul(a, a2, transpose_b=True) *
+                tf.matmul(g, tf.cast(g2, g.dtype), transpose_b=True) *
+                self.segments.same(seg, seg2, a.dtype))           # [R, R']
+        return tf.math.unsorted_segment_sum(tf.reduce_sum(gram, axis=1), seg,
+                                            self.segments.count)
+
+    def _full_norms(self):
+        """`[U]` from the `[B, D, K]` per-example gradients summed per user
+        (cheaper than the `[R, R]` Gram for long rows of small layers)."""
+        full = self.segments.sum(tf.matmul(self.a, self.g, transpose_a=True))
+        return _reduce.per_example_squared_norms(full)
+
+    def squared_norms(self):
+        # Numbers held: the Gram's R^2 = B^2 T^2 against B D K, i.e. the
+        # Gram when B T^2 < D K; decided in the graph when all four are
+        # static, else at run time (only the chosen branch runs).
+        b, t = _static(self.a.shape[0]), _static(self.a.shape[1])
+        d, k = _static(self.a.shape[2]), _static(self.g.shape[2])
+        if None not in (b, t, d, k):
+            return (self._masked_gram(self) if b * t * t < d * k
+                    else self._full_norms())
+        shape_a, shape_g = tf.shape(self.a), tf.shape(self.g)
+        gram_wins = (tf.cast(shape_a[0] * shape_a[1], tf.int64) *
+                     tf.cast(shape_a[1], tf.int64) <
+                     tf.cast(shape_a[2], tf.int64) *
+                     tf.cast(shape_g[2], tf.int64))
+        return tf.cond(gram_wins, lambda: self._masked_gram(self),
+                       self._full_norms)
+
+    def inner(self, other):
+        """`[U]` `<G_u, G'_u>` with a `SegmentedOuter` of the same key and
+        segments (a shared weight's cross term)."""
+        return self._masked_gram(other)
+
+    def inner_dense(self, m, batched):
+        """`[U]` `<G_u, M_u>` (`batched`: m is `[U, *p]`) or `<G_u, M>`: the
+        per-example products summed per user (a batched m is spread to the
+        examples first: `[B, *p]`, the size of the dense term it came
+        from)."""
+        if batched:
+            m = self.segments.spread(m)
+        return tf.math.unsorted_segment_sum(
+            self.base.inner_dense(m, batched), self.segments.ids,
+            self.segments.count)
 
 
 def layout(d_dims, k_dims, perm):

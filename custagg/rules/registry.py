@@ -20,6 +20,8 @@ A `Rule` computes, from the op's inputs and `dz` alone (one backward pass),
     squared_sum(ctx)        -> p.shape            sum_i g_i ** 2  (elementwise)
     group_squared_norms(ctx, M) -> [M]            ||sum_{i in m} g_i||^2, microbatch m
                                                   = examples m*B/M ... (m+1)*B/M - 1
+    segment_squared_norms(ctx, S) -> [U]          ||sum_{i in u} g_i||^2, user u of fed ids
+                                                  (`segments.Segments`: S.ids [B], U = S.count)
     outer(ctx)              -> outer.Outer/None  g_i as sum_t a_it (x) g_it (cross terms)
     output_batch_axis(ctx)  -> int                axis of op.outputs[0] that is the batch
     coupling_start(ctx)     -> (tensor, axis)     where the batch-coupling check starts
@@ -44,6 +46,8 @@ import collections
 import sys
 
 import tensorflow as tf
+
+from custagg.rules import segments as segments_lib
 
 
 class RuleContext(collections.namedtuple(
@@ -131,6 +135,16 @@ class Rule(object):
         return tf.reduce_sum(tf.reshape(tf.square(g), [num_groups, -1]),
                              axis=1)
 
+    def segment_squared_norms(self, ctx, segments):
+        """`[U]` squared norms of the group gradients `sum_{i in u} g_i`,
+        the groups given by fed ids (`segments.Segments`, any group sizes,
+        U known at run time). Default: the per-example gradients summed per
+        group; rules with an identity for the group sum override it. A rule
+        overriding only `group_squared_norms` keeps this exact default."""
+        g = segments.sum(self.cached_per_example(ctx))
+        return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
+                             axis=1)
+
     def outer(self, ctx):
         """The per-example gradients as an `outer.Outer` (sums of outer
         products, never materialized), or None. Lets a variable used by
@@ -141,7 +155,11 @@ class Rule(object):
 
 def group_sum(t, num_groups):
     """`[B, ...]` -> `[M, ...]`: row m sums rows m*B/M ... (m+1)*B/M - 1
-    (TF Privacy's `tf.reshape(loss, [M, -1])` grouping). M must divide B."""
+    (TF Privacy's `tf.reshape(loss, [M, -1])` grouping). M must divide B.
+    With `num_groups` a `segments.Segments` (fed ids), `[U, ...]` sums by
+    segment."""
+    if isinstance(num_groups, segments_lib.Segments):
+        return num_groups.sum(t)
     if isinstance(t, tf.IndexedSlices):
         t = tf.convert_to_tensor(t)
     rest = t.shape[1:]

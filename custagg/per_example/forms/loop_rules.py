@@ -718,6 +718,11 @@ class LoopRule(registry_lib.Rule):
             return super(LoopRule, self).group_squared_norms(ctx, num_groups)
         return ctx.cache["outer"].grouped(num_groups).squared_norms()
 
+    def segment_squared_norms(self, ctx, segments):
+        if ctx.cache["outer"] is None:
+            return super(LoopRule, self).segment_squared_norms(ctx, segments)
+        return ctx.cache["outer"].grouped(segments).squared_norms()
+
     def weighted_sum(self, ctx, weights):
         if ctx.cache["outer"] is None:
             return super(LoopRule, self).weighted_sum(ctx, weights)
