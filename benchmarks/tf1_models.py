@@ -1,0 +1,499 @@
+"""Other people's TF1 models, re-typed the way their authors write them.
+
+Issue 24's yardstick: six models (and a control) whose style comes from public TF1 code
+(tutorials and widely copied repositories), with their own layers, input
+style and losses, on synthetic data and a dynamic batch (placeholders
+`[None, ...]`; a dynamic sequence length too where the model has one):
+
+* `transformer`: an encoder/classifier on `tf.compat.v1.layers.dense` over
+  `[B, T, D]`, heads moved into axis 0 (`concat(split(Q, h, axis=2),
+  axis=0)`), a hand-written layer norm (`tf.nn.moments` over the last axis),
+  a padding mask, and `tf.compat.v1.losses.softmax_cross_entropy` with
+  `label_smoothing=0.1`, `reduction=NONE`;
+* `bilstm_tagger`: `bidirectional_dynamic_rnn` of two `LSTMCell`s with
+  `sequence_length`, a `[-1, 2H]` reshape and matmul to the tags, per-token
+  softmax cross-entropy masked by `tf.sequence_mask` and summed per
+  sentence;
+* `wide_deep`: `tf.compat.v1.feature_column` (vocabulary list, hash bucket,
+  bucketized numeric, crossed column, embedding columns, a multivalent
+  column fed by a `sparse_placeholder`) through `linear_model` (wide) and
+  `input_layer` + dense layers (deep), sigmoid cross-entropy;
+* `word2vec`: skip-gram with `tf.compat.v1.nn.nce_loss` (its own sampler,
+  candidates shared by the batch), the `[B]` loss it returns;
+* `ptb_lm`: `MultiRNNCell` of two `LSTMCell`s through `dynamic_rnn` from
+  `cell.zero_state(tf.shape(ids)[0])`, logits `[B, T, V]`, the sequence loss
+  (what `tf.contrib.seq2seq.sequence_loss` computes, without contrib) summed
+  per sequence;
+* `in_batch_negatives`: a two-tower retrieval model whose negative for query
+  i is document i-1 (`tf.roll(k, shift=1, axis=0)`): the examples truly
+  interact, so only an exact (O(B^2)) form is right for it;
+* `in_batch_softmax`: the same towers with the full in-batch softmax
+  (`q @ d^T` over the batch), a control whose coupling is a MatMul.
+
+Each builder takes `(dtype, rng, full=False)`, creates its variables and
+placeholders in the default graph and returns a `Model`:
+
+* `loss`: the `[B]` per-example loss (what the author averages);
+* `xs`: the trainable variables;
+* `feed(rng, batch, steps=None)`: a feed dict of random data for `batch`
+  examples (and `steps` time steps, default the model's own);
+* `coupled`: names of the variables whose per-example gradients depend on
+  other examples' data (the document tower of `in_batch_negatives`);
+* `dynamic_steps`: whether the model takes any sequence length.
+
+`full=True` gives the sizes the benchmark uses (benchmarks/tf1_bench.py,
+`python -m benchmarks --tf1-models`); the tests
+(tests/per_example/test_tf1_models.py) use the small default.
+Models that TF cannot build in float64 are listed in `FLOAT32_ONLY` with
+the reason. Run `initializer()` (variables and lookup tables) before use.
+"""
+
+import collections
+import math
+
+import numpy as np
+import tensorflow as tf
+
+tf1 = tf.compat.v1
+
+
+class Model(collections.namedtuple(
+        "Model", ["loss", "xs", "feed", "coupled", "dynamic_steps"])):
+
+    def __new__(cls, loss, xs, feed, coupled=(), dynamic_steps=False):
+        return super(Model, cls).__new__(cls, loss, list(xs), feed,
+                                         frozenset(coupled), dynamic_steps)
+
+
+def _new_variables(fn):
+    """Runs `fn`; returns (its result, the trainable variables it made)."""
+    before = set(v.ref() for v in tf1.trainable_variables())
+    out = fn()
+    return out, [v for v in tf1.trainable_variables()
+                 if v.ref() not in before]
+
+
+def _lengths(rng, batch, steps):
+    """Sequence lengths in [1, steps], the longest one equal to `steps`."""
+    lengths = rng.integers(1, steps + 1, batch)
+    lengths[rng.integers(batch)] = steps
+    return lengths
+
+
+# --------------------------------------------------------------------------
+# Transformer encoder / classifier on tf.compat.v1.layers.dense
+
+
+def _layer_norm(inputs, dtype, scope, epsilon=1e-8):
+    """Layer norm as the TF1 Transformer repositories write it by hand."""
+    with tf1.variable_scope(scope):
+        mean, variance = tf.nn.moments(inputs, [-1], keepdims=True)
+        size = inputs.get_shape()[-1:]
+        beta = tf1.get_variable("beta", size, dtype,
+                                initializer=tf1.zeros_initializer())
+        gamma = tf1.get_variable("gamma", size, dtype,
+                                 initializer=tf1.ones_initializer())
+        return gamma * (inputs - mean) / ((variance + epsilon) ** .5) + beta
+
+
+def _multihead_attention(queries, keys, key_mask, heads, dtype, scope):
+    """Self-attention with the heads stacked on axis 0: `[h*B, T, D/h]`."""
+    units = queries.get_shape().as_list()[-1]
+    with tf1.variable_scope(scope):
+        q = tf1.layers.dense(queries, units, name="q")     # [B, T, D]
+        k = tf1.layers.dense(keys, units, name="k")
+        v = tf1.layers.dense(keys, units, name="v")
+        q_ = tf.concat(tf.split(q, heads, axis=2), axis=0)  # [h*B, T, D/h]
+        k_ = tf.concat(tf.split(k, heads, axis=2), axis=0)
+        v_ = tf.concat(tf.split(v, heads, axis=2), axis=0)
+        scores = tf.matmul(q_, tf.transpose(k_, [0, 2, 1]))  # [h*B, T, T]
+        scores /= math.sqrt(units // heads)
+        # Padded keys get a large negative score (key_mask: [B, T] of 0/1).
+        masks = tf.tile(key_mask, [heads, 1])                # [h*B, T]
+        masks = tf.tile(tf.expand_dims(masks, 1), [1, tf.shape(queries)[1], 1])
+        paddings = tf.ones_like(scores) * (-2.0 ** 32 + 1)
+        scores = tf.where(tf.equal(masks, 0), paddings, scores)
+        weights = tf.nn.softmax(scores)
+        out = tf.matmul(weights, v_)                         # [h*B, T, D/h]
+        out = tf.concat(tf.split(out, heads, axis=0), axis=2)  # [B, T, D]
+        out = tf1.layers.dense(out, units, name="out")
+        return _layer_norm(out + queries, dtype, "ln")
+
+
+def transformer(dtype, rng, full=False):
+    """A one-block Transformer encoder classifying token sequences."""
+    vocab, dim, heads, ff, classes, steps = (
+        (1000, 64, 4, 128, 5, 32) if full else (17, 8, 2, 12, 3, 5))
+    ids = tf1.placeholder(tf.int32, [None, None], name="ids")  # 0 = padding
+    labels = tf1.placeholder(tf.int32, [None], name="labels")
+
+    def build():
+        with tf1.variable_scope("transformer", initializer=(
+                tf1.glorot_uniform_initializer(
+                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+            table = tf1.get_variable("lookup_table", [vocab, dim], dtype)
+            enc = tf.nn.embedding_lookup(table, ids) * math.sqrt(dim)
+            # Learned positions, looked up from a [B, T] tile of range(T).
+            positions = tf.tile(tf.expand_dims(tf.range(tf.shape(ids)[1]), 0),
+                                [tf.shape(ids)[0], 1])
+            pos_table = tf1.get_variable("pos_table", [steps, dim], dtype)
+            enc += tf.nn.embedding_lookup(pos_table, positions)
+            key_mask = tf.cast(tf.not_equal(ids, 0), dtype)   # [B, T]
+            enc = _multihead_attention(enc, enc, key_mask, heads, dtype,
+                                       "attention")
+            hidden = tf1.layers.dense(enc, ff, activation=tf.nn.relu,
+                                      name="ff1")
+            enc = _layer_norm(enc + tf1.layers.dense(hidden, dim, name="ff2"),
+                              dtype, "ln_ff")
+            # Mean over the real tokens.
+            pooled = (tf.reduce_sum(enc * tf.expand_dims(key_mask, -1), 1) /
+                      tf.reduce_sum(key_mask, 1, keepdims=True))
+            return tf1.layers.dense(pooled, classes, name="logits")
+    logits, xs = _new_variables(build)
+    loss = tf1.losses.softmax_cross_entropy(
+        tf.one_hot(labels, classes, dtype=dtype), logits,
+        label_smoothing=0.1, reduction=tf1.losses.Reduction.NONE)
+
+    def feed(rng, batch, t=None):
+        t = t or steps
+        lengths = _lengths(rng, batch, t)
+        data = rng.integers(1, vocab, [batch, t])
+        data[np.arange(t)[None, :] >= lengths[:, None]] = 0
+        return {ids: data, labels: rng.integers(0, classes, batch)}
+    return Model(loss, xs, feed, dynamic_steps=True)
+
+
+# --------------------------------------------------------------------------
+# Bidirectional LSTM tagger
+
+
+def bilstm_tagger(dtype, rng, full=False):
+    """Word embeddings, a bi-LSTM and a per-token softmax (a NER tagger)."""
+    vocab, dim, hidden, tags, steps = (
+        (1000, 32, 64, 9, 24) if full else (15, 4, 5, 3, 4))
+    word_ids = tf1.placeholder(tf.int32, [None, None], name="word_ids")
+    sequence_lengths = tf1.placeholder(tf.int32, [None],
+                                       name="sequence_lengths")
+    labels = tf1.placeholder(tf.int32, [None, None], name="labels")
+
+    def build():
+        init = tf1.glorot_uniform_initializer(
+            seed=int(rng.integers(1 << 30)), dtype=dtype)
+        with tf1.variable_scope("words"):
+            embeddings = tf1.get_variable("_word_embeddings", [vocab, dim],
+                                          dtype, initializer=init)
+            word_embeddings = tf.nn.embedding_lookup(embeddings, word_ids)
+        with tf1.variable_scope("bi-lstm", initializer=init):
+            cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden)
+            cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden)
+            (output_fw, output_bw), _ = tf1.nn.bidirectional_dynamic_rnn(
+                cell_fw, cell_bw, word_embeddings,
+                sequence_length=sequence_lengths, dtype=dtype)
+            output = tf.concat([output_fw, output_bw], axis=-1)
+        with tf1.variable_scope("proj"):
+            W = tf1.get_variable("W", [2 * hidden, tags], dtype,
+                                 initializer=init)
+            b = tf1.get_variable("b", [tags], dtype,
+                                 initializer=tf1.zeros_initializer())
+            nsteps = tf.shape(output)[1]
+            output = tf.reshape(output, [-1, 2 * hidden])
+            pred = tf.matmul(output, W) + b
+            return tf.reshape(pred, [-1, nsteps, tags])
+    logits, xs = _new_variables(build)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        logits=logits, labels=labels)                       # [B, T]
+    mask = tf.sequence_mask(sequence_lengths, tf.shape(word_ids)[1],
+                            dtype=dtype)
+    loss = tf.reduce_sum(losses * mask, axis=1)             # [B]
+
+    def feed(rng, batch, t=None):
+        t = t or steps
+        return {word_ids: rng.integers(0, vocab, [batch, t]),
+                sequence_lengths: _lengths(rng, batch, t),
+                labels: rng.integers(0, tags, [batch, t])}
+    return Model(loss, xs, feed, dynamic_steps=True)
+
+
+# --------------------------------------------------------------------------
+# Wide & deep on feature columns
+
+
+_EDUCATION = ["Bachelors", "HS-grad", "Masters", "Doctorate", "Some-college",
+              "Assoc-voc"]
+_OCCUPATIONS = ["Tech-support", "Craft-repair", "Sales", "Exec-managerial",
+                "Prof-specialty", "Farming-fishing", "Transport-moving"]
+_INTERESTS = ["golf", "chess", "music", "hiking", "cooking", "film", "tennis"]
+
+
+def wide_deep(dtype, rng, full=False):
+    """The census wide & deep model: a linear model on sparse and crossed
+    columns plus a DNN on embeddings and numbers, one logit."""
+    fc = tf1.feature_column
+    hidden = (100, 50) if full else (6, 4)
+    emb = 8 if full else 3
+    features = {
+        "age": tf1.placeholder(dtype, [None, 1], name="age"),
+        "hours_per_week": tf1.placeholder(dtype, [None, 1], name="hours"),
+        "education": tf1.placeholder(tf.string, [None, 1], name="education"),
+        "occupation": tf1.placeholder(tf.string, [None, 1],
+                                      name="occupation"),
+        # Several interests per person, or none: a sparse input.
+        "interests": tf1.sparse_placeholder(tf.string, [None, None],
+                                            name="interests"),
+    }
+    label = tf1.placeholder(dtype, [None, 1], name="label")
+    # Standardized as the input pipelines of these models do (raw ages
+    # saturate the sigmoid at initialization: gradients of 1e-20).
+    age = fc.numeric_column("age", dtype=dtype,
+                            normalizer_fn=lambda v: (v - 45.0) / 15.0)
+    hours = fc.numeric_column("hours_per_week", dtype=dtype,
+                              normalizer_fn=lambda v: (v - 40.0) / 12.0)
+    # Everything below is float32 whatever `dtype` is (FLOAT32_ONLY).
+    education = fc.categorical_column_with_vocabulary_list("education",
+                                                           _EDUCATION)
+    occupation = fc.categorical_column_with_hash_bucket(
+        "occupation", hash_bucket_size=50 if full else 11)
+    interests = fc.categorical_column_with_hash_bucket(
+        "interests", hash_bucket_size=50 if full else 9)
+    age_buckets = fc.bucketized_column(age, [-1.0, -0.5, 0.0, 0.5, 1.0])
+    wide_columns = [education, occupation, age_buckets, fc.crossed_column(
+        ["education", "occupation"], hash_bucket_size=100 if full else 13)]
+    deep_columns = [age, hours, fc.embedding_column(education, emb),
+                    fc.embedding_column(occupation, emb),
+                    fc.embedding_column(interests, emb, combiner="mean")]
+
+    def build():
+        with tf1.variable_scope("wide"):
+            wide_logits = fc.linear_model(features, wide_columns)   # [B, 1]
+        with tf1.variable_scope("deep"):
+            net = fc.input_layer(features, deep_columns)
+            init = tf1.glorot_uniform_initializer(
+                seed=int(rng.integers(1 << 30)))
+            for i, units in enumerate(hidden):
+                net = tf1.layers.dense(net, units, activation=tf.nn.relu,
+                                       kernel_initializer=init,
+                                       name="hiddenlayer_%d" % i)
+            deep_logits = tf1.layers.dense(net, 1, kernel_initializer=init,
+                                           name="logits")
+        return wide_logits + deep_logits
+    logits, xs = _new_variables(build)
+    loss = tf.reshape(tf.nn.sigmoid_cross_entropy_with_logits(
+        labels=label, logits=logits), [-1])                 # [B]
+
+    def feed(rng, batch, t=None):
+        del t
+        rows, cols, values = [], [], []
+        width = 1
+        for r in range(batch):
+            for c in range(int(rng.integers(0, 4))):
+                rows.append(r)
+                cols.append(c)
+                values.append(_INTERESTS[rng.integers(len(_INTERESTS))])
+                width = max(width, c + 1)
+        sparse = tf1.SparseTensorValue(
+            np.array([rows, cols], np.int64).T.reshape(-1, 2),
+            np.array(values, object), np.array([batch, width], np.int64))
+        pick = lambda words: np.array(  # noqa: E731
+            [[words[i]] for i in rng.integers(0, len(words), batch)], object)
+        return {features["age"]: rng.uniform(17, 80, [batch, 1]),
+                features["hours_per_week"]: rng.uniform(10, 60, [batch, 1]),
+                # "Preschool" is out of the vocabulary: the -1 id path.
+                features["education"]: pick(_EDUCATION + ["Preschool"]),
+                features["occupation"]: pick(_OCCUPATIONS),
+                features["interests"]: sparse,
+                label: rng.integers(0, 2, [batch, 1]).astype(float)}
+    return Model(loss, xs, feed)
+
+
+# --------------------------------------------------------------------------
+# word2vec (skip-gram, NCE)
+
+
+def word2vec(dtype, rng, full=False):
+    """word2vec_basic.py's graph: embeddings, NCE weights and biases."""
+    vocabulary_size, embedding_size, num_sampled = (
+        (5000, 128, 64) if full else (40, 6, 5))
+    train_inputs = tf1.placeholder(tf.int32, [None], name="train_inputs")
+    train_labels = tf1.placeholder(tf.int64, [None, 1], name="train_labels")
+    embeddings = tf.Variable(tf1.random_uniform(
+        [vocabulary_size, embedding_size], -1.0, 1.0, dtype=dtype,
+        seed=int(rng.integers(1 << 30))), name="embeddings")
+    embed = tf.nn.embedding_lookup(embeddings, train_inputs)
+    nce_weights = tf.Variable(tf1.truncated_normal(
+        [vocabulary_size, embedding_size],
+        stddev=1.0 / math.sqrt(embedding_size), dtype=dtype,
+        seed=int(rng.integers(1 << 30))), name="nce_weights")
+    nce_biases = tf.Variable(0.1 * rng.normal(size=[vocabulary_size]),
+                             dtype=dtype, name="nce_biases")
+    # The tutorial averages this [B] vector.
+    loss = tf1.nn.nce_loss(weights=nce_weights, biases=nce_biases,
+                           labels=train_labels, inputs=embed,
+                           num_sampled=num_sampled,
+                           num_classes=vocabulary_size)
+
+    def feed(rng, batch, t=None):
+        del t
+        return {train_inputs: rng.integers(0, vocabulary_size, batch),
+                train_labels: rng.integers(0, vocabulary_size, [batch, 1])}
+    return Model(loss, [embeddings, nce_weights, nce_biases], feed)
+
+
+# --------------------------------------------------------------------------
+# PTB-style LSTM language model
+
+
+def _sequence_loss(logits, targets, weights):
+    """`[B]`: the weighted per-token cross-entropy summed over time (what
+    `tf.contrib.seq2seq.sequence_loss` gives with both averages off, summed
+    over the time axis)."""
+    crossent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=targets, logits=logits)                      # [B, T]
+    return tf.reduce_sum(crossent * weights, axis=1)
+
+
+def ptb_lm(dtype, rng, full=False):
+    """ptb_word_lm.py's PTBModel (two LSTM layers, tied nothing)."""
+    vocab_size, size, steps = (1000, 200, 20) if full else (13, 5, 4)
+    input_data = tf1.placeholder(tf.int32, [None, None], name="input_data")
+    targets = tf1.placeholder(tf.int32, [None, None], name="targets")
+
+    def build():
+        init = tf1.random_uniform_initializer(
+            -0.1, 0.1, seed=int(rng.integers(1 << 30)), dtype=dtype)
+        with tf1.variable_scope("Model", initializer=init):
+            embedding = tf1.get_variable("embedding", [vocab_size, size],
+                                         dtype)
+            inputs = tf.nn.embedding_lookup(embedding, input_data)
+            cell = tf1.nn.rnn_cell.MultiRNNCell(
+                [tf1.nn.rnn_cell.LSTMCell(size, forget_bias=0.0)
+                 for _ in range(2)], state_is_tuple=True)
+            batch_size = tf.shape(input_data)[0]
+            initial_state = cell.zero_state(batch_size, dtype)
+            outputs, _ = tf1.nn.dynamic_rnn(cell, inputs,
+                                            initial_state=initial_state)
+            output = tf.reshape(outputs, [-1, size])
+            softmax_w = tf1.get_variable("softmax_w", [size, vocab_size],
+                                         dtype)
+            softmax_b = tf1.get_variable("softmax_b", [vocab_size], dtype)
+            logits = tf1.nn.xw_plus_b(output, softmax_w, softmax_b)
+            return tf.reshape(logits, [batch_size, -1, vocab_size])
+    logits, xs = _new_variables(build)
+    loss = _sequence_loss(logits, targets,
+                          tf.ones_like(targets, dtype=dtype))
+
+    def feed(rng, batch, t=None):
+        t = t or steps
+        text = rng.integers(0, vocab_size, [batch, t + 1])
+        return {input_data: text[:, :-1], targets: text[:, 1:]}
+    return Model(loss, xs, feed, dynamic_steps=True)
+
+
+# --------------------------------------------------------------------------
+# In-batch negatives (two towers, the next example's document as negative)
+
+
+def in_batch_negatives(dtype, rng, full=False):
+    """Query and document towers; example i's negative is document i-1.
+
+    `tf.roll(doc, shift=1, axis=0)` pairs each query with another example's
+    document, so loss_i depends on example i-1's document: the document
+    tower's variables are coupled, and only an exact form (one backward pass
+    per example, or a check that falls back to one) is right for them.
+    """
+    q_dim, d_dim, hidden, out = (64, 96, 128, 32) if full else (5, 6, 7, 4)
+    query = tf1.placeholder(dtype, [None, q_dim], name="query")
+    doc = tf1.placeholder(dtype, [None, d_dim], name="doc")
+
+    def build():
+        init = tf1.glorot_uniform_initializer(
+            seed=int(rng.integers(1 << 30)), dtype=dtype)
+
+        def tower(x, scope):
+            with tf1.variable_scope(scope):
+                h = tf1.layers.dense(x, hidden, activation=tf.nn.tanh,
+                                     kernel_initializer=init, name="h")
+                return tf.nn.l2_normalize(
+                    tf1.layers.dense(h, out, kernel_initializer=init,
+                                     name="out"), axis=-1)
+        return tower(query, "query_tower"), tower(doc, "doc_tower")
+    (q, d), xs = _new_variables(build)
+    positive = tf.reduce_sum(q * d, axis=-1)                        # [B]
+    negative = tf.reduce_sum(q * tf.roll(d, shift=1, axis=0), axis=-1)
+    scale = 5.0
+    loss = tf.nn.softplus(-scale * positive) + tf.nn.softplus(scale * negative)
+
+    def feed(rng, batch, t=None):
+        del t
+        return {query: rng.normal(size=[batch, q_dim]),
+                doc: rng.normal(size=[batch, d_dim])}
+    # Query i meets documents i and i-1, but the query tower sees only
+    # query i: its variables keep the examples apart, the document tower's
+    # do not.
+    return Model(loss, xs, feed, coupled=[v.name for v in xs
+                                          if "doc_tower" in v.name])
+
+
+def in_batch_softmax(dtype, rng, full=False):
+    """The same towers with the full in-batch softmax: query i's logits are
+    its scores against every document of the batch (`q @ d^T`, `[B, B]`),
+    its label is i. Every document is a negative for every query: the
+    document tower's variables are coupled (a control for the `tf.roll`
+    model: the coupling is a MatMul the batch-axis table knows)."""
+    q_dim, d_dim, hidden, out = (64, 96, 128, 32) if full else (5, 6, 7, 4)
+    query = tf1.placeholder(dtype, [None, q_dim], name="query")
+    doc = tf1.placeholder(dtype, [None, d_dim], name="doc")
+
+    def build():
+        init = tf1.glorot_uniform_initializer(
+            seed=int(rng.integers(1 << 30)), dtype=dtype)
+
+        def tower(x, scope):
+            with tf1.variable_scope(scope):
+                h = tf1.layers.dense(x, hidden, activation=tf.nn.tanh,
+                                     kernel_initializer=init, name="h")
+                return tf.nn.l2_normalize(
+                    tf1.layers.dense(h, out, kernel_initializer=init,
+                                     name="out"), axis=-1)
+        return tower(query, "query_tower"), tower(doc, "doc_tower")
+    (q, d), xs = _new_variables(build)
+    logits = 5.0 * tf.matmul(q, d, transpose_b=True)             # [B, B]
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.range(tf.shape(q)[0]), logits=logits)
+
+    def feed(rng, batch, t=None):
+        del t
+        return {query: rng.normal(size=[batch, q_dim]),
+                doc: rng.normal(size=[batch, d_dim])}
+    return Model(loss, xs, feed, coupled=[v.name for v in xs
+                                          if "doc_tower" in v.name])
+
+
+MODELS = collections.OrderedDict(
+    (fn.__name__, fn) for fn in [transformer, bilstm_tagger, wide_deep,
+                                 word2vec, ptb_lm, in_batch_negatives,
+                                 in_batch_softmax])
+
+# Models TF cannot build in float64, and why.
+FLOAT32_ONLY = {
+    "wide_deep": "feature columns make float32 variables (embedding and "
+                 "linear-model weights take no dtype)",
+    "word2vec": "nce_loss's candidate sampler returns float32 expected "
+                "counts, which it subtracts from the logits",
+}
+
+
+def initializer():
+    """The op that initializes a model's variables and lookup tables
+    (`wide_deep`'s vocabulary list is a hash table)."""
+    return tf.group(tf1.global_variables_initializer(),
+                    tf1.tables_initializer())
+
+
+def has_tf1_layers():
+    """Whether `tf.compat.v1.layers` and the v1 RNN cells are usable here
+    (TF 2.16+ needs the tf-keras package and TF_USE_LEGACY_KERAS=1)."""
+    try:
+        return (callable(tf1.layers.dense) and
+                callable(tf1.nn.rnn_cell.LSTMCell))
+    except (ImportError, AttributeError):
+        return False
