@@ -815,7 +815,7 @@ def clipped_microbatch_sum(loss, var_list, clips, num_microbatches,
     """
     if group_ids is not None:
         loss, num_units = user_mean_loss(loss, group_ids, owner)
-        grads, norms = _api("clipped_gradients")(
+        grads, norms = per_example_api.clipped_gradients(
             loss, var_list, clips, strategy=strategy, return_norms=True,
             group_ids=group_ids)
         return (grads, num_units) + _norm_pair(norms, clips)
