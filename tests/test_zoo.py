@@ -1,8 +1,8 @@
 """The model zoo (`zoo.py`) against the obvious reference, for every strategy.
 
 Each model is built once, with a dynamic batch, and run at the batch sizes
-in `BATCHES` -- 1, sizes below, at and above the pfor chunk (32) and a
-multiple of it. The reference is one `tf.compat.v1.gradients(loss[i])` per
+in `BATCHES` (1 and 5, the default run) or `LARGE_BATCHES` (`-m slow`: below,
+at and above the pfor chunk (32) and a multiple of it). The reference is one `tf.compat.v1.gradients(loss[i])` per
 example on the same graph (TensorFlow's traversal, nothing clever), fetched
 in the same `Session.run` as custagg's results, so a dropout mask is the
 same for both. Checked for "auto", "rules", "pfor" and "loop":
@@ -24,7 +24,10 @@ from custagg import testing
 
 from benchmarks import zoo_models as zoo
 
-BATCHES = (1, 5, 31, 32, 33, 64)
+# The default run checks B in {1, 5}; `-m slow` runs each model again at
+# 31, 32, 33 and 64 (the loop reference at 64 costs most of a test).
+BATCHES = (1, 5)
+LARGE_BATCHES = (31, 32, 33, 64)
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 STRATEGIES = ("auto", "rules", "pfor", "loop")
 
@@ -40,8 +43,12 @@ def _cases():
             strategies = STRATEGIES if (dtype == tf.float64 or
                                         name in zoo.FLOAT32_ONLY) \
                 else ("auto", "rules")
-            cases.append(pytest.param(name, dtype, strategies,
-                                      id="%s-%s" % (name, dtype.name)))
+            for batches in (BATCHES, LARGE_BATCHES):
+                cases.append(pytest.param(
+                    name, dtype, strategies, batches,
+                    marks=() if batches == BATCHES else pytest.mark.slow,
+                    id="%s-%s%s" % (name, dtype.name, "" if batches ==
+                                    BATCHES else "-large")))
     return cases
 
 
@@ -84,8 +91,8 @@ def _check(got, per_example, clip_value, weights_value, rtol, label):
 @pytest.mark.skipif(not zoo.has_keras_layers(),
                     reason="tf.compat.v1.layers / Keras 2 layers need the "
                            "tf-keras package on this TensorFlow")
-@pytest.mark.parametrize("name, dtype, strategies", _cases())
-def test_zoo_matches_loop(name, dtype, strategies):
+@pytest.mark.parametrize("name, dtype, strategies, batches", _cases())
+def test_zoo_matches_loop(name, dtype, strategies, batches):
     rng = np.random.default_rng(sum(map(ord, name)))
     graph = tf.Graph()
     with graph.as_default():
@@ -110,7 +117,7 @@ def test_zoo_matches_loop(name, dtype, strategies):
 
         clip = tf.compat.v1.placeholder(loss.dtype, [])
         weights = tf.compat.v1.placeholder(loss.dtype, [None])
-        rows = testing.loop_per_example(loss, xs, max(BATCHES), rows=True)
+        rows = testing.loop_per_example(loss, xs, max(batches), rows=True)
         fetches = {}
         for strategy in strategies:
             use = free if strategy == "rules" else xs
@@ -119,7 +126,7 @@ def test_zoo_matches_loop(name, dtype, strategies):
 
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            for batch in BATCHES:
+            for batch in batches:
                 feed = model.feed(rng, batch)
                 feed[weights] = rng.normal(size=[batch])
                 # Clip about half of the examples: the median norm.
