@@ -95,3 +95,39 @@ def _run_python(code, timeout=180):
 def run_python():
     """`run_python(code) -> CompletedProcess`: Python code in a subprocess."""
     return _run_python
+
+
+# The default run's time budget (README: about 6 min on 2 cores): these
+# cases cost the most and each has a cheaper sibling in the default run (in
+# brackets); `-m slow` runs them. Test ids, `*` matching any text.
+LEFT_TO_SLOW = (
+    # [float32 transformer; every other zoo model in float64]
+    "tests/test_zoo.py::test_zoo_matches_loop[keras_transformer-float64]",
+    "tests/test_microbatches.py::test_zoo_microbatches_match_per_microbatch_"
+    "gradients[keras_transformer]",
+    # [the same row-wise proof in float64]
+    "tests/test_rowwise.py::test_proved_copies_in_float32_match_the_loop",
+    # [tests/batch_axis/test_sources.py's constants source]
+    "tests/test_rowwise.py::test_a_constant_holding_a_batch_is_a_source",
+    # [the other three privacy parameter sets]
+    "tests/test_privacy.py::test_pld_is_tighter_than_rdp[args3]",
+    # [auto, rules and pfor in the same function]
+    "tests/test_in_tf_function.py::test_per_example_api_matches_the_loop_in_"
+    "the_same_function[loop]",
+    # [while_rnn_add_bias]
+    "tests/rules/test_rules.py::test_matches_loop[while_rnn_bias_add_"
+    "unstacked-float64]",
+    # [sum pooling at every shape; mean and none at the first two]
+) + tuple("tests/test_gather_norms.py::test_norms_match_loop[dtype%d-*-%s]"
+          % (shape, pooling) for shape in range(2, 8)
+          for pooling in ("mean", "none"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    import re
+    left = re.compile("|".join(re.escape(p).replace(r"\*", ".*")
+                               for p in LEFT_TO_SLOW))
+    for item in items:
+        if left.fullmatch(item.nodeid):
+            item.add_marker(pytest.mark.slow)

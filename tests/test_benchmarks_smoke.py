@@ -226,3 +226,18 @@ def test_tf1_models_benchmark_rows_and_table():
         "machine": "x", "tf": "2", "repeats": 1, "threads": 1, "size": "small"})
     assert "| word2vec | 4 | %.2f | %.2fx (" % (row["floor_ms"], row["clip_ratio"]) in text
     assert "| in_batch_negatives | 4 | - | error: InvalidArgumentError: x |" in text
+
+
+def test_input_pipelines_benchmark_rows_and_plans():
+    # Issue 23's benchmark (benchmarks/input_pipelines.py) at the tests'
+    # size: every source gives a row with both timings and the same plan as
+    # the placeholder (all rules on the MLP). No timing assertion.
+    from benchmarks import input_pipelines
+    rows = input_pipelines.run(batch=4, repeats=1, models=("mlp",),
+                               log=lambda *a: None)
+    assert [r["source"] for r in rows] == list(input_pipelines.SOURCES)
+    for r in rows:
+        assert r["plain_s"] > 0 and r["dp_s"] > 0
+        assert r["forms"] == {"rules": 6}, r
+    text = input_pipelines.markdown(rows, "note")
+    assert "| mlp | shuffle_batch_queue | 4 |" in text

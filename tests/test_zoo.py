@@ -30,6 +30,8 @@ BATCHES = (1, 5)
 LARGE_BATCHES = (31, 32, 33, 64)
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 STRATEGIES = ("auto", "rules", "pfor", "loop")
+EVERY_STRATEGY = frozenset(["layers_mlp", "keras_cnn", "mnist_deep",
+                            "keras_batch_norm_training"])
 
 
 def _cases():
@@ -40,10 +42,14 @@ def _cases():
                 continue
             # float32 runs the rules paths (the same graphs, other
             # rounding); float64 every strategy.
-            strategies = STRATEGIES if (dtype == tf.float64 or
-                                        name in zoo.FLOAT32_ONLY) \
-                else ("auto", "rules")
+            every = dtype == tf.float64 or name in zoo.FLOAT32_ONLY
             for batches in (BATCHES, LARGE_BATCHES):
+                # The default run builds pfor and loop on EVERY_STRATEGY's
+                # models only (their graphs cost most of this file); `-m
+                # slow` on every model.
+                strategies = STRATEGIES if every and (
+                    batches == LARGE_BATCHES or name in EVERY_STRATEGY) \
+                    else ("auto", "rules")
                 cases.append(pytest.param(
                     name, dtype, strategies, batches,
                     marks=() if batches == BATCHES else pytest.mark.slow,

@@ -300,7 +300,7 @@ for name in sys.argv[1].split(","):
         print("V1-OK", name)
 """
 
-V1_DEFAULT = ("dynamic_rnn_lstm_seqlen", "keras_gru_sequence")
+V1_DEFAULT = ("dynamic_rnn_lstm_seqlen",)
 
 
 @pytest.mark.parametrize("names", [
