@@ -210,3 +210,35 @@ def _json_default(o):
     if isinstance(o, np.ndarray):
         return o.tolist()
     return str(o)
+
+
+# --------------------------------------------------------------------------
+# The small one-file benchmarks (adaptive_clipping, user_level_clipping,
+# input_pipelines): one command line, one way of writing results.
+
+
+def batch_parser(doc, batch=256, repeats=9, models="mlp,tutorial_cnn"):
+    """The arguments the one-file benchmarks share: --batch, --repeats,
+    --models (comma-separated), --write, --note."""
+    import argparse
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--models", default=models)
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--note", default="")
+    return p
+
+
+def write_results(name, rows, args, tf_version, table, how):
+    """benchmarks/results/<name>.json (`{"meta", "rows"}`) and <name>.md:
+    `table` then one line: TF version, `how` (e.g. "median of 9
+    interleaved runs, one thread"), the run's --note."""
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out, exist_ok=True)
+    meta = dict(tf=tf_version, python=platform.python_version(),
+                repeats=args.repeats, note=args.note)
+    dump_json(os.path.join(out, name + ".json"), dict(meta=meta, rows=rows))
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write("%s\n\nTF %s, %s. %s\n" % (table.rstrip("\n"), tf_version, how,
+                                          args.note))

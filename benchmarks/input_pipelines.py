@@ -23,13 +23,10 @@ benchmarks/results/input_pipelines.json and .md.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
-import os
-import platform
 import time
 
+from benchmarks import common
 from benchmarks import memory
 from benchmarks import tf_privacy_compare as tpc
 
@@ -161,7 +158,7 @@ def run(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
     return rows
 
 
-def markdown(rows, note):
+def markdown(rows):
     lines = ["| model | source | B | plain s | DP step s | DP / plain | "
              "peak DP / plain | forms |", "|---|---|---:|---:|---:|---:|---:|"
              "---|"]
@@ -170,32 +167,20 @@ def markdown(rows, note):
             r["model"], r["source"], r["batch"], r["plain_s"], r["dp_s"],
             r["ratio"], r["memory_ratio"], ", ".join(
                 "%s %d" % kv for kv in sorted(r["forms"].items()))))
-    return "\n".join(lines) + "\n\n" + note + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--models", default="mlp,tutorial_cnn")
+    p = common.batch_parser(__doc__)
     p.add_argument("--sources", default=",".join(SOURCES))
-    p.add_argument("--write", action="store_true")
-    p.add_argument("--note", default="")
     args = p.parse_args(argv)
     rows = run(args.batch, args.repeats, tuple(args.models.split(",")),
                tuple(args.sources.split(",")))
     if args.write:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
-        os.makedirs(out, exist_ok=True)
-        meta = dict(tf=tf.__version__, python=platform.python_version(),
-                    repeats=args.repeats, note=args.note)
-        with open(os.path.join(out, "input_pipelines.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        with open(os.path.join(out, "input_pipelines.md"), "w") as f:
-            f.write(markdown(rows, "TF %s, median of %d interleaved runs, "
-                             "one thread; peak from one traced run. %s"
-                             % (tf.__version__, args.repeats, args.note)))
+        common.write_results(
+            "input_pipelines", rows, args, tf.__version__, markdown(rows),
+            "median of %d interleaved runs, one thread; peak from one traced "
+            "run" % args.repeats)
 
 
 if __name__ == "__main__":

@@ -392,14 +392,10 @@ def ptb_lm(dtype, rng, full=False):
 # In-batch negatives (two towers, the next example's document as negative)
 
 
-def in_batch_negatives(dtype, rng, full=False):
-    """Query and document towers; example i's negative is document i-1.
-
-    `tf.roll(doc, shift=1, axis=0)` pairs each query with another example's
-    document, so loss_i depends on example i-1's document: the document
-    tower's variables are coupled, and only an exact form (one backward pass
-    per example, or a check that falls back to one) is right for them.
-    """
+def _two_towers(dtype, rng, full):
+    """A query and a document tower (dense tanh, dense, l2-normalised) on
+    their own placeholders: `(q [B, K], d [B, K], variables, feed)`, `feed(rng,
+    batch, t=None)` the model's feed dict."""
     q_dim, d_dim, hidden, out = (64, 96, 128, 32) if full else (5, 6, 7, 4)
     query = tf1.placeholder(dtype, [None, q_dim], name="query")
     doc = tf1.placeholder(dtype, [None, d_dim], name="doc")
@@ -417,15 +413,27 @@ def in_batch_negatives(dtype, rng, full=False):
                                      name="out"), axis=-1)
         return tower(query, "query_tower"), tower(doc, "doc_tower")
     (q, d), xs = _new_variables(build)
-    positive = tf.reduce_sum(q * d, axis=-1)                        # [B]
-    negative = tf.reduce_sum(q * tf.roll(d, shift=1, axis=0), axis=-1)
-    scale = 5.0
-    loss = tf.nn.softplus(-scale * positive) + tf.nn.softplus(scale * negative)
 
     def feed(rng, batch, t=None):
         del t
         return {query: rng.normal(size=[batch, q_dim]),
                 doc: rng.normal(size=[batch, d_dim])}
+    return q, d, xs, feed
+
+
+def in_batch_negatives(dtype, rng, full=False):
+    """Query and document towers; example i's negative is document i-1.
+
+    `tf.roll(doc, shift=1, axis=0)` pairs each query with another example's
+    document, so loss_i depends on example i-1's document: the document
+    tower's variables are coupled, and only an exact form (one backward pass
+    per example, or a check that falls back to one) is right for them.
+    """
+    q, d, xs, feed = _two_towers(dtype, rng, full)
+    positive = tf.reduce_sum(q * d, axis=-1)                        # [B]
+    negative = tf.reduce_sum(q * tf.roll(d, shift=1, axis=0), axis=-1)
+    scale = 5.0
+    loss = tf.nn.softplus(-scale * positive) + tf.nn.softplus(scale * negative)
     # Query i meets documents i and i-1, but the query tower sees only
     # query i: its variables keep the examples apart, the document tower's
     # do not.
@@ -439,31 +447,10 @@ def in_batch_softmax(dtype, rng, full=False):
     its label is i. Every document is a negative for every query: the
     document tower's variables are coupled (a control for the `tf.roll`
     model: the coupling is a MatMul the batch-axis table knows)."""
-    q_dim, d_dim, hidden, out = (64, 96, 128, 32) if full else (5, 6, 7, 4)
-    query = tf1.placeholder(dtype, [None, q_dim], name="query")
-    doc = tf1.placeholder(dtype, [None, d_dim], name="doc")
-
-    def build():
-        init = tf1.glorot_uniform_initializer(
-            seed=int(rng.integers(1 << 30)), dtype=dtype)
-
-        def tower(x, scope):
-            with tf1.variable_scope(scope):
-                h = tf1.layers.dense(x, hidden, activation=tf.nn.tanh,
-                                     kernel_initializer=init, name="h")
-                return tf.nn.l2_normalize(
-                    tf1.layers.dense(h, out, kernel_initializer=init,
-                                     name="out"), axis=-1)
-        return tower(query, "query_tower"), tower(doc, "doc_tower")
-    (q, d), xs = _new_variables(build)
+    q, d, xs, feed = _two_towers(dtype, rng, full)
     logits = 5.0 * tf.matmul(q, d, transpose_b=True)             # [B, B]
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=tf.range(tf.shape(q)[0]), logits=logits)
-
-    def feed(rng, batch, t=None):
-        del t
-        return {query: rng.normal(size=[batch, q_dim]),
-                doc: rng.normal(size=[batch, d_dim])}
     return Model(loss, xs, feed, coupled=[v.name for v in xs
                                           if "doc_tower" in v.name])
 

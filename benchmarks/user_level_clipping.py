@@ -23,12 +23,9 @@ user_level_clipping.json and .md.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import time
 
+from benchmarks import common
 from benchmarks import memory
 from benchmarks import tf_privacy_compare as tpc
 
@@ -125,37 +122,25 @@ def run(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), log=print):
     return rows
 
 
-def _markdown(rows, note):
+def _markdown(rows):
     lines = ["| model | B | gradient | s | time ratio | peak MB | memory "
              "ratio |", "|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append("| %s | %d | %s | %.4f | %.2fx | %.1f | %.2fx |" % (
             r["model"], r["batch"], r["kind"], r["seconds"], r["time_ratio"],
             r["peak_mb"], r["memory_ratio"]))
-    return "\n".join(lines) + "\n\n" + note + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--models", default="mlp,tutorial_cnn")
-    p.add_argument("--write", action="store_true")
-    p.add_argument("--note", default="")
+    p = common.batch_parser(__doc__)
     args = p.parse_args(argv)
     rows = run(args.batch, args.repeats, tuple(args.models.split(",")))
     if args.write:
-        out = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
-        os.makedirs(out, exist_ok=True)
-        meta = dict(tf=tf.__version__, python=platform.python_version(),
-                    repeats=args.repeats, note=args.note)
-        with open(os.path.join(out, "user_level_clipping.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        with open(os.path.join(out, "user_level_clipping.md"), "w") as f:
-            f.write(_markdown(rows, "TF %s, median of %d interleaved runs, "
-                              "one thread; peak from one traced run. %s"
-                              % (tf.__version__, args.repeats, args.note)))
+        common.write_results(
+            "user_level_clipping", rows, args, tf.__version__, _markdown(rows),
+            "median of %d interleaved runs, one thread; peak from one traced "
+            "run" % args.repeats)
 
 
 if __name__ == "__main__":

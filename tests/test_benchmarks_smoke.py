@@ -239,5 +239,5 @@ def test_input_pipelines_benchmark_rows_and_plans():
     for r in rows:
         assert r["plain_s"] > 0 and r["dp_s"] > 0
         assert r["forms"] == {"rules": 6}, r
-    text = input_pipelines.markdown(rows, "note")
+    text = input_pipelines.markdown(rows)
     assert "| mlp | shuffle_batch_queue | 4 |" in text
