@@ -29,11 +29,18 @@ MICROBATCHES = (1, 2, 4, 12)
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 
 
+# The default run: a dense, a convolutional, an embedding and a coupled
+# (batch statistics) model; `-m slow` every zoo model.
+DEFAULT_ZOO = frozenset(["layers_mlp", "keras_cnn", "keras_embedding_mean",
+                         "keras_batch_norm_training"])
+
+
 def _cases():
     out = []
     for name in zoo.ZOO:
         dtype = tf.float32 if name in zoo.FLOAT32_ONLY else tf.float64
-        out.append(pytest.param(name, dtype, id=name))
+        out.append(pytest.param(name, dtype, id=name, marks=(
+            () if name in DEFAULT_ZOO else pytest.mark.slow)))
     return out
 
 

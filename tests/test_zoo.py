@@ -30,7 +30,7 @@ BATCHES = (1, 5)
 LARGE_BATCHES = (31, 32, 33, 64)
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 STRATEGIES = ("auto", "rules", "pfor", "loop")
-EVERY_STRATEGY = frozenset(["layers_mlp", "keras_cnn", "mnist_deep",
+EVERY_STRATEGY = frozenset(["layers_mlp", "keras_cnn",
                             "keras_batch_norm_training"])
 
 

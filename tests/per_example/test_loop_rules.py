@@ -31,13 +31,12 @@ HEAD = ("readout/",)
 
 # dynamic_rnn with sequence_length: padding steps contribute nothing (TF's
 # Select keeps the state, and the taps' dz there is 0). The default run
-# checks these (one of each kind: hand-written with AddV2 bias and a weight
-# also used outside, Keras LSTM, Keras GRU with its Unpack bias, dynamic_rnn
-# with sequence_length);
-# `python -m pytest -m slow tests/per_example/test_loop_rules.py` the others (the loop reference at B=33 costs most of each test).
+# checks these (hand-written with AddV2 bias and a weight also used outside,
+# Keras GRU with its Unpack bias; dynamic_rnn with sequence_length runs in
+# test_v1_control_flow_loops_take_loop_rules); `python -m pytest -m slow
+# tests/per_example/test_loop_rules.py` every model at both batch sets.
 DEFAULT_MODELS = frozenset(["hand_while_rnn", "weight_inside_and_outside",
-                            "keras_lstm_last", "keras_gru_sequence",
-                            "dynamic_rnn_lstm_seqlen"])
+                            "keras_gru_sequence"])
 V2_MODELS = [pytest.param(n, b, marks=() if n in DEFAULT_MODELS and
                           b == BATCHES else pytest.mark.slow,
                           id="%s-%s" % (n, "large" if b == LARGE_BATCHES
