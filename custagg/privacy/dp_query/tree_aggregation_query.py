@@ -160,12 +160,13 @@ class TreeCumulativeSumQuery(_TreeSumQuery):
             samples_cumulative_sum=cumsum), _unsupported_event()
 
     def reset_state(self, noised_results, global_state):
-        """A new tree, the running sum kept (the next release continues
-        from it)."""
-        del noised_results
+        """A new tree whose releases continue from the last release: the
+        running sum becomes `noised_results` (public already), so the old
+        trees' noise stays in and the new tree noises only new samples."""
         return global_state._replace(
             tree_state=self._tree_aggregator.reset_state(
-                global_state.tree_state))
+                global_state.tree_state),
+            samples_cumulative_sum=noised_results)
 
 
 class TreeResidualSumQuery(_TreeSumQuery):
