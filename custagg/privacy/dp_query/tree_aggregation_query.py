@@ -59,6 +59,15 @@ def _check_non_negative(value, arg, cls_name):
                          "non-negative, got %r." % (cls_name, arg, value))
 
 
+def _like(clip, flat):
+    # The state's clip value is float32; records may be float64.
+    if isinstance(clip, (tf.Tensor, tf.Variable)) and flat:
+        dtype = flat[0].dtype.base_dtype
+        if dtype.is_floating and clip.dtype.base_dtype != dtype:
+            return tf.cast(clip, dtype)
+    return clip
+
+
 class _TreeSumQuery(dp_query.SumAggregationDPQuery):
     """What both tree queries share: clipping, the aggregator, the builder."""
 
@@ -81,14 +90,16 @@ class _TreeSumQuery(dp_query.SumAggregationDPQuery):
 
     def preprocess_record_l2_impl(self, params, record):
         """`(record clipped to global L2 norm params, its norm before)`."""
-        flat = tf.nest.flatten(record)
-        clipped, norm = tf.clip_by_global_norm(flat, params)
+        flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(record)]
+        clipped, norm = tf.clip_by_global_norm(flat, _like(params, flat))
         return tf.nest.pack_sequence_as(record, clipped), norm
 
     def preprocess_record(self, params, record):
-        """The record clipped by `clip_fn(flat record, params)`."""
+        """The record clipped by `clip_fn(flat record, params)` (a tensor
+        clip value cast to the record's dtype, so float64 records clip)."""
         flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(record)]
-        return tf.nest.pack_sequence_as(record, self._clip_fn(flat, params))
+        return tf.nest.pack_sequence_as(
+            record, self._clip_fn(flat, _like(params, flat)))
 
     def derive_metrics(self, global_state):
         return collections.OrderedDict(
