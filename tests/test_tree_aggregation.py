@@ -36,10 +36,11 @@ def _stepper(sess, init, step_fn):
     out, new_state = step_fn(ph)
     state = [sess.run(init)]
 
-    def run(n):
+    def run(n, feeds=None):
         outs = []
         for _ in range(n):
             feed = dict(zip(tf.nest.flatten(ph), tf.nest.flatten(state[0])))
+            feed.update(feeds or {})
             o, state[0] = sess.run((out, new_state), feed)
             outs.append(o)
         return outs
@@ -132,17 +133,19 @@ def test_residual_and_cumulative_sums_noise_off(sess, rng, dtype):
                for b in (1, 5, 33)]
     outs = {}
     for name, q in (("res", res_q), ("cum", cum_q)):
-        gs = q.initial_global_state()
-        outs[name] = []
-        for recs in samples:
+        recs_ph = [tf.compat.v1.placeholder(dtype, [None, 3]),
+                   tf.compat.v1.placeholder(dtype, [None, 2, 2])]
+
+        def one_round(gs, q=q, recs_ph=recs_ph):
             params = q.derive_sample_params(gs)
-            st = q.initial_sample_state(specs)
-            for r in recs:
-                st = q.accumulate_record(params, st, [tf.constant(p) for p
-                                                      in r])
+            st = tf.foldl(lambda st, r: q.accumulate_record(params, st, r),
+                          recs_ph, initializer=q.initial_sample_state(specs))
             result, gs, _ = q.get_noised_result(st, gs)
-            outs[name].append(result)
-    outs = sess.run(outs)
+            return result, gs
+        run = _stepper(sess, q.initial_global_state(), one_round)
+        outs[name] = [run(1, {recs_ph[0]: np.stack([r[0] for r in recs]),
+                              recs_ph[1]: np.stack([r[1] for r in recs])})[0]
+                      for recs in samples]
     running = [np.zeros(3), np.zeros((2, 2))]
     for i, recs in enumerate(samples):
         x = [sum(_clip_rows(r, clip)[j] for r in recs) for j in range(2)]
@@ -216,18 +219,20 @@ def test_tree_quantile_estimator_noise_off_against_numpy(sess, rng):
             initial_estimate=1.0, target_quantile=0.7, learning_rate=0.4,
             below_estimate_stddev=0.0, expected_num_records=8.0,
             geometric_update=geometric)
-        gs = q.initial_global_state()
         rounds = [rng.uniform(0, 3, size=b).astype(np.float32)
                   for b in (1, 5, 32, 33)]
-        outs = []
-        for recs in rounds:
+        recs_ph = tf.compat.v1.placeholder(tf.float32, [None])
+
+        def one_round(gs, q=q, recs_ph=recs_ph):
             params = q.derive_sample_params(gs)
-            st = q.initial_sample_state(tf.constant(0.0))
-            for r in recs:
-                st = q.accumulate_record(params, st, tf.constant(r))
+            st = tf.foldl(lambda st, r: q.accumulate_record(params, st, r),
+                          recs_ph,
+                          initializer=q.initial_sample_state(
+                              tf.constant(0.0)))
             est, gs, _ = q.get_noised_result(st, gs)
-            outs.append(est)
-        outs = sess.run(outs)
+            return est, gs
+        run = _stepper(sess, q.initial_global_state(), one_round)
+        outs = [run(1, {recs_ph: recs})[0] for recs in rounds]
         est = 1.0
         for recs, got in zip(rounds, outs):
             frac = np.clip(np.sum((recs <= est) - 0.5) / 8.0 + 0.5, 0, 1)
