@@ -5,7 +5,9 @@
 
 Modules: `dp_query` (the `DPQuery` and `SumAggregationDPQuery` base classes),
 `gaussian_query`, `no_privacy_query`, `normalized_query`, `nested_query`,
-`quantile_estimator_query`, `quantile_adaptive_clip_sum_query`. The classes
+`quantile_estimator_query` (with `TreeQuantileEstimatorQuery`),
+`quantile_adaptive_clip_sum_query`, `tree_aggregation` and
+`tree_aggregation_query` (DP-FTRL's tree-noised sums). The classes
 keep TF Privacy 0.9.0's names, constructor arguments, state namedtuples and
 the `(result, new_global_state, dp_event)` triple of `get_noised_result`.
 They work on their own (a Python loop of `accumulate_record`, graph or
@@ -22,7 +24,10 @@ from custagg.privacy.dp_query import no_privacy_query
 from custagg.privacy.dp_query import normalized_query
 from custagg.privacy.dp_query import quantile_adaptive_clip_sum_query
 from custagg.privacy.dp_query import quantile_estimator_query
+from custagg.privacy.dp_query import tree_aggregation
+from custagg.privacy.dp_query import tree_aggregation_query
 
 __all__ = ["dp_query", "gaussian_query", "nested_query", "no_privacy_query",
            "normalized_query", "quantile_adaptive_clip_sum_query",
-           "quantile_estimator_query"]
+           "quantile_estimator_query", "tree_aggregation",
+           "tree_aggregation_query"]

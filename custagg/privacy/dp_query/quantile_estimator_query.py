@@ -25,8 +25,10 @@ from custagg.privacy.dp_query import dp_query
 from custagg.privacy.dp_query import gaussian_query
 from custagg.privacy.dp_query import no_privacy_query
 from custagg.privacy.dp_query import normalized_query
+from custagg.privacy.dp_query import tree_aggregation_query
 
-__all__ = ["QuantileEstimatorQuery", "NoPrivacyQuantileEstimatorQuery"]
+__all__ = ["QuantileEstimatorQuery", "NoPrivacyQuantileEstimatorQuery",
+           "TreeQuantileEstimatorQuery"]
 
 
 class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
@@ -152,3 +154,50 @@ class NoPrivacyQuantileEstimatorQuery(QuantileEstimatorQuery):
                                         expected_num_records):
         del below_estimate_stddev, expected_num_records
         return no_privacy_query.NoPrivacyAverageQuery()
+
+
+class TreeQuantileEstimatorQuery(QuantileEstimatorQuery):
+    """The estimator with the below-estimate count noised by tree
+    aggregation (a `TreeResidualSumQuery`) instead of independent Gaussian
+    noise per round (Kairouz et al. 2021, arXiv:2103.00039, for the tree;
+    Andrew et al. for the update).
+
+    The estimate's updates add up the rounds' fractions below it, so what
+    privacy needs to protect is their running sum: with residual tree noise
+    the sum over rounds 0..t carries the noise of at most log2(t + 2) tree
+    nodes, not t + 1 independent draws. Each node's noise has stddev
+    `below_estimate_stddev` on the count (records are +-1/2, clip 1/2).
+    Same arguments as `QuantileEstimatorQuery`; `expected_num_records` is
+    required (the public denominator).
+
+    Call `reset_state(estimate, global_state)` to start a new tree (e.g.
+    once per epoch).
+    """
+
+    def _construct_below_estimate_query(self, below_estimate_stddev,
+                                        expected_num_records):
+        if below_estimate_stddev is None or expected_num_records is None:
+            raise ValueError(
+                "TreeQuantileEstimatorQuery: `below_estimate_stddev` and "
+                "`expected_num_records` must be numbers, got %r and %r; for "
+                "an exact, non-private estimate use "
+                "NoPrivacyQuantileEstimatorQuery." % (
+                    below_estimate_stddev, expected_num_records))
+        # Clip 1/2 states the +-1/2 records' sensitivity; the multiplier
+        # makes the node stddev clip * multiplier = below_estimate_stddev.
+        tree_sum = (tree_aggregation_query.TreeResidualSumQuery
+                    .build_l2_gaussian_query(
+                        clip_norm=0.5,
+                        noise_multiplier=2.0 * below_estimate_stddev,
+                        record_specs=tf.TensorSpec([], tf.float32)))
+        return normalized_query.NormalizedQuery(
+            tree_sum, denominator=expected_num_records)
+
+    def reset_state(self, noised_results, global_state):
+        """`global_state` with the count's tree restarted (the estimate
+        kept)."""
+        below = global_state.below_estimate_state
+        tree_sum = self._below_estimate_query._numerator  # pylint: disable=protected-access
+        return global_state._replace(below_estimate_state=below._replace(
+            numerator_state=tree_sum.reset_state(noised_results,
+                                                 below.numerator_state)))
