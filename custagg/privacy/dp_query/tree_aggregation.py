@@ -56,7 +56,7 @@ class ValueGenerator(metaclass=abc.ABCMeta):
         """`(value, new_state)`: the next value and the advanced state."""
 
 
-def _spec_dtype(spec):
+def spec_dtype(spec):
     dtype = tf.as_dtype(getattr(spec, "dtype", tf.float32))
     # Noise is real-valued: an integer spec still gets float32 noise.
     return dtype if dtype.is_floating else tf.float32
@@ -106,7 +106,7 @@ class GaussianNoiseGenerator(ValueGenerator):
         seeds = tf.cast(state.seeds, tf.int64)
         values = []
         for i, spec in enumerate(flat_specs):
-            dtype = _spec_dtype(spec)
+            dtype = spec_dtype(spec)
             values.append(tf.random.stateless_normal(
                 spec.shape, seed=seeds + tf.constant([0, i], tf.int64),
                 stddev=tf.cast(state.stddev, dtype), dtype=dtype))

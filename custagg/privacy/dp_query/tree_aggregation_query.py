@@ -46,7 +46,7 @@ def _l2_clip_fn(record_as_list, clip_norm):
 
 def _zeros_like_specs(specs):
     return tf.nest.map_structure(
-        lambda s: tf.zeros(s.shape, tree_aggregation._spec_dtype(s)),  # pylint: disable=protected-access
+        lambda s: tf.zeros(s.shape, tree_aggregation.spec_dtype(s)),
         specs)
 
 
