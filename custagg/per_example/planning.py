@@ -144,9 +144,10 @@ def describe(a, form=None):
     form = form or a.form
     if a.strategy is None:
         what = "unconnected (None)"
-    elif form in ("rules", "loop-rules"):
+    elif form in ("rules", "loop-rules", "certified"):
         found = list(rules_form.rule_consumers(a.consumers))
-        what = "rules via " + ", ".join(sorted(set(
+        what = ("rules (certified at run time) via " if form == "certified"
+                else "rules via ") + ", ".join(sorted(set(
             c.op.type for c in found if isinstance(c, rules_form.Consumer)) |
             set("%s in loop '%s'" % (t.op.type, c.name)
                 for c in found if isinstance(c, loop_rules.LoopUse)
