@@ -196,31 +196,45 @@ class Engine(object):
 
     # -- the certified rules --
 
-    def certificate(self):
-        """A scalar bool: the run-time certificate of separation for every
-        rule op of the xs planned as "certified" (`Certificate`)."""
+    def certificate(self, a):
+        """A scalar bool: the run-time certificate of separation of every
+        rule op of x (planned "certified"), from one seeded backward pass
+        shared by all certified xs (`Certificate`)."""
         if self._certificate is None:
-            found = [c for a in self.plan.assignments
-                     if a.form == "certified"
-                     for c in rules_form.rule_consumers(a.consumers)]
-            self._certificate = Certificate(self, found).ok
-        return self._certificate
+            found = [c for b in self.plan.assignments
+                     if b.form == "certified"
+                     for c in rules_form.rule_consumers(b.consumers)]
+            self._certificate = Certificate(self, found)
+        return self._certificate.ok_of(
+            list(rules_form.rule_consumers(a.consumers)))
 
     def certified_per_example(self, group):
-        """`{id(a): [B, *x]}` of certified xs: the rules' values on a step
-        whose certificate holds, the exact form's otherwise (`tf.cond`:
-        the exact form runs only on such a step)."""
-        ok = self.certificate()
+        """`{id(a): [B, *x]}` of certified xs: the rules' values where the
+        x's certificate holds at this step, else the exact form's. The
+        exact form is built inside a `tf.cond` branch taken only on a step
+        where some x of `group` fails, so a certified step never runs it."""
+        oks = [self.certificate(a) for a in group]
         # Outside the cond: the rules' tensors (and their caches) live in
         # the graph itself, so other quantities may reuse them.
         fast = [tf.cast(self.rules_per_example(a), x_dtype(a))
                 for a in group]
-        out = tf.cond(ok, lambda: [tf.identity(t) for t in fast],
-                      lambda: self.exact(group), name="certified")
+
+        def checked():
+            exact = self.exact(group)
+            # A failed x's rules rows may not even be B (a sampled path's
+            # rows): select by a cond per x, not elementwise.
+            return [tf.cond(ok, lambda f=f: tf.identity(f),
+                            lambda e=e: tf.identity(e))
+                    for ok, f, e in zip(oks, fast, exact)]
+
+        every = tf.reduce_all(tf.stack(oks))
+        out = tf.cond(every, lambda: [tf.identity(f) for f in fast],
+                      checked, name="certified")
         if not isinstance(out, (list, tuple)):
             out = [out]
-        for t, f in zip(out, fast):
-            t.set_shape(f.shape)
+        for t, a in zip(out, group):
+            t.set_shape(tf.TensorShape([None]).concatenate(
+                static_x_shape(a)))
         return dict(zip([id(a) for a in group], out))
 
     # -- rules --
@@ -447,38 +461,56 @@ class Certificate(object):
             ctx = engine.shared.context(c)
             if ctx is None:
                 continue    # no gradient reaches it: nothing to certify
-            pairs[out.ref()] = (out, ctx.grad, _rows_axis(c))
+            pairs[out.ref()] = (out, ctx.grad) + _rows(c)
+        self._ok = {}
+        if not pairs:
+            return
         with tf.name_scope("certificate"):
-            if not pairs:
-                self.ok = tf.constant(True)
-                return
             seed = tf.random.uniform([batch], 1.0, 2.0, dtype=loss.dtype)
-            outs = [o for o, _, _ in pairs.values()]
-            gcs = gradients(loss, outs, grad_ys=seed)
-            oks = []
-            for (out, g1, axis), gc in zip(pairs.values(), gcs):
-                if gc is None:
-                    continue
-                oks.append(_rows_agree(sparse.dense(g1), sparse.dense(gc),
-                                       seed, axis, batch))
-            self.ok = tf.reduce_all(tf.stack(oks)) if oks else \
-                tf.constant(True)
+            keys = list(pairs)
+            gcs = gradients(loss, [pairs[k][0] for k in keys], grad_ys=seed)
+            for k, gc in zip(keys, gcs):
+                out, g1, axis, start = pairs[k]
+                self._ok[k] = tf.constant(True) if gc is None else \
+                    _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
+                                axis, start, batch)
+
+    def ok_of(self, consumers):
+        """Scalar bool: the check holds at every op of `consumers`."""
+        oks = [self._ok[c.op.outputs[0].ref()] for c in consumers
+               if c.op.outputs[0].ref() in self._ok]
+        if not oks:
+            return tf.constant(True)
+        return tf.reduce_all(tf.stack(oks)) if len(oks) > 1 else oks[0]
 
 
-def _rows_axis(c):
-    """The axis of the rule op's output whose rows are the examples' (the
-    rows of a fold `[B*T, ...]` are example-major: reshaped to `[B, -1]`,
-    each example's rows are one row)."""
+def _rows(c):
+    """(axis, start): the axis of the rule op's output z whose index is the
+    example's, and the tensor whose batch axis must hold B examples. For a
+    fold read past the unfold (`[B*T, ...]` rows of a dense layer on
+    `[B, T, D]`), the rows are example-major: z reshaped to `[B, -1]` has
+    one row per example, and `start` (the unfolded `[B, T, K]`) says B."""
     ctx = registry_lib.RuleContext(c.op, c.index, None, None)
     start, axis = c.rule.coupling_start(ctx)
     if start is not c.op.outputs[0]:
-        return 0            # a fold read past the unfold: batch-major rows
-    return axis
+        return 0, start
+    return axis, start
 
 
-def _rows_agree(g1, gc, seed, axis, batch):
+def _rows_agree(g1, gc, seed, axis, start, batch):
     """Scalar bool: `gc_b == seed_b * g1_b` for every example b, within the
-    tolerance of `Certificate`."""
+    tolerance of `Certificate`; False when the rule's rows are not the
+    batch's examples at this step (a sampled path's rows)."""
+    rows_ok = tf.equal(tf.shape(start)[axis if start is not None else 0],
+                       batch)
+
+    def check(g1=g1, gc=gc):
+        return _agree(g1, gc, seed, axis, batch)
+
+    return tf.cond(rows_ok, check, lambda: tf.constant(False))
+
+
+def _agree(g1, gc, seed, axis, batch):
     if axis != 0:
         perm = [axis] + [k for k in range(g1.shape.rank) if k != axis]
         g1, gc = tf.transpose(g1, perm), tf.transpose(gc, perm)
