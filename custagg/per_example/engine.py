@@ -440,8 +440,8 @@ class Certificate(object):
     belongs to example i. With `g1 = d(sum_i loss_i)/dz` (the shared
     pass's) and `gc = d(sum_i c_i loss_i)/dz` (ONE more backward pass, to
     these z only, seeded with c ~ U[1, 2]^B), that holds iff
-    `gc_r = c_pi(r) * g1_r` for every row. `ok` is True when, for every
-    example b and every rule op,
+    `gc_r = c_pi(r) * g1_r` for every row. A rule op passes when, for every
+    example b,
 
         max|gc_b - c_b g1_b| <= rtol * (s_b + CERTIFICATE_FLOOR * max_b' s_b')
 
