@@ -229,12 +229,16 @@ def make_plan(loss, xs, tensors, strategy, registry):
             # As tf.gradients: None where no gradient reaches x.
             assignments.append(Assignment(x, t, None))
             continue
-        reasons, blocker = [], None
+        reasons, blocker, said = [], None, set()
         for form in CHAINS[strategy]:
             try:
                 choice = form.plan(t, ctx)
             except Refused as r:
-                reasons.append(form.refused_as + str(r.reason))
+                # The certified rules refuse, mostly, for the rules' own
+                # reason (no rule for an op): said once.
+                if str(r.reason) not in said:
+                    reasons.append(form.refused_as + str(r.reason))
+                    said.add(str(r.reason))
                 blocker = blocker or r.op
                 if strategy == "rules":
                     raise ValueError(
