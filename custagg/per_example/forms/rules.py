@@ -22,6 +22,7 @@ from custagg import batch_axis
 from custagg import graph as graph_lib
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
+from custagg.rules import registry as registry_lib
 from custagg.rules import shortcuts
 from custagg.rules.applies import rule_reason  # noqa: F401  (the rules' own checks)
 
@@ -215,6 +216,14 @@ class CertifiedForm(RulesForm):
             raise base.Refused("the certificate does not cover loop rules")
         if not unproven:    # cannot happen after RULES refused; be safe
             raise base.Refused("nothing to certify")
+        for c in rule_consumers(consumers):
+            _, axis = c.rule.coupling_start(registry_lib.RuleContext(
+                c.op, c.index, None, ctx.batch_size))
+            if not isinstance(axis, int):
+                # The row check reads one batch axis of the rule's output.
+                raise base.Refused(batch_axis.Reason(
+                    "the batch is not one axis of op '%s''s output (%s)"
+                    % (c.op.name, axis), c.op))
         # Why the static proof failed is the rules' refusal, already in
         # the plan's reason.
         return base.Choice(self, consumers=consumers)
