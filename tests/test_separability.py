@@ -252,9 +252,13 @@ def test_coupling_falls_back(model):
         xs, dynamic_loss, static_loss, feed, expected = _build(model)
         for loss in (dynamic_loss, static_loss):
             plan = custagg.plan_per_example(loss, xs)
-            assert plan.strategies() == expected, str(plan)
+            # A coupled x whose ops all have rules is certified at run time
+            # (issue 24; its check then fails and the exact form runs),
+            # else on pfor: never on the plain rules.
+            assert [a.strategy if a.form != "certified" else "pfor"
+                    for a in plan.assignments] == expected, str(plan)
             for a in plan.assignments:
-                if a.strategy == "pfor":
+                if a.strategy == "pfor" or a.form == "certified":
                     assert "mixes examples" in a.reason, str(plan)
             coupled = xs[expected.index("pfor")]
             with pytest.raises(ValueError) as info:

@@ -21,7 +21,11 @@ Strategies (chosen per x by `plan_per_example`):
   `[B, *x.shape]`. Needs a rule for every consumer and no batch coupling
   downstream; otherwise it is an error that says what to use instead.
 * `"auto"`: "rules" for each x that qualifies, "pfor" for the others (and
-  "loop" if pfor cannot build and B is static).
+  "loop" if pfor cannot build and B is static). An x whose ops all have
+  rules but whose separation the static analysis cannot prove is on
+  "rules (certified at run time)" (form "certified"): one more seeded
+  backward pass checks it each step, and a step that fails takes the
+  exact form under `tf.cond` (docs/strategies.md).
 
 "pfor" takes, per x, the first form that applies: the boundary ops (O(B));
 per-example copies of the forward pass, vectorized by pfor ("recompute",

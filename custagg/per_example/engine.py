@@ -26,6 +26,7 @@ from custagg.traversal.gradients import gradients
 from custagg.per_example import chains as chains_lib
 from custagg.per_example import norm_algebra
 from custagg.per_example import planning
+from custagg.per_example.forms import EXACT as FORMS_EXACT
 from custagg.per_example.forms import FORMS
 from custagg.per_example.forms import REFUSAL_TYPES
 from custagg.per_example.forms import is_refusal
@@ -74,6 +75,13 @@ class SharedPass(object):
                 self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
                     u.op, u.index, None, batch,
                     {"outer": outer, "dense": dense, "param": u.value})
+
+    def context(self, c):
+        """The `RuleContext` of one rule consumer, or None when the loss's
+        gradient does not reach it."""
+        if self._contexts is None:
+            self._build()
+        return self._contexts[(c.op, c.index)]
 
     def contexts(self, a):
         """(rule, RuleContext) pairs of an x planned as "rules" (its chains
@@ -128,6 +136,7 @@ class Engine(object):
         self.shared = SharedPass(plan)
         self.built = {}
         self._materialized = {}     # id(assignment) -> [B, *x]
+        self._certificate = None
 
     x_shape = staticmethod(x_shape)
     static_x_shape = staticmethod(static_x_shape)
@@ -146,6 +155,14 @@ class Engine(object):
     def _build(self, form, group):
         """Builds `group` in `form`, or in the forms its refusals fall back
         to; records and logs each fallback."""
+        out = self.build_form(form, group)
+        for a in group:
+            self._materialized[id(a)] = tf.cast(out[id(a)], x_dtype(a))
+
+    def build_form(self, form, group):
+        """`{id(a): [B, *x]}` of `group` built in `form` (or the forms its
+        refusals fall back to), nothing stored: also what a failed run-time
+        check builds under `tf.cond`."""
         errors = []
         while True:
             try:
@@ -168,8 +185,57 @@ class Engine(object):
                     self.built[a.name] = (nxt.name, why)
                 planning.warn_slow(self.plan, group, [nxt.name] * len(group))
                 form = nxt
-        for a in group:
-            self._materialized[id(a)] = tf.cast(out[id(a)], x_dtype(a))
+        return out
+
+    def exact(self, group):
+        """The exact form's `[B, *x]` of `group`, as a list aligned with it
+        (built where it is called: inside a `tf.cond` branch it runs only
+        on a step that takes that branch)."""
+        out = self.build_form(FORMS_EXACT, group)
+        return [tf.cast(out[id(a)], x_dtype(a)) for a in group]
+
+    # -- the certified rules --
+
+    def certificate(self, a):
+        """A scalar bool: the run-time certificate of separation of every
+        rule op of x (planned "certified"), from one seeded backward pass
+        shared by all certified xs (`Certificate`)."""
+        if self._certificate is None:
+            found = [c for b in self.plan.assignments
+                     if b.form == "certified"
+                     for c in rules_form.rule_consumers(b.consumers)]
+            self._certificate = Certificate(self, found)
+        return self._certificate.ok_of(
+            list(rules_form.rule_consumers(a.consumers)))
+
+    def certified_per_example(self, group):
+        """`{id(a): [B, *x]}` of certified xs: the rules' values where the
+        x's certificate holds at this step, else the exact form's. The
+        exact form is built inside a `tf.cond` branch taken only on a step
+        where some x of `group` fails, so a certified step never runs it."""
+        oks = [self.certificate(a) for a in group]
+        # Outside the cond: the rules' tensors (and their caches) live in
+        # the graph itself, so other quantities may reuse them.
+        fast = [tf.cast(self.rules_per_example(a), x_dtype(a))
+                for a in group]
+
+        def checked():
+            exact = self.exact(group)
+            # A failed x's rules rows may not even be B (a sampled path's
+            # rows): select by a cond per x, not elementwise.
+            return [tf.cond(ok, lambda f=f: tf.identity(f),
+                            lambda e=e: tf.identity(e))
+                    for ok, f, e in zip(oks, fast, exact)]
+
+        every = tf.reduce_all(tf.stack(oks))
+        out = tf.cond(every, lambda: [tf.identity(f) for f in fast],
+                      checked, name="certified")
+        if not isinstance(out, (list, tuple)):
+            out = [out]
+        for t, a in zip(out, group):
+            t.set_shape(tf.TensorShape([None]).concatenate(
+                static_x_shape(a)))
+        return dict(zip([id(a) for a in group], out))
 
     # -- rules --
 
@@ -257,7 +323,7 @@ class Engine(object):
         """`[B, *x]`, or None for an unconnected x."""
         if a.strategy is None:
             return None
-        if a.strategy == "rules":
+        if _on_rules(a):
             return self._checked(self.rules_per_example(a), a,
                                  "per-example gradients")
         return self.materialized(a)
@@ -269,7 +335,7 @@ class Engine(object):
         each rule's own identity for one consumer, the terms' inner
         products for several, else from the materialized gradients."""
         dtype = self.loss.dtype
-        if a.strategy == "rules" and not self._chains(a):
+        if _on_rules(a) and not self._chains(a):
             pairs = self.shared.contexts(a)
             if len(pairs) == 1:      # one consumer: the rule's own identity
                 rule, ctx = pairs[0]
@@ -285,7 +351,7 @@ class Engine(object):
             if not pairs:
                 return tf.zeros(tf.shape(self.loss) if groups is None
                                 else [group_count(groups)], dtype)
-        if a.strategy == "rules":
+        if _on_rules(a):
             # A shared weight, or weight decay next to a layer: cross terms.
             cross = norm_algebra.squared_norms_of_terms(
                 self._terms(a, groups), dtype)
@@ -305,7 +371,7 @@ class Engine(object):
         out = {}
         by_pass = []
         for a in group:
-            if a.strategy == "rules":
+            if _on_rules(a):
                 continue
             done = self._materialized.get(id(a))
             if done is not None and not _gathered(a.tensor):
@@ -318,7 +384,7 @@ class Engine(object):
             else:
                 by_pass.append(a)
         for a in group:
-            if a.strategy == "rules":
+            if _on_rules(a):
                 parts = [self.to_x(rule.weighted_sum(ctx, weights), a, False)
                          for rule, ctx in self.shared.contexts(a)]
                 for chain in self._chains(a):
@@ -341,12 +407,123 @@ class Engine(object):
 
     def squared_sum(self, a):
         """`sum_b g_b ** 2` (elementwise), x's shape."""
-        if a.strategy == "rules" and not self._chains(a):
+        if _on_rules(a) and not self._chains(a):
             parts = self.shared.contexts(a)
             if len(parts) == 1:
                 rule, ctx = parts[0]
                 return self.to_x(rule.squared_sum(ctx), a, False)
         return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+
+def _on_rules(a):
+    """Whether x's quantities come from the rules' contexts directly (the
+    certified rules are materialized: their values pass a `tf.cond`)."""
+    return a.form in ("rules", "loop-rules")
+
+
+# Relative tolerance of the certificate's row check, by the gradients'
+# dtype (see `Certificate`).
+CERTIFICATE_RTOL = {tf.float64: 1e-8, tf.float32: 1e-4,
+                    tf.float16: 1e-2, tf.bfloat16: 1e-2}
+# Rows whose gradient is below this fraction of the largest row's are
+# checked against that fraction of the largest row (rounding in a tiny
+# row is relative to the terms it was summed from, not to itself).
+CERTIFICATE_FLOOR = 1e-3
+
+
+class Certificate(object):
+    """The run-time certificate of separation for rule ops (`consumers`).
+
+    For a rule op with output z (`[R, ...]`, rows mapped to examples by
+    the rule: row r of example r, or `r // T` for `[B*T, ...]` rows of a
+    folded dense layer), the rules need d loss_i / d z_r = 0 unless row r
+    belongs to example i. With `g1 = d(sum_i loss_i)/dz` (the shared
+    pass's) and `gc = d(sum_i c_i loss_i)/dz` (ONE more backward pass, to
+    these z only, seeded with c ~ U[1, 2]^B), that holds iff
+    `gc_r = c_pi(r) * g1_r` for every row. A rule op passes when, for every
+    example b,
+
+        max|gc_b - c_b g1_b| <= rtol * (s_b + CERTIFICATE_FLOOR * max_b' s_b')
+
+    with `s_b = max(max|gc_b|, c_b max|g1_b|)` over example b's rows and
+    rtol `CERTIFICATE_RTOL[dtype]`. A NaN fails. docs/strategies.md gives
+    the argument for the draw and the error a passing check admits.
+    """
+
+    def __init__(self, engine, consumers):
+        loss = engine.loss
+        batch = tf.shape(loss)[0]
+        pairs = {}
+        for c in consumers:
+            out = c.op.outputs[0]
+            if out.ref() in pairs:
+                continue
+            ctx = engine.shared.context(c)
+            if ctx is None:
+                continue    # no gradient reaches it: nothing to certify
+            pairs[out.ref()] = (out, ctx.grad) + _rows(c)
+        self._ok = {}
+        if not pairs:
+            return
+        with tf.name_scope("certificate"):
+            seed = tf.random.uniform([batch], 1.0, 2.0, dtype=loss.dtype)
+            keys = list(pairs)
+            gcs = gradients(loss, [pairs[k][0] for k in keys], grad_ys=seed)
+            for k, gc in zip(keys, gcs):
+                out, g1, axis, start = pairs[k]
+                self._ok[k] = tf.constant(True) if gc is None else \
+                    _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
+                                axis, start, batch)
+
+    def ok_of(self, consumers):
+        """Scalar bool: the check holds at every op of `consumers`."""
+        oks = [self._ok[c.op.outputs[0].ref()] for c in consumers
+               if c.op.outputs[0].ref() in self._ok]
+        if not oks:
+            return tf.constant(True)
+        return tf.reduce_all(tf.stack(oks)) if len(oks) > 1 else oks[0]
+
+
+def _rows(c):
+    """(axis, start): the axis of the rule op's output z whose index is the
+    example's, and the tensor whose batch axis must hold B examples. For a
+    fold read past the unfold (`[B*T, ...]` rows of a dense layer on
+    `[B, T, D]`), the rows are example-major: z reshaped to `[B, -1]` has
+    one row per example, and `start` (the unfolded `[B, T, K]`) says B."""
+    ctx = registry_lib.RuleContext(c.op, c.index, None, None)
+    start, axis = c.rule.coupling_start(ctx)
+    if start is not c.op.outputs[0]:
+        return 0, start
+    return axis, start
+
+
+def _rows_agree(g1, gc, seed, axis, start, batch):
+    """Scalar bool: `gc_b == seed_b * g1_b` for every example b, within the
+    tolerance of `Certificate`; False when the rule's rows are not the
+    batch's examples at this step (a sampled path's rows)."""
+    rows_ok = tf.equal(tf.shape(start)[axis if start is not None else 0],
+                       batch)
+
+    def check(g1=g1, gc=gc):
+        return _agree(g1, gc, seed, axis, batch)
+
+    return tf.cond(rows_ok, check, lambda: tf.constant(False))
+
+
+def _agree(g1, gc, seed, axis, batch):
+    if axis != 0:
+        perm = [axis] + [k for k in range(g1.shape.rank) if k != axis]
+        g1, gc = tf.transpose(g1, perm), tf.transpose(gc, perm)
+    g1 = tf.reshape(g1, [batch, -1])
+    gc = tf.reshape(gc, [batch, -1])
+    c = tf.cast(seed, g1.dtype)[:, None]
+    gap = tf.reduce_max(tf.abs(gc - c * g1), axis=1)
+    scale = tf.maximum(tf.reduce_max(tf.abs(gc), axis=1),
+                       tf.reduce_max(tf.abs(c * g1), axis=1))
+    floor = CERTIFICATE_FLOOR * tf.reduce_max(
+        tf.concat([scale, tf.zeros([1], scale.dtype)], 0))
+    rtol = CERTIFICATE_RTOL.get(g1.dtype.base_dtype, 1e-4)
+    return tf.reduce_all(gap <= rtol * (scale + floor))
 
 
 def _gathered(x_tensor):

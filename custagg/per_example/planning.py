@@ -144,9 +144,10 @@ def describe(a, form=None):
     form = form or a.form
     if a.strategy is None:
         what = "unconnected (None)"
-    elif form in ("rules", "loop-rules"):
+    elif form in ("rules", "loop-rules", "certified"):
         found = list(rules_form.rule_consumers(a.consumers))
-        what = "rules via " + ", ".join(sorted(set(
+        what = ("rules (certified at run time) via " if form == "certified"
+                else "rules via ") + ", ".join(sorted(set(
             c.op.type for c in found if isinstance(c, rules_form.Consumer)) |
             set("%s in loop '%s'" % (t.op.type, c.name)
                 for c in found if isinstance(c, loop_rules.LoopUse)
@@ -228,12 +229,16 @@ def make_plan(loss, xs, tensors, strategy, registry):
             # As tf.gradients: None where no gradient reaches x.
             assignments.append(Assignment(x, t, None))
             continue
-        reasons, blocker = [], None
+        reasons, blocker, said = [], None, set()
         for form in CHAINS[strategy]:
             try:
                 choice = form.plan(t, ctx)
             except Refused as r:
-                reasons.append(form.refused_as + str(r.reason))
+                # The certified rules refuse, mostly, for the rules' own
+                # reason (no rule for an op): said once.
+                if str(r.reason) not in said:
+                    reasons.append(form.refused_as + str(r.reason))
+                    said.add(str(r.reason))
                 blocker = blocker or r.op
                 if strategy == "rules":
                     raise ValueError(

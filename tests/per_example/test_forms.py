@@ -37,7 +37,8 @@ def _mlp(batch=None, coupled=False, dtype=tf.float64):
 
 
 def test_every_form_is_behind_the_interface():
-    assert set(forms.FORMS) == {"rules", "loop-rules", "boundary",
+    assert set(forms.FORMS) == {"rules", "loop-rules", "certified",
+                                "boundary",
                                 "recompute", "recompute-loop", "whole-pass",
                                 "loop"}
     for name, form in forms.FORMS.items():
@@ -72,6 +73,10 @@ def test_a_build_fallback_changes_neither_the_plan_nor_later_plans(
     loop reference's."""
     loss, xs, feed = _mlp(coupled=True)
     xs = xs[:2]                  # w2, after the coupling, is on rules
+    # Without the certified rules (which would take w1 and b1; their exact
+    # form is this whole pass too, under tf.cond).
+    monkeypatch.setitem(forms.CHAINS, "auto", tuple(
+        f for f in forms.CHAINS["auto"] if f.name != "certified"))
     before = custagg.plan_per_example(loss, xs)
     assert set(before.forms()) == {"whole-pass"}, str(before)
     monkeypatch.setattr(pfor_forms.WholePassForm, "build", _refuse)

@@ -52,18 +52,11 @@ SLOW_MODELS = {"bilstm_tagger", "ptb_lm", "in_batch_softmax"}
 # there. Per-example gradients and norms (seed 1) stay float64-exact.
 CLIP_RTOL = {"transformer": 1e-6}
 
-# Cases that fail today because of an engine bug (issue 24), by (model,
-# batches): strict, so a fix shows up as an XPASS failure to remove.
-_ROLL = ("issue 24: 'auto' puts the document tower (behind tf.roll along the "
-         "batch) on the 'recompute' copies, whose run-time check then fails: "
-         "InvalidArgumentError: assertion failed: [custagg: the per-example "
-         "recomputation of the forward pass gives other losses than the "
-         "batch does (largest gap, scale):] ... instead of taking an exact "
-         "form")
-XFAIL = {
-    ("in_batch_negatives", DEFAULT_BATCHES): _ROLL,
-    ("in_batch_negatives", SLOW_BATCHES): _ROLL,
-}
+# Cases that fail today because of an engine bug, by (model, batches):
+# strict, so a fix shows up as an XPASS failure to remove. (Issue 24's
+# tf.roll model is exact since the copies' failed check takes the exact
+# form under tf.cond.)
+XFAIL = {}
 
 
 def _dtype(name):

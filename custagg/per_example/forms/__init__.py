@@ -3,6 +3,8 @@ plan, then build), and which strategies may take which.
 
   rules.RULES              "rules"           about 1 backward pass
   rules.LOOP_RULES         "loop-rules"      about 2 (loops run once more)
+  rules.CERTIFIED          "certified"       about 2 (+ the exact form on a
+                                             step whose run-time check fails)
   pfor.BOUNDARY            "boundary"        O(B)
   pfor.COPIES              "recompute"       O(B)
   pfor.COPIES_LOOP         "recompute-loop"  O(B)
@@ -23,7 +25,8 @@ from custagg.per_example.forms.base import REFUSAL_TYPES  # noqa: F401
 from custagg.per_example.forms.base import Refused  # noqa: F401
 from custagg.per_example.forms.base import is_refusal  # noqa: F401
 
-FORMS = {f.name: f for f in (rules.RULES, rules.LOOP_RULES, pfor.BOUNDARY,
+FORMS = {f.name: f for f in (rules.RULES, rules.LOOP_RULES, rules.CERTIFIED,
+                             pfor.BOUNDARY,
                              pfor.COPIES, pfor.COPIES_LOOP, pfor.WHOLE_PASS,
                              loop.LOOP)}
 
@@ -32,9 +35,14 @@ FORMS = {f.name: f for f in (rules.RULES, rules.LOOP_RULES, pfor.BOUNDARY,
 # the rules to the loop rules, the copies to their while loop.)
 _PFOR = (pfor.BOUNDARY, pfor.COPIES, pfor.WHOLE_PASS)
 CHAINS = {
-    "auto": (rules.RULES,) + _PFOR,
+    "auto": (rules.RULES, rules.CERTIFIED) + _PFOR,
     "rules": (rules.RULES,),
     "pfor": _PFOR,
     "loop": (loop.LOOP,),
 }
 
+
+# The exact form a certified step takes when its run-time check fails (and
+# the copies when their loss check fails): exact for any graph pfor
+# converts, falling back to the loop when it does not.
+EXACT = pfor.WHOLE_PASS

@@ -104,7 +104,7 @@ class CopiesForm(_PforForm):
         tensors, zeros, dtypes, batch = self._args(engine, group)
         out = copies.per_example_pfor(
             group[0].forward, tensors, zeros, dtypes, batch, engine.chunk,
-            copy_gradients)
+            copy_gradients, exact=_exact(engine, group))
         return dict(zip([id(a) for a in group], out))
 
     def fallback(self, requested):
@@ -123,12 +123,19 @@ class CopiesLoopForm(CopiesForm):
         tensors, zeros, dtypes, batch = self._args(engine, group)
         out = copies.per_example_loop(
             group[0].forward, tensors, zeros, dtypes,
-            [engine.static_x_shape(a) for a in group], batch, copy_gradients)
+            [engine.static_x_shape(a) for a in group], batch, copy_gradients,
+            exact=_exact(engine, group))
         return dict(zip([id(a) for a in group], out))
 
     def fallback(self, requested):
         del requested
         return WHOLE_PASS
+
+
+def _exact(engine, group):
+    """What a step whose copies fail their loss check builds instead (under
+    `tf.cond`, so only such a step runs it): the whole pass, exact."""
+    return lambda: engine.exact(group)
 
 
 def copy_gradients(ys, xs, **kwargs):

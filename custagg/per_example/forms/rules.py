@@ -22,6 +22,7 @@ from custagg import batch_axis
 from custagg import graph as graph_lib
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
+from custagg.rules import registry as registry_lib
 from custagg.rules import shortcuts
 from custagg.rules.applies import rule_reason  # noqa: F401  (the rules' own checks)
 
@@ -81,9 +82,15 @@ def _reached_refs(x_tensor, loss_ancestors, live):
     return refs
 
 
-def find_rule_consumers(x_tensor, ctx, depth=0):
+def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
     """x's rule consumers (`Consumer`s, `LoopUse`s, `Chain`s), or raises
-    `Refused` naming the op that has no usable rule."""
+    `Refused` naming the op that has no usable rule.
+
+    `unproven`: None (the static proof must hold for every rule op), or a
+    list: a rule op that applies but whose separation down to the loss the
+    static analysis cannot prove is taken anyway and its reason appended
+    (the certified form checks those at run time); loops are still refused.
+    """
     loss, loss_ancestors = ctx.loss, ctx.ancestors
     found = batch_axis.infer(loss)
     if not found.sources:
@@ -122,10 +129,15 @@ def find_rule_consumers(x_tensor, ctx, depth=0):
             if op in chained:
                 continue
             chained.add(op)
-            consumers.append(_chain(op, x_tensor, ctx, depth))
+            consumers.append(_chain(op, x_tensor, ctx, depth, unproven))
             continue
         why = rule_reason(op, k, ctx.registry, ctx.batch_size, loss,
                           loss_ancestors)
+        if why and unproven is not None and rule_reason(
+                op, k, ctx.registry, ctx.batch_size, None, None) is None:
+            # The rule applies; only the proof of separation failed.
+            unproven.append(why)
+            why = None
         if why:
             raise base.Refused(why)
         consumers.append(Consumer(op, k, ctx.registry.lookup(op.type)))
@@ -135,7 +147,7 @@ def find_rule_consumers(x_tensor, ctx, depth=0):
     return consumers
 
 
-def _chain(op, x_tensor, ctx, depth):
+def _chain(op, x_tensor, ctx, depth, unproven=None):
     """A `Chain` through `op` (which sees no batch data), or raises."""
     reached = _reached_refs(x_tensor, ctx.ancestors, ctx.live)
     indices = [k for k, inp in enumerate(op.inputs) if inp.ref() in reached]
@@ -145,7 +157,7 @@ def _chain(op, x_tensor, ctx, depth):
             continue
         if not any(c in ctx.ancestors for c in out.consumers()):
             continue
-        consumers = find_rule_consumers(out, ctx, depth + 1)
+        consumers = find_rule_consumers(out, ctx, depth + 1, unproven)
         inner.append(ctx.inner_assignment(out, consumers))
     if not inner:
         raise base.Refused("op '%s' reaches the loss through no float "
@@ -183,5 +195,43 @@ class LoopRulesForm(RulesForm):
     cost = "about 2 backward passes"
 
 
+class CertifiedForm(RulesForm):
+    """The rules where the static proof of separation fails, certified at
+    run time (`engine.Certificate`): one more backward pass, seeded with
+    random per-example weights c, must give at the rule's start
+    `gc = c_pi(r) * g1` row by row; a step whose check fails takes the
+    exact form (`EXACT`) under `tf.cond` instead."""
+
+    name = "certified"
+    what = "rules (certified at run time)"
+    cost = "about 2 backward passes"
+    scope = "certified_rules"
+    refused_as = "no certified rules: "
+
+    def plan(self, x_tensor, ctx):
+        unproven = []
+        consumers = find_rule_consumers(x_tensor, ctx, unproven=unproven)
+        if any(isinstance(c, loop_rules.LoopUse)
+               for c in rule_consumers(consumers)):
+            raise base.Refused("the certificate does not cover loop rules")
+        if not unproven:    # cannot happen after RULES refused; be safe
+            raise base.Refused("nothing to certify")
+        for c in rule_consumers(consumers):
+            _, axis = c.rule.coupling_start(registry_lib.RuleContext(
+                c.op, c.index, None, ctx.batch_size))
+            if not isinstance(axis, int):
+                # The row check reads one batch axis of the rule's output.
+                raise base.Refused(batch_axis.Reason(
+                    "the batch is not one axis of op '%s''s output (%s)"
+                    % (c.op.name, axis), c.op))
+        # Why the static proof failed is the rules' refusal, already in
+        # the plan's reason.
+        return base.Choice(self, consumers=consumers)
+
+    def build(self, engine, group):
+        return engine.certified_per_example(group)
+
+
 RULES = RulesForm()
 LOOP_RULES = LoopRulesForm()
+CERTIFIED = CertifiedForm()
