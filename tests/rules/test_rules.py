@@ -118,7 +118,10 @@ def _compare(got, ref, expected, rtol, where):
 def _check_plan(spec, loss, xs):
     plan = custagg.plan_per_example(loss, xs, strategy="auto")
     for a in plan.assignments:
-        assert a.strategy == spec.expect, str(plan)
+        if spec.expect == "certified":
+            assert a.form == "certified", str(plan)
+        else:
+            assert a.strategy == spec.expect, str(plan)
         assert spec.expect == "rules" or a.reason, str(plan)
     if spec.expect == "rules":
         used = {c.op.type for a in plan.assignments for c in a.consumers}
