@@ -119,8 +119,23 @@ LEFT_TO_SLOW = (
     "the_same_function[rules]",
     "tests/test_in_tf_function.py::test_per_example_api_matches_the_loop_in_"
     "the_same_function[pfor]",
-    # [a run-time message; test_hidden_couplings_are_not_proved_and_fail_
-    # loudly keeps the run-time checks]
+    # [the other hidden-coupling cases]
+    "tests/test_rowwise.py::test_hidden_couplings_are_not_proved_and_take_"
+    "the_exact_form[batch size as a number]",
+    # [test_hand_written_loop_is_proved; the hidden-coupling cases' values]
+    "tests/test_rowwise.py::test_model_without_rules_is_proved_and_matches_"
+    "the_loop",
+    # [test_loops_the_rules_cannot_prove_are_refused; the readout head's
+    # rules in every loop-rules model]
+    "tests/per_example/test_loop_rules.py::test_refused_coupling_after_the_"
+    "loop_is_still_exact",
+    "tests/per_example/test_loop_rules.py::test_layer_before_a_loop_keeps_"
+    "its_rules",
+    # [wide & deep, word2vec and the in-batch negatives]
+    "tests/per_example/test_tf1_models.py::test_tf1_model_matches_loop["
+    "transformer-B1,7]",
+    # [a run-time message; the hidden-coupling cases keep the run-time
+    # checks]
     "tests/test_rowwise.py::test_inputs_of_other_lengths_fail_with_the_"
     "inputs_named",
     # [while_rnn_add_bias]

@@ -19,7 +19,11 @@ FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",
                "whole-pass": "whole_pass_form", "loop": "per_example_loop",
                "recompute": "recompute_form",
                "recompute-loop": "recompute_loop_form",
-               "loop-rules": "loop_rules_form"}
+               "loop-rules": "loop_rules_form", "certified": "certified"}
+# What a form's result is built from: the certified form is the rules' values
+# selected by the certificate's tf.cond (whose exact branch is a function
+# body, not behind the result's inputs).
+BEHIND = {"certified": {"certified", "rules"}}
 
 
 def forms_behind(t):
@@ -32,7 +36,7 @@ def forms_behind(t):
             continue
         seen.add(op)
         for form, scope in FORM_SCOPES.items():
-            if "/%s/" % scope in "/" + op.name:
+            if "/%s/" % scope in "/" + op.name + "/":
                 found.add(form)
         stack.extend(i.op for i in op.inputs)
         stack.extend(op.control_inputs)
