@@ -124,6 +124,16 @@ COUPLED = [
 ]
 
 
+def _assert_gradients_match(sess, got, ref, feed, xs, batches, seed):
+    """`got` (per-example gradients aligned with xs) against the loop
+    reference `ref` at each B of `batches` (test_loops.sliced_batches)."""
+    for b, small, want in test_loops.sliced_batches(sess, ref, feed, batches,
+                                                    seed=seed):
+        for gj, wj, x in zip(sess.run(got, small), want, xs):
+            np.testing.assert_allclose(gj, wj, rtol=1e-7, atol=1e-12,
+                                       err_msg="B=%d %s" % (b, x.name))
+
+
 def test_a_row_index_is_batch_data(graph):
     """`loss * (1 + range(B))`: row b of the index belongs to example b, so
     the index is a batch source (found backward from the loss), each copy
@@ -137,12 +147,8 @@ def test_a_row_index_is_batch_data(graph):
     got = custagg.per_example_gradients(loss, xs)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        for b, small, want in test_loops.sliced_batches(
-                sess, ref, feed, (1, 5), seed=3):
-            for gj, wj, x in zip(sess.run(got, small), want, xs):
-                np.testing.assert_allclose(
-                    gj, wj, rtol=1e-7, atol=1e-12,
-                    err_msg="B=%d %s" % (b, x.name))
+        _assert_gradients_match(sess, got, ref, feed, xs, (1, 5),
+                                seed=3)
 
 
 @pytest.mark.parametrize("name,names,body,after", COUPLED,
@@ -186,11 +192,7 @@ def test_reversal_over_the_batch_hides_the_data_and_the_copies_refuse(graph):
     got = custagg.per_example_gradients(loss, xs)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        for b, small, want in test_loops.sliced_batches(
-                sess, ref, feed, (5,), seed=4):
-            for gj, wj, x in zip(sess.run(got, small), want, xs):
-                np.testing.assert_allclose(gj, wj, rtol=1e-7, atol=1e-12,
-                                           err_msg=x.name)
+        _assert_gradients_match(sess, got, ref, feed, xs, (5,), seed=4)
 
 
 def test_a_constant_holding_a_batch_is_a_source(graph):
@@ -206,11 +208,7 @@ def test_a_constant_holding_a_batch_is_a_source(graph):
     got = custagg.per_example_gradients(loss, xs)
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        for b, small, want in test_loops.sliced_batches(
-                sess, ref, feed, (4,), seed=4):
-            for gj, wj, x in zip(sess.run(got, small), want, xs):
-                np.testing.assert_allclose(gj, wj, rtol=1e-7, atol=1e-12,
-                                           err_msg=x.name)
+        _assert_gradients_match(sess, got, ref, feed, xs, (4,), seed=4)
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match="other leading dimensions"):
             sess.run(got, feed(5, np.random.default_rng(0)))

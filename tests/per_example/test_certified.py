@@ -82,6 +82,12 @@ def _certificates(graph):
             and op.name.split("/")[-1].startswith("certified")]
 
 
+def _feed(x, y, rng, b):
+    """A random batch of b examples for `_model`'s placeholders."""
+    return {x: rng.normal(size=[b, D_IN]),
+            y: rng.integers(0, CLASSES, size=[b])}
+
+
 def _run(graph, x, y, loss, xs, batches, extra=None):
     """Runs custagg's per-example gradients, norms and clipped sum next to
     the loop reference at each B; returns {B: values}."""
@@ -98,8 +104,8 @@ def _run(graph, x, y, loss, xs, batches, extra=None):
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for b in batches:
-            feed = {x: rng.normal(size=[b, D_IN]),
-                    y: rng.integers(0, CLASSES, size=[b]), clip: 1.0}
+            feed = _feed(x, y, rng, b)
+            feed[clip] = 1.0
             values = sess.run(dict(fetches, ref=fetches["ref"][:b]), feed)
             per_example = [np.stack(col) for col in zip(*values["ref"])]
             feed[clip] = float(np.median(
@@ -143,8 +149,7 @@ def test_innocent_op_hidden_takes_certified_and_is_exact(
         sess.run(tf.compat.v1.global_variables_initializer())
         rng = np.random.default_rng(0)
         for b in batches:
-            feed = {x: rng.normal(size=[b, D_IN]),
-                    y: rng.integers(0, CLASSES, size=[b])}
+            feed = _feed(x, y, rng, b)
             assert all(sess.run(certs, feed)), b
 
 
@@ -165,8 +170,7 @@ def test_planted_coupling_is_caught(batches, graph, monkeypatch):
         sess.run(tf.compat.v1.global_variables_initializer())
         rng = np.random.default_rng(1)
         for b in batches:
-            feed = {x: rng.normal(size=[b, D_IN]),
-                    y: rng.integers(0, CLASSES, size=[b])}
+            feed = _feed(x, y, rng, b)
             # B=1: the roll is the identity, nothing to catch.
             assert all(sess.run(certs, feed)) == (b == 1), b
 
