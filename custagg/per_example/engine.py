@@ -501,13 +501,9 @@ def _rows_agree(g1, gc, seed, axis, start, batch):
     """Scalar bool: `gc_b == seed_b * g1_b` for every example b, within the
     tolerance of `Certificate`; False when the rule's rows are not the
     batch's examples at this step (a sampled path's rows)."""
-    rows_ok = tf.equal(tf.shape(start)[axis if start is not None else 0],
-                       batch)
-
-    def check(g1=g1, gc=gc):
-        return _agree(g1, gc, seed, axis, batch)
-
-    return tf.cond(rows_ok, check, lambda: tf.constant(False))
+    rows_ok = tf.equal(tf.shape(start)[axis], batch)
+    return tf.cond(rows_ok, lambda: _agree(g1, gc, seed, axis, batch),
+                   lambda: tf.constant(False))
 
 
 def _agree(g1, gc, seed, axis, batch):
