@@ -81,6 +81,17 @@ def keras3_hint(exc):
     return "%s\n%s" % (exc, KERAS2_FIX)
 
 
+def check_argument(ok, where, arg, expected, value, error=ValueError):
+    """Raise `error` naming `where`'s argument `arg` unless `ok`.
+
+    The message reads "<where>: `<arg>` must be <expected>, got <value>."
+    (one wording for the constructors' argument checks).
+    """
+    if not ok:
+        raise error("%s: `%s` must be %s, got %r." % (where, arg, expected,
+                                                        value))
+
+
 def _is_real_number(x):
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 

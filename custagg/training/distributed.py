@@ -224,6 +224,11 @@ class DistributedDPOptimizer(_Optimizer):
       name: the wrapper's name.
     """
 
+    # Set by compute_gradients: this replica's count of clipping units, and
+    # the noise's standard deviation on the mean over all replicas.
+    _units = None
+    _noise_std_on_mean = None
+
     def __init__(self, optimizer, replicas_to_aggregate=1, seed=None,
                  name=None):
         if not isinstance(optimizer, _Optimizer):
@@ -245,8 +250,6 @@ class DistributedDPOptimizer(_Optimizer):
         self._noise = _NoiseSource(optimizer)
         self._replicas = replicas_to_aggregate
         self._seed = seed
-        self._units = None
-        self._noise_std_on_mean = None
 
     @property
     def optimizer(self):

@@ -21,6 +21,7 @@ import collections
 
 import tensorflow as tf
 
+from custagg import errors
 from custagg.privacy.dp_query import dp_query
 from custagg.privacy.dp_query import gaussian_query
 from custagg.privacy.dp_query import no_privacy_query
@@ -63,14 +64,12 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     def __init__(self, initial_estimate, target_quantile, learning_rate,
                  below_estimate_stddev, expected_num_records,
                  geometric_update=False):
-        if not 0 <= target_quantile <= 1:
-            raise ValueError(
-                "QuantileEstimatorQuery: `target_quantile` must be between 0 "
-                "and 1, got %r." % (target_quantile,))
-        if learning_rate < 0:
-            raise ValueError(
-                "QuantileEstimatorQuery: `learning_rate` must be non-negative, "
-                "got %r." % (learning_rate,))
+        where = "QuantileEstimatorQuery"
+        errors.check_argument(0 <= target_quantile <= 1, where,
+                              "target_quantile", "between 0 and 1",
+                              target_quantile)
+        errors.check_argument(learning_rate >= 0, where, "learning_rate",
+                              "non-negative", learning_rate)
         self._initial_estimate = initial_estimate
         self._target_quantile = target_quantile
         self._learning_rate = learning_rate

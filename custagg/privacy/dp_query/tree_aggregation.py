@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from custagg import errors
+
 __all__ = ["ValueGenerator", "GaussianNoiseGenerator",
            "StatelessValueGenerator", "TreeState", "get_step_idx",
            "TreeAggregator", "EfficientTreeAggregator"]
@@ -80,14 +82,12 @@ class GaussianNoiseGenerator(ValueGenerator):
     _GlobalState = collections.namedtuple("_GlobalState", ["seeds", "stddev"])
 
     def __init__(self, noise_std, specs, seed=None):
-        if isinstance(noise_std, (int, float)) and noise_std < 0:
-            raise ValueError(
-                "GaussianNoiseGenerator: `noise_std` must be non-negative, "
-                "got %r." % (noise_std,))
-        if seed is not None and not isinstance(seed, int):
-            raise TypeError(
-                "GaussianNoiseGenerator: `seed` must be a Python int or None, "
-                "got %r." % (seed,))
+        where = "GaussianNoiseGenerator"
+        errors.check_argument(
+            not (isinstance(noise_std, (int, float)) and noise_std < 0),
+            where, "noise_std", "non-negative", noise_std)
+        errors.check_argument(seed is None or isinstance(seed, int), where,
+                              "seed", "a Python int or None", seed, TypeError)
         self._noise_std = noise_std
         self._specs = specs
         self._seed = seed

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
+from custagg import errors
 from custagg.privacy.dp_query import dp_query
 from custagg.privacy.dp_query import tree_aggregation
 
@@ -51,12 +52,11 @@ def _zeros_like_specs(specs):
 
 
 def _check_non_negative(value, arg, cls_name):
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError("%s.build_l2_gaussian_query: `%s` must be a Python "
-                        "number, got %r." % (cls_name, arg, value))
-    if not value >= 0:
-        raise ValueError("%s.build_l2_gaussian_query: `%s` must be "
-                         "non-negative, got %r." % (cls_name, arg, value))
+    where = cls_name + ".build_l2_gaussian_query"
+    errors.check_argument(
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        where, arg, "a Python number", value, TypeError)
+    errors.check_argument(value >= 0, where, arg, "non-negative", value)
 
 
 def _like(clip, flat):
