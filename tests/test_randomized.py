@@ -14,7 +14,11 @@ Two generators, each case built from one seed:
   on weights, integer-cast and stop_gradient branches, embeddings with and
   without a reshaped table, elementwise weights, a batch-free l2 term, conv
   with explicit or SAME padding, inputs as xs, static and dynamic batch
-  sizes at and off multiples of 32) for every strategy and every public
+  sizes at and off multiples of 32; the batch fed, behind a
+  placeholder_with_default, held in a variable or a constant; row-wise ops
+  the batch-axis table may not know (the run-time certificate's case) and
+  layers or an in-batch loss that couple examples (the certificate must
+  fail and the exact form run)) for every strategy and every public
   function against one tf.compat.v1.gradients(loss[i]) per example
   (tests/per_example_reference.py). strategy="rules" may decline a model
   with its "strategy='rules' cannot ..." error; nothing else may raise. A
@@ -369,7 +373,61 @@ def random_model(seed):
             "layers": layers, "input_x": bool(rng.rand() < 0.25),
             "strategy": custagg.STRATEGIES[seed % 4],
             "functions": [ref.FUNCTIONS[i] for i in sorted(set(
-                rng.randint(len(ref.FUNCTIONS), size=2)))]}
+                rng.randint(len(ref.FUNCTIONS), size=2)))],
+            # Drawn last, so the fields above stay what they were for a seed.
+            "source": SOURCES[rng.choice(len(SOURCES), p=[.55, .15, .15,
+                                                          .15])],
+            "mix": MIXES[rng.choice(len(MIXES), p=[.5] + [.1] * 5)],
+            "inbatch_loss": bool(rng.rand() < 0.1)}
+
+
+# Where the batch comes from. Not fed: a placeholder_with_default on the
+# batch, a variable holding it (shape left open when the batch is dynamic),
+# a constant. The batch is found from the loss, whatever holds it.
+SOURCES = ["placeholder", "with_default", "variable", "constant"]
+# One more layer after the drawn ones, on [B, d]. None: nothing. Row-wise
+# ops the batch-axis table may not know (the static proof then fails and the
+# run-time certificate must pass: "cumsum", "reverse_cols", "roll_pair", a
+# roll along the batch and back); or layers that truly couple examples (the
+# certificate must fail and the exact form run: "batch_center" subtracts
+# the batch mean, "roll_mix" adds the next example's row).
+MIXES = [None, "cumsum", "reverse_cols", "roll_pair", "batch_center",
+         "roll_mix"]
+
+
+def _source(spec, rng, feed, data, dtype, shape):
+    """The batch `data` ([B, ...] numpy) as the graph's input tensor."""
+    lead = None if spec["dynamic"] else spec["batch"]
+    kind = spec.get("source", "placeholder")
+    if kind == "placeholder":
+        x = tf.compat.v1.placeholder(dtype, [lead] + shape, name="x")
+        feed[x] = data
+        return x
+    if kind == "with_default":
+        return tf.compat.v1.placeholder_with_default(
+            tf.constant(data, dtype), [lead] + shape, name="x")
+    if kind == "variable":
+        v = tf.compat.v1.Variable(
+            tf.constant(data, dtype), trainable=False, name="x_batch",
+            validate_shape=not spec["dynamic"], use_resource=True)
+        return tf.identity(v.read_value() if not spec["dynamic"] else
+                           tf.reshape(v.read_value(), [-1] + shape), name="x")
+    return tf.constant(data, dtype, name="x")
+
+
+def _mix(kind, h):
+    """The `MIXES` layer `kind` on h [B, d]."""
+    if kind == "cumsum":
+        return tf.math.cumsum(h, axis=1)
+    if kind == "reverse_cols":
+        return tf.reverse(h, [1])
+    if kind == "roll_pair":
+        return tf.roll(tf.roll(h, 1, axis=0), -1, axis=0)
+    if kind == "batch_center":
+        return h - 0.5 * tf.reduce_mean(h, axis=0, keepdims=True)
+    if kind == "roll_mix":
+        return h + 0.5 * tf.roll(h, 1, axis=0)
+    return h
 
 
 def build_model(spec, graph):
@@ -389,15 +447,15 @@ def build_model(spec, graph):
 
     lead = None if spec["dynamic"] else spec["batch"]
     if spec["conv"]:
-        x = tf.compat.v1.placeholder(tf.float64, [lead, 4, 4, 2], name="x")
-        feed[x] = rng.normal(size=(spec["batch"], 4, 4, 2))
+        x = _source(spec, rng, feed, rng.normal(size=(spec["batch"], 4, 4, 2)),
+                    tf.float64, [4, 4, 2])
         pad = ([[0, 0], [1, 0], [0, 2], [0, 0]] if spec["conv"] == "explicit"
                else "SAME")
         h = tf.nn.conv2d(x, var([2, 2, 2, 2]), strides=1, padding=pad)
         h = tf.reshape(h, [-1, int(np.prod(h.shape.as_list()[1:]))])
     else:
-        x = tf.compat.v1.placeholder(tf.float64, [lead, 3], name="x")
-        feed[x] = rng.normal(size=(spec["batch"], 3))
+        x = _source(spec, rng, feed, rng.normal(size=(spec["batch"], 3)),
+                    tf.float64, [3])
         h = x
     extra = []
     for layer in spec["layers"]:
@@ -428,7 +486,12 @@ def build_model(spec, graph):
             h = h + tf.reduce_sum(tf.gather(table, ids), 1)
         elif layer == "l2":
             extra.append(0.1 * tf.nn.l2_loss(var([d])))
+    h = _mix(spec.get("mix"), h)
     loss = tf.reduce_sum(tf.square(h), 1)
+    if spec.get("inbatch_loss"):
+        # In-batch negatives: each example's loss sees every row of h.
+        loss = loss - 0.1 * tf.reduce_logsumexp(
+            tf.matmul(h, h, transpose_b=True), axis=1)
     for e in extra:
         loss = loss + e
     xs = list(variables)
@@ -485,6 +548,13 @@ def _shrink_model(spec, why):
             if _failed(w):
                 spec, why, changed = cand, w, True
                 break
+        for key, plain in (("mix", None), ("inbatch_loss", False),
+                           ("source", "placeholder")):
+            if spec.get(key, plain) != plain and not changed:
+                cand = dict(spec, **{key: plain})
+                w = check_model(cand)
+                if _failed(w):
+                    spec, why, changed = cand, w, True
         if spec["conv"] and not changed:
             cand = dict(spec, conv=None)
             w = check_model(cand)

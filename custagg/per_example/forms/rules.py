@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 
+import tensorflow as tf
+
 from custagg import batch_axis
 from custagg import graph as graph_lib
 from custagg.per_example.forms import base
@@ -217,19 +219,39 @@ class CertifiedForm(RulesForm):
         if not unproven:    # cannot happen after RULES refused; be safe
             raise base.Refused("nothing to certify")
         for c in rule_consumers(consumers):
-            _, axis = c.rule.coupling_start(registry_lib.RuleContext(
+            start, axis = c.rule.coupling_start(registry_lib.RuleContext(
                 c.op, c.index, None, ctx.batch_size))
             if not isinstance(axis, int):
                 # The row check reads one batch axis of the rule's output.
                 raise base.Refused(batch_axis.Reason(
                     "the batch is not one axis of op '%s''s output (%s)"
                     % (c.op.name, axis), c.op))
+            _check_rows(c.op, start, axis, ctx.static_b)
         # Why the static proof failed is the rules' refusal, already in
         # the plan's reason.
         return base.Choice(self, consumers=consumers)
 
     def build(self, engine, group):
         return engine.certified_per_example(group)
+
+
+def _check_rows(op, start, axis, static_b):
+    """Refuses when the rule's rows provably are not the batch's examples:
+    the axis the rule reads its examples from has a static size other than
+    a static B (e.g. an input x [B, K] in xs, taken as the parameter of
+    `x @ W`: the rule's examples are then W's columns). The run-time check
+    would fail at every step, and the rule's values, shaped by those rows,
+    could not even be built beside the other forms' `[B, ...]` ones."""
+    if start is not op.outputs[0]:
+        axis = 0    # read past an unfold: `start` is `[B, T, ...]`
+    rank = start.shape.rank
+    rows = (tf.compat.dimension_value(start.shape[axis])
+            if rank is not None and axis < rank else None)
+    if static_b is not None and rows is not None and rows != static_b:
+        raise base.Refused(batch_axis.Reason(
+            "the rows op '%s''s rule reads its examples from (%d, axis %d "
+            "of '%s') are not the batch's %d examples" % (
+                op.name, rows, axis, start.name, static_b), op))
 
 
 RULES = RulesForm()
