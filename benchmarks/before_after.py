@@ -283,17 +283,20 @@ def markdown(cells, meta):
         "the end; %s wall" % (meta["cpu"], meta["cores"], meta.get("tf", "?"),
                               _load(meta["loadavg_start"]), _load(meta.get("loadavg_end")),
                               "%.0f s" % meta["wall_s"] if meta.get("wall_s") else "?"),
-        "", "| suite | model | B | measure | before | after | after/before | memory before "
-        "| memory after | memory after/before | forms (before → after) |",
-        "|---|---|---:|---|---|---|---:|---:|---:|---:|---|"]
+        "", "| suite | model | B | measure | before | after | after/before | floor ms (before "
+        "/ after) | memory before | memory after | memory after/before | forms (before → "
+        "after) |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
     for c in cells:
         suite, model, b = c["key"].split("/")[:3]
         bf, af = c["before"], c["after"]
         forms = [", ".join("%s %d" % kv for kv in sorted((c["forms"].get(t) or {}).items()))
                  for t in TREES]
-        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             suite, model, b[1:], c["measure"], _ratio_cell(bf), _ratio_cell(af),
             _verdict(c["after_over_before"], c["changed"]),
+            "%.3g / %.3g" % (bf["base_ms"], af["base_ms"]) if bf["base_ms"] and af["base_ms"]
+            else "-",
             _num(bf["peak_ratio"]), _num(af["peak_ratio"]),
             _verdict(c["peak_after_over_before"], c["peak_changed"]),
             forms[0] if forms[0] == forms[1] else "%s → %s" % tuple(forms)))
