@@ -275,9 +275,8 @@ def markdown(cells, meta):
         "round-to-round range of the two trees and by more than %d%% (memory: %d%%). Memory: peak "
         "bytes of one traced step (benchmarks/memory.py) over the floor's." % (
             meta["rounds"], int(100 * TIME_TOLERANCE), int(100 * MEMORY_TOLERANCE)), "",
-        "- before: `%s` at %s; after: `%s` at %s (same benchmark code: this tree's)" % (
-            meta["before"]["dir"], meta["before"]["commit"], meta["after"]["dir"],
-            meta["after"]["commit"]),
+        "- before: `%s` at %s; after: `%s` at %s (same benchmark code: this tree's)" % tuple(
+            x for t in TREES for x in (meta[t]["dir"], _commit(meta[t]))),
         "- command: `%s`" % meta["command"],
         "- machine: %s, %d cores, TF %s; load average (1, 5, 15 min) %s at the start, %s at "
         "the end; %s wall" % (meta["cpu"], meta["cores"], meta.get("tf", "?"),
@@ -307,6 +306,15 @@ def markdown(cells, meta):
     if meta.get("note"):
         lines += ["", meta["note"]]
     return "\n".join(lines) + "\n"
+
+
+def _commit(tree_meta):
+    """"HEAD abc (custagg/ last changed in def)"."""
+    out = "%s" % tree_meta.get("commit", "?")
+    if tree_meta.get("custagg_commit"):
+        out += " (custagg/ last changed in %s%s)" % (
+            tree_meta["custagg_commit"], ", uncommitted edits" if tree_meta.get("dirty") else "")
+    return out
 
 
 def _load(l):
@@ -383,6 +391,7 @@ def main(argv=None):
     for name, tree in zip(TREES, (args.before, args.after)):
         meta[name] = {"dir": os.path.abspath(tree), "commit": _git(tree, "rev-parse", "--short",
                                                                    "HEAD"),
+                      "custagg_commit": _git(tree, "log", "-1", "--format=%h", "--", "custagg"),
                       "dirty": bool(_git(tree, "status", "--porcelain", "custagg"))}
     servers = {t: _server(meta[t]["dir"], t, dirs["logs"], args.threads) for t in TREES}
     configs = plan(args)
@@ -439,8 +448,12 @@ def write(folder, meta, samples):
     """before_after.json (meta, cells, raw samples) and before_after.md in `folder`."""
     cells = summarise(samples)
     _cross_check(samples, meta)
+    # The samples without what the cells and the cross-check already hold
+    # (plans, norms): a few hundred kB instead of MBs.
+    slim = [dict(s, result={k: v for k, v in s["result"].items() if k not in ("plan", "norms")})
+            for s in samples]
     common.dump_json(os.path.join(folder, "before_after.json"),
-                     {"meta": meta, "cells": cells, "samples": samples})
+                     {"meta": meta, "cells": cells, "samples": slim})
     with open(os.path.join(folder, "before_after.md"), "w") as f:
         f.write(markdown(cells, meta))
     print("wrote %s" % os.path.join(folder, "before_after.md"), flush=True)
