@@ -169,6 +169,9 @@ class ForkServer:
         self.framework, self.python, self.log_dir = framework, python, log_dir
         self.threads, self.job = threads, job
         self.proc, self.versions, self.error = None, None, None
+        # What the interpreter runs; benchmarks/before_after.py points it at
+        # a server that imports custagg from another tree.
+        self.argv = ["-m", "benchmarks.worker", "serve", framework]
 
     def ensure(self):
         if self.proc is not None and self.proc.poll() is None:
@@ -176,7 +179,7 @@ class ForkServer:
         log = open(os.path.join(self.log_dir, "server_%s_job%d.log" % (self.framework, self.job)),
                    "a")
         self.proc = subprocess.Popen(
-            [self.python, "-m", "benchmarks.worker", "serve", self.framework],
+            [self.python] + self.argv,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
             env=_worker_env(self.threads), text=True, bufsize=1)
         log.close()

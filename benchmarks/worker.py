@@ -70,7 +70,10 @@ def import_framework(framework):
 
 def execute(cfg):
     """Run one configuration in this process; returns the result dict."""
-    if cfg.get("kind") == "reference":
+    if cfg.get("kind") == "before_after":
+        from benchmarks import before_after
+        result = before_after.execute(cfg)
+    elif cfg.get("kind") == "reference":
         from benchmarks.systems import tf_systems
         result = tf_systems.run_reference(cfg)
     elif cfg["framework"] == "tf":
