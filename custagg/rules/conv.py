@@ -349,7 +349,7 @@ class _ConvBase(registry.Rule):
 class Conv2DRule(_ConvBase):
     """`Conv2D` filter `[kh, kw, Cin, Cout]`; per-example `[B, kh, kw, Cin, Cout]`."""
 
-    def _grouped_per_example(self, ctx):
+    def _grouped_per_example(self, ctx, norms_only=False):
         """`[B, kh, kw, Cin, Cout]` from one grouped backprop-filter call.
 
         Folding the batch into the channels turns B images `[H, W, Cin]`
@@ -363,6 +363,7 @@ class Conv2DRule(_ConvBase):
         offset form, 2-3x slower on a CPU) or B calls (TF's pfor converter
         loops). Returns None where the kernels cannot run it: another dtype
         than float32, or no oneDNN (see `_folded_kernels_available`).
+        `norms_only`: the `[B]` squared norms instead.
         """
         if not self._grouped_runs(ctx):
             return None
@@ -383,6 +384,10 @@ class Conv2DRule(_ConvBase):
             dilations=[1] + dilations + [1])
         # [kh, kw, Cin, B*Cout], channel b*Cout + o -> [B, kh, kw, Cin, Cout].
         grouped = tf.reshape(grouped, tf.stack([kh, kw, cin, batch, cout]))
+        if norms_only:
+            # Squares summed over every axis but B: no transpose needed.
+            return tf.square(tf.math.reduce_euclidean_norm(grouped,
+                                                           axis=[0, 1, 2, 4]))
         return tf.transpose(grouped, [3, 0, 1, 2, 4])
 
     def _grouped_runs(self, ctx):
@@ -546,6 +551,8 @@ class Conv2DRule(_ConvBase):
         # (P^2 (K + C) < P K C: short sequences), else the per-example
         # gradients: both exact for the chunk's examples.
         norms = self._gram_norms(ctx)
+        if norms is None:
+            norms = self._grouped_per_example(ctx, norms_only=True)
         if norms is not None:
             return norms
         return super(Conv2DRule, self)._chunk_squared_norms(ctx)
