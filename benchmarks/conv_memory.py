@@ -3,9 +3,10 @@ comes from, on the convolution models (issue 26).
 
 `python -m benchmarks.conv_memory [--models mnist_deep,cnn] [--batch-sizes 64,256]`
 builds each model (zoo models at full size: `mnist_deep`, `keras_separable`,
-`layers_text_cnn`; the harness's `cnn`), in float32 with a dynamic batch, and
-for the floor (aggregated gradient), the norms, the clipped sum and (for
-mnist_deep and the cnn) a DP step next to the plain step, runs one traced
+`layers_text_cnn`; the harness's `cnn` and `mlp`), in float32 with a dynamic
+batch, and for the floor (aggregated gradient), the norms, the clipped sum
+and (mnist_deep, cnn, mlp) a DP step (`custagg.DPOptimizer` around Adam)
+next to the plain step (Adam on the mean loss), runs one traced
 step (benchmarks/memory.py: TF's allocation records) and prints its peak,
 its ratio to the floor's, and the tensors live at the peak, largest first,
 by op. Memory figures do not depend on the machine's load; no timing here.
@@ -14,6 +15,7 @@ by op. Memory figures do not depend on the machine's load; no timing here.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 
@@ -23,7 +25,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import numpy as np  # noqa: E402
 
 ZOO_MODELS = ("mnist_deep", "keras_separable", "layers_text_cnn")
-HARNESS_MODELS = ("cnn",)
+HARNESS_MODELS = ("cnn", "mlp")
 
 
 def _build(name):
@@ -47,9 +49,35 @@ def _build(name):
             lambda batch: model.feed(np.random.default_rng(batch), batch))
 
 
-def profile(name, batch_sizes, top=8, dp_step=True):
+def op_times(step_stats):
+    """Milliseconds per op (by name, with its type) of a traced step: each
+    kernel's own time (`op_end_rel_micros`), a Counter of (name, type)."""
+    import collections
+    times = collections.Counter()
+    for dev in step_stats.dev_stats:
+        for node in dev.node_stats:
+            op_type = node.timeline_label.split(" = ")[-1].split("(")[0]
+            times[(node.node_name, op_type)] += node.op_end_rel_micros / 1e3
+    return times
+
+
+def _print_times(name, batch, key, times, top):
+    by_type = {}
+    for (_, op_type), ms in times.items():
+        by_type[op_type] = by_type.get(op_type, 0.0) + ms
+    print("%s B=%d %-9s kernel time %.1f ms (traced, mean of 3): by type %s"
+          % (name, batch, key, sum(times.values()), ", ".join(
+              "%s %.1f" % kv for kv in sorted(by_type.items(),
+                                               key=lambda kv: -kv[1])[:top])))
+    for (node, op_type), ms in times.most_common(top):
+        print("    %8.2f ms  %-16s %s" % (ms, op_type, node))
+
+
+def profile(name, batch_sizes, top=8, dp_step=True, times=False):
     """Prints, per batch size and fetch, the traced step's peak and the
-    tensors live at it. Returns {(batch, fetch name): peak bytes}."""
+    tensors live at it (with `times`, also where its kernel time goes: a
+    profile for ratios inside one process, not a benchmark). Returns
+    {(batch, fetch name): peak bytes}."""
     import tensorflow as tf
     import custagg
     from benchmarks import memory
@@ -62,7 +90,7 @@ def profile(name, batch_sizes, top=8, dp_step=True):
             "norms": custagg.per_example_norms(loss, xs),
             "clip": custagg.clipped_gradients(loss, xs, 1.0),
         }
-        if dp_step and name in ("mnist_deep", "cnn"):
+        if dp_step and name in ("mnist_deep", "cnn", "mlp"):
             with tf.compat.v1.variable_scope("orig"):
                 fetches["step_orig"] = tf.compat.v1.train.AdamOptimizer(
                     1e-4).minimize(tf.reduce_mean(loss), var_list=xs)
@@ -89,6 +117,13 @@ def profile(name, batch_sizes, top=8, dp_step=True):
                             stats)[:top]:
                         print("    %8.2f MB  %-16s %s" % (nbytes / 1e6, op_type,
                                                          node))
+                    if times:
+                        total = op_times(stats)
+                        for _ in range(2):
+                            total.update(op_times(memory.traced_step_stats(
+                                sess, fetch, fd)))
+                        _print_times(name, batch, key, collections.Counter(
+                            {k: v / 3 for k, v in total.items()}), top)
     return found
 
 
@@ -98,6 +133,8 @@ def main(argv=None):
     p.add_argument("--models", default="mnist_deep,cnn")
     p.add_argument("--batch-sizes", default="64,256")
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--times", action="store_true",
+                   help="also the traced steps' kernel time by op")
     args = p.parse_args(argv)
     names = [m for m in args.models.split(",") if m]
     unknown = sorted(set(names) - set(ZOO_MODELS + HARNESS_MODELS))
@@ -106,7 +143,7 @@ def main(argv=None):
             ", ".join(unknown), ", ".join(ZOO_MODELS + HARNESS_MODELS)))
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     for name in names:
-        profile(name, batches, args.top)
+        profile(name, batches, args.top, times=args.times)
     return 0
 
 
