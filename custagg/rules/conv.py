@@ -128,6 +128,14 @@ def _batch_bound(ctx):
     return tf.compat.dimension_value(ctx.op.inputs[0].shape[0])
 
 
+def _scale_rows(t, c):
+    """`c_b * t[b]` for `t` `[B, ...]`, `c` `[B]`: as `[B, -1] * c[:, None]`,
+    TF's fast 2-D broadcast (a rank-4 broadcasting Mul took 3x as long:
+    [256, 14, 14, 32] float32, 1 thread, 3.0 against 0.9 ms)."""
+    rows = tf.reshape(t, tf.stack([tf.shape(t)[0], -1]))
+    return tf.reshape(rows * c[:, None], tf.shape(t))
+
+
 class _ConvBase(registry.Rule):
 
     def unsupported(self, ctx):
@@ -326,15 +334,14 @@ class _ConvBase(registry.Rule):
             # sum added.
             return self._chunked_weighted_sum(ctx, c)
         x = ctx.op.inputs[0]
-        scale = c[:, None, None, None]
         # sum_b dW(x_b, c_b g_b) = sum_b dW(c_b x_b, g_b): scale the smaller
         # (the zeros the op pads with stay zeros). Static sizes decide;
         # without them, dz.
         x_size = x.shape[1:].num_elements()
         g_size = ctx.grad.shape[1:].num_elements()
         if x_size is not None and g_size is not None and x_size < g_size:
-            return self._backprop_filter(ctx, ctx.grad, x=x * scale)
-        return self._backprop_filter(ctx, ctx.grad * scale)
+            return self._backprop_filter(ctx, ctx.grad, x=_scale_rows(x, c))
+        return self._backprop_filter(ctx, _scale_rows(ctx.grad, c))
 
     def _chunked_weighted_sum(self, ctx, c):
         """`sum_b c_b G_b` from each chunk's per-example gradients."""
