@@ -31,12 +31,17 @@ aggregated gradient's peak):
   `_CHUNK_MAX_ELEMENTS`; only the `[B]` norms leave the loop. Exact: an
   example's gradient reads only its own rows of the image and of dz, so a
   chunk's slice of both gives the same per-example gradients as the whole
-  batch.
+  batch. Inside a chunk Conv2D takes whichever is cheaper: the Gram (ghost)
+  form, exact by `||A_b^T G_b||_F^2 = <A_b A_b^T, G_b G_b^T>` over output
+  positions, costing `P^2 (K + Cout)` per example, or the materialized
+  kernels, `P K Cout` (K = kh*kw*Cin; grouped kernel call first).
 * weighted sums `sum_b c_b G_b`: ONE backprop-filter call of the op's own
   kernel, with each example's rows of the image or of dz (whichever is
   smaller) scaled by c_b. Exact: the filter gradient is a sum over examples
   of terms bilinear in example b's image and dz, so scaling either by c_b
-  scales example b's term; nothing per-example is kept.
+  scales example b's term; nothing per-example is kept. Dilated filters
+  (no CPU kernel for their summed gradient in TF's own kernels): each
+  chunk's per-example gradients, weighted and added in the loop.
 
 `Conv1D` reaches `Conv2D` through an `ExpandDims` of its filter, which the
 front door follows.
