@@ -66,6 +66,47 @@ def peak_from_step_stats(step_stats):
     return sum(by_allocator.values()), by_allocator
 
 
+def traced_step_stats(sess, fetches, feed_dict=None):
+    """Runs `fetches` once with FULL_TRACE; returns the step's `StepStats`."""
+    import tensorflow as tf
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    sess.run(fetches, feed_dict, options=options, run_metadata=metadata)
+    return metadata.step_stats
+
+
+def live_at_peak(step_stats):
+    """The tensors live when the step's live bytes (all allocators together)
+    peak, by the op that allocated them: a list of (bytes, op name, op type),
+    largest first. A kernel's tracking allocator records both its own
+    allocations and their frees (whenever they happen), so the running sum
+    per op is what that op's outputs and temporaries hold at a time."""
+    events = []
+    order = 0
+    for dev in step_stats.dev_stats:
+        for node in dev.node_stats:
+            op_type = node.timeline_label.split(" = ")[-1].split("(")[0]
+            for mem in node.memory:
+                for rec in mem.allocation_records:
+                    order += 1
+                    events.append((rec.alloc_micros, 0 if rec.alloc_bytes > 0 else 1,
+                                   order, rec.alloc_bytes, node.node_name, op_type))
+    events.sort()
+    live = peak = 0
+    peak_at = -1
+    for i, ev in enumerate(events):
+        live += ev[3]
+        if live > peak:
+            peak, peak_at = live, i
+    by_node = collections.Counter()
+    types = {}
+    for ev in events[:peak_at + 1]:
+        by_node[ev[4]] += ev[3]
+        types[ev[4]] = ev[5]
+    return sorted(((n, name, types[name]) for name, n in by_node.items() if n > 0),
+                  reverse=True)
+
+
 def step_peak_bytes(sess, fetches, feed_dict=None):
     """Runs `fetches` once with FULL_TRACE and returns the step's peak bytes.
 
@@ -78,11 +119,7 @@ def step_peak_bytes(sess, fetches, feed_dict=None):
     Returns:
       (peak_bytes, by_allocator) as `peak_from_step_stats`.
     """
-    import tensorflow as tf
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
-    metadata = tf.compat.v1.RunMetadata()
-    sess.run(fetches, feed_dict, options=options, run_metadata=metadata)
-    return peak_from_step_stats(metadata.step_stats)
+    return peak_from_step_stats(traced_step_stats(sess, fetches, feed_dict))
 
 
 def mb(nbytes):

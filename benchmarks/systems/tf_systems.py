@@ -147,11 +147,17 @@ def _projection_checks(ctx, per_example):
 
 
 def _noised(ctx, grads):
+    """Each clipped sum plus its Gaussian noise, drawn once all sums exist (a
+    control dependency): the draw needs nothing from the backward pass, and
+    drawn when the step starts it would stay live through it (one more copy
+    of the parameters in the step's peak), which no training step needs."""
     tf = ctx.tf
+    grads = [tf.convert_to_tensor(g) for g in grads]
     out = []
-    for g in grads:
-        g = tf.convert_to_tensor(g)
-        out.append(g + tf.random.normal(tf.shape(g)) * (ctx.noise_scale * ctx.clip))
+    with tf.control_dependencies(grads):
+        for g in grads:
+            noise = tf.random.normal(tf.shape(g))
+            out.append(g + noise * (ctx.noise_scale * ctx.clip))
     return out
 
 

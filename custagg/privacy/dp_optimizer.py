@@ -326,15 +326,20 @@ def make_optimizer_class(cls):
                 loss, var_list, tf.cast(clip, dtype), self._num_microbatches,
                 "auto", type(self).__name__, group_ids=self._group_ids)
             stddev = tf.cast(stddev, dtype)
+            sums = [None if g is None else tf.convert_to_tensor(g)
+                    for g in sums]
             out = []
-            for g in sums:
-                if g is None:
-                    out.append(None)
-                    continue
-                g = tf.convert_to_tensor(g)
-                noise = tf.random.normal(tf.shape(g), stddev=stddev,
-                                         dtype=g.dtype)
-                out.append((g + noise) / tf.cast(num_units, g.dtype))
+            # Drawn once every sum exists: with a static shape folded to a
+            # constant, a draw would run when the step starts and stay live
+            # through the backward pass.
+            with tf.control_dependencies([g for g in sums if g is not None]):
+                for g in sums:
+                    if g is None:
+                        out.append(None)
+                        continue
+                    noise = tf.random.normal(tf.shape(g), stddev=stddev,
+                                             dtype=g.dtype)
+                    out.append((g + noise) / tf.cast(num_units, g.dtype))
             return out
 
         def _query_gradients(self, loss, var_list):

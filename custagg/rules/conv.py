@@ -21,7 +21,28 @@ patches in that order):
   call (see `DepthwiseConv2dRule`).
 * patches: `tf.image.extract_patches`, then one batched matmul.
 
-Weighted sums use the op's own backprop-filter kernel on `c_b * dz_b`.
+Norms and weighted sums keep memory bounded (issue 26: the whole-batch
+window patches `[B, P, kh*kw*Cin]` and their slices were 2-5x the
+aggregated gradient's peak):
+
+* squared norms: the per-example gradients (or the Gram form) of one chunk
+  of examples at a time, inside a `tf.while_loop` with one iteration at a
+  time, the chunk sized so its temporaries stay within
+  `_CHUNK_MAX_ELEMENTS`; only the `[B]` norms leave the loop. Exact: an
+  example's gradient reads only its own rows of the image and of dz, so a
+  chunk's slice of both gives the same per-example gradients as the whole
+  batch. Inside a chunk Conv2D takes whichever is cheaper: the Gram (ghost)
+  form, exact by `||A_b^T G_b||_F^2 = <A_b A_b^T, G_b G_b^T>` over output
+  positions, costing `P^2 (K + Cout)` per example, or the materialized
+  kernels, `P K Cout` (K = kh*kw*Cin; grouped kernel call first).
+* weighted sums `sum_b c_b G_b`: ONE backprop-filter call of the op's own
+  kernel, with each example's rows of the image or of dz (whichever is
+  smaller) scaled by c_b. Exact: the filter gradient is a sum over examples
+  of terms bilinear in example b's image and dz, so scaling either by c_b
+  scales example b's term; nothing per-example is kept. Dilated filters
+  (no CPU kernel for their summed gradient in TF's own kernels): each
+  chunk's per-example gradients, weighted and added in the loop.
+
 `Conv1D` reaches `Conv2D` through an `ExpandDims` of its filter, which the
 front door follows.
 """
@@ -34,10 +55,6 @@ from custagg import _tf_compat
 from custagg.rules import registry
 from custagg.rules import outer as _outer
 from custagg.rules import _reduce
-
-# `_window_patches` not yet asked for in a context.
-_NOT_BUILT = object()
-
 
 def _nhwc(t, data_format):
     return tf.transpose(t, [0, 2, 3, 1]) if data_format == "NCHW" else t
@@ -87,6 +104,41 @@ def _folded_kernels_available():
                 "oneDNN kernels are on)." % forced)
         return forced == "1"
     return _tf_compat.is_mkl_enabled()
+
+
+class _ChunkOp(object):
+    """A convolution op seen on a chunk of its examples: the op's attributes
+    and filter, the chunk's rows of the image (`inputs[0]`). The forms read
+    only these, so they build the chunk's per-example gradients unchanged.
+    `max_batch`: the chunk's largest size when static (the forms size their
+    temporaries by it), else None."""
+
+    def __init__(self, op, image, max_batch):
+        self._op = op
+        self.inputs = [image, op.inputs[1]]
+        self.type = op.type
+        self.name = op.name
+        self.max_batch = max_batch
+
+    def get_attr(self, name):
+        return self._op.get_attr(name)
+
+
+def _batch_bound(ctx):
+    """The batch size the forms size their temporaries by: a chunk's
+    largest size, the static B, or None."""
+    bound = getattr(ctx.op, "max_batch", None)
+    if bound is not None:
+        return bound
+    return tf.compat.dimension_value(ctx.op.inputs[0].shape[0])
+
+
+def _scale_rows(t, c):
+    """`c_b * t[b]` for `t` `[B, ...]`, `c` `[B]`: as `[B, -1] * c[:, None]`,
+    TF's fast 2-D broadcast (a rank-4 broadcasting Mul took 3x as long:
+    [256, 14, 14, 32] float32, 1 thread, 3.0 against 0.9 ms)."""
+    rows = tf.reshape(t, tf.stack([tf.shape(t)[0], -1]))
+    return tf.reshape(rows * c[:, None], tf.shape(t))
 
 
 class _ConvBase(registry.Rule):
@@ -175,29 +227,141 @@ class _ConvBase(registry.Rule):
                                               [batch, positions, cin]))
         return windows, g, batch, positions
 
-    def _backprop_filter(self, ctx, g):
+    def _backprop_filter(self, ctx, g, x=None):
+        """The op's own filter-gradient kernel on image `x` (default: the
+        op's) and output gradient `g`: `sum_b dW(x_b, g_b)`."""
         raise NotImplementedError
 
+    # --- bounded memory: chunks of examples --------------------------------
+
+    # Elements (of the rule's dtype) that one chunk's per-example
+    # temporaries may take: 4 MB of float32. A chunk is at least one
+    # example. mnist_deep (zoo, B=64 and 256, peak over the aggregated
+    # gradient's): clipped sums 0.76x / 0.90x with 2, 4 or 8 MB (the peak
+    # is elsewhere); keras_separable B=64 1.50x / 1.58x / 1.70x; times
+    # level within this machine's noise.
+    _CHUNK_MAX_ELEMENTS = 1 << 20
+
+    def _chunk_elements_per_example(self, ctx, positions, image):
+        """Temporaries of one example's per-example gradient, an upper
+        bound over the forms: a copy of its image (`image` elements: the
+        folded and padded forms) and of its dz (`P*Cout`), its window
+        patches (`P*kh*kw*Cin`, twice while the windows are concatenated),
+        its kernel (twice: built, then transposed) and its Gram matrices
+        when that form is taken. P and `image` may be tensors (dynamic H,
+        W)."""
+        kh, kw, cin, cout = _outer.static_dims(ctx.param)
+        width = kh * kw * cin
+        return image + positions * cout + 2 * positions * width + \
+            2 * width * cout + self._chunk_gram_elements(ctx, positions)
+
+    def _chunk_gram_elements(self, ctx, positions):
+        del ctx, positions
+        return 0
+
+    def _chunk_size(self, ctx):
+        """Examples per chunk (a Python int with static output H and W, else
+        a scalar int32 tensor), >= 1."""
+        fmt = ctx.op.get_attr("data_format").decode()
+        x = ctx.op.inputs[0]
+        out_hw = [tf.compat.dimension_value(d) for d in _hw(ctx.grad.shape,
+                                                             fmt)]
+        image = x.shape[1:].num_elements()
+        if None not in out_hw and image is not None:
+            per = self._chunk_elements_per_example(
+                ctx, out_hw[0] * out_hw[1], image)
+            return max(1, self._CHUNK_MAX_ELEMENTS // per)
+        positions = tf.reduce_prod(_hw(tf.unstack(tf.shape(ctx.grad)), fmt))
+        per = self._chunk_elements_per_example(
+            ctx, positions, tf.reduce_prod(tf.shape(x)[1:]))
+        return tf.maximum(1, self._CHUNK_MAX_ELEMENTS // per)
+
+    def _chunk_context(self, ctx, start, stop):
+        """The context of examples `start:stop`: the same op attributes and
+        filter, the chunk's rows of the image and of dz, no cache."""
+        size = self._chunk_size(ctx)
+        chunk_op = _ChunkOp(ctx.op, ctx.op.inputs[0][start:stop],
+                            size if isinstance(size, int) else None)
+        return registry.RuleContext(chunk_op, ctx.input_index,
+                                    ctx.grad[start:stop], stop - start, None)
+
+    def _over_chunks(self, ctx, fn, initial, combine, invariant):
+        """Folds `fn(chunk context, start, stop)` over consecutive chunks of
+        examples `start:stop` in a `tf.while_loop` that runs one chunk at a
+        time (`parallel_iterations=1`), so one chunk's temporaries are live
+        at a time: `combine(acc, fn(...))` from `initial`."""
+        batch = tf.shape(ctx.grad)[0]
+        chunk = self._chunk_size(ctx)
+
+        def body(start, acc):
+            stop = tf.minimum(start + chunk, batch)
+            part = fn(self._chunk_context(ctx, start, stop), start, stop)
+            return stop, combine(acc, part)
+
+        _, acc = tf.compat.v1.while_loop(
+            lambda start, _: start < batch, body, [tf.constant(0), initial],
+            shape_invariants=[tf.TensorShape([]), invariant],
+            parallel_iterations=1, back_prop=False,
+            name="per_example_chunks")
+        return acc
+
+    def _chunk_per_example(self, ctx):
+        """`[c, *filter]`: one chunk's per-example gradients."""
+        return self.per_example(ctx)
+
+    def _chunk_squared_norms(self, ctx):
+        """`[c]` squared norms of one chunk's examples."""
+        return _reduce.per_example_squared_norms(self._chunk_per_example(ctx))
+
     def squared_norms(self, ctx):
-        return _reduce.per_example_squared_norms(self.cached_per_example(ctx))
+        if self.has_per_example(ctx):
+            # Built anyway (the caller asked for them): reduce.
+            return _reduce.per_example_squared_norms(
+                self.cached_per_example(ctx))
+        norms = self._over_chunks(
+            ctx, lambda chunk, start, stop: self._chunk_squared_norms(chunk),
+            tf.zeros([0], ctx.grad.dtype),
+            lambda acc, part: tf.concat([acc, part], 0), tf.TensorShape([None]))
+        return tf.reshape(norms, [ctx.batch_size] if isinstance(
+            ctx.batch_size, int) else tf.shape(ctx.grad)[:1])
 
     def weighted_sum(self, ctx, weights):
+        """`sum_b c_b G_b` (filter-shaped), nothing per-example kept."""
         c = tf.cast(weights, ctx.grad.dtype)
-        _, _, dilations, _ = self._attrs(ctx)
-        # When the norms already built them a [B] x [B, P] product is
-        # cheaper than another backprop-filter pass. With dilations TF's own
-        # CPU backprop-filter kernels fail (oneDNN's float32 ones do not), so
-        # the per-example form is used then too.
-        if self.has_per_example(ctx) or max(dilations) > 1:
+        if self.has_per_example(ctx):
+            # Built anyway: a [B] x [B, K] product is cheaper than a pass.
             return tf.tensordot(c, self.cached_per_example(ctx), axes=1)
-        return self._backprop_filter(ctx, ctx.grad * c[:, None, None, None])
+        _, _, dilations, _ = self._attrs(ctx)
+        if max(dilations) > 1:
+            # TF's own CPU backprop-filter kernels reject dilations (oneDNN's
+            # float32 Conv2D ones do not; graphs may run elsewhere): the
+            # per-example gradients chunk by chunk, each chunk's weighted
+            # sum added.
+            return self._chunked_weighted_sum(ctx, c)
+        x = ctx.op.inputs[0]
+        # sum_b dW(x_b, c_b g_b) = sum_b dW(c_b x_b, g_b): scale the smaller
+        # (the zeros the op pads with stay zeros). Static sizes decide;
+        # without them, dz.
+        x_size = x.shape[1:].num_elements()
+        g_size = ctx.grad.shape[1:].num_elements()
+        if x_size is not None and g_size is not None and x_size < g_size:
+            return self._backprop_filter(ctx, ctx.grad, x=_scale_rows(x, c))
+        return self._backprop_filter(ctx, _scale_rows(ctx.grad, c))
+
+    def _chunked_weighted_sum(self, ctx, c):
+        """`sum_b c_b G_b` from each chunk's per-example gradients."""
+        return self._over_chunks(
+            ctx, lambda chunk, start, stop: tf.tensordot(
+                c[start:stop], self._chunk_per_example(chunk), axes=1),
+            tf.zeros(_outer.static_dims(ctx.param), ctx.grad.dtype),
+            lambda acc, part: acc + part, ctx.param.shape)
 
 
 @registry.register_rule("Conv2D")
 class Conv2DRule(_ConvBase):
     """`Conv2D` filter `[kh, kw, Cin, Cout]`; per-example `[B, kh, kw, Cin, Cout]`."""
 
-    def _grouped_per_example(self, ctx):
+    def _grouped_per_example(self, ctx, norms_only=False):
         """`[B, kh, kw, Cin, Cout]` from one grouped backprop-filter call.
 
         Folding the batch into the channels turns B images `[H, W, Cin]`
@@ -211,13 +375,13 @@ class Conv2DRule(_ConvBase):
         offset form, 2-3x slower on a CPU) or B calls (TF's pfor converter
         loops). Returns None where the kernels cannot run it: another dtype
         than float32, or no oneDNN (see `_folded_kernels_available`).
+        `norms_only`: the `[B]` squared norms instead.
         """
+        if not self._grouped_runs(ctx):
+            return None
         fmt, strides, dilations, padding = self._attrs(ctx)
         kh, kw, cin, cout = _outer.static_dims(ctx.param)
         x = ctx.op.inputs[0]
-        if (x.dtype.base_dtype != tf.float32
-                or not _folded_kernels_available()):
-            return None
         batch = tf.shape(x)[0]
         x = _fold_batch(x, fmt, cin, batch)
         g = _fold_batch(ctx.grad, fmt, cout, batch)
@@ -232,7 +396,21 @@ class Conv2DRule(_ConvBase):
             dilations=[1] + dilations + [1])
         # [kh, kw, Cin, B*Cout], channel b*Cout + o -> [B, kh, kw, Cin, Cout].
         grouped = tf.reshape(grouped, tf.stack([kh, kw, cin, batch, cout]))
+        if norms_only:
+            # Squares summed over every axis but B without the transpose:
+            # over the leading kh*kw*Cin rows by a matmul with ones, then
+            # over each example's Cout (a strided reduction over the middle
+            # axes is several times slower than the transpose).
+            rows = tf.reshape(grouped, tf.stack([kh * kw * cin, -1]))
+            sums = tf.matmul(tf.ones([1, kh * kw * cin], rows.dtype),
+                             tf.square(rows))
+            return tf.reduce_sum(tf.reshape(sums, tf.stack([batch, cout])),
+                                 axis=1)
         return tf.transpose(grouped, [3, 0, 1, 2, 4])
+
+    def _grouped_runs(self, ctx):
+        return (ctx.op.inputs[0].dtype.base_dtype == tf.float32
+                and _folded_kernels_available())
 
     def _offsets_per_example(self, ctx):
         """`[B, kh, kw, Cin, Cout]` from one batched matmul per filter offset.
@@ -276,24 +454,12 @@ class Conv2DRule(_ConvBase):
         `[B, kh*kw*Cin, P]` when `channels_first`; g is `[B, P, Cout]`.
         `any_filter`: where the windows decline (strided or large filters),
         the patches from `extract_patches` in one op instead (channels last).
-        Built once per context (norms and the weighted sum share them); this
-        is the only place that reads or writes the context's "windows"."""
-        found = self._built_window_patches(ctx)
-        if found is _NOT_BUILT:
-            found = self._build_window_patches(ctx)
+        """
+        found = self._build_window_patches(ctx)
         if found is None and any_filter:
             patches, g = self._patches(ctx)
             found = (patches, g, False)
-        if ctx.cache is not None:
-            ctx.cache["windows"] = found
         return found
-
-    def _built_window_patches(self, ctx):
-        """What `_window_patches` built for this context (None included), or
-        `_NOT_BUILT`: the weighted sum reuses patches, never builds them."""
-        if ctx.cache is None or "windows" not in ctx.cache:
-            return _NOT_BUILT
-        return ctx.cache["windows"]
 
     def _build_window_patches(self, ctx):
         kh, kw, cin, cout = _outer.static_dims(ctx.param)
@@ -306,8 +472,7 @@ class Conv2DRule(_ConvBase):
         if found is None:
             return None
         windows, g, batch, positions = found
-        static_b = tf.compat.dimension_value(ctx.op.inputs[0].shape[0])
-        if (static_b or 256) * positions * kh * kw * cin > \
+        if (_batch_bound(ctx) or 256) * positions * kh * kw * cin > \
                 self._WINDOWS_MAX_ELEMENTS:
             return None
         g = tf.reshape(g, [batch, positions, cout])
@@ -333,37 +498,23 @@ class Conv2DRule(_ConvBase):
         return tf.reshape(per, [tf.shape(g)[0]] + _outer.static_dims(
             ctx.param))
 
-    def weighted_sum(self, ctx, weights):
-        """`sum_b c_b G_b`: with NHWC window patches one matmul over all B*P
-        rows, `patches^T (c dz)`; else the backprop-filter kernel."""
-        found = None
-        if not self.has_per_example(ctx):
-            found = self._built_window_patches(ctx)
-        if found is None or found is _NOT_BUILT or found[2]:
-            return super(Conv2DRule, self).weighted_sum(ctx, weights)
-        patches, g, _ = found
-        c = tf.cast(weights, g.dtype)[:, None, None]
-        total = tf.matmul(tf.reshape(patches, [-1, tf.shape(patches)[2]]),
-                          tf.reshape(g * c, [-1, tf.shape(g)[2]]),
-                          transpose_a=True)
-        return tf.reshape(total, _outer.static_dims(ctx.param))
-
     # The Gram form is taken when its cost times this factor is below the
     # materialized one's (tests set 0 to force it).
     _GRAM_FACTOR = 1
+
+    def _takes_gram(self, ctx, positions):
+        kh, kw, cin, cout = _outer.static_dims(ctx.param)
+        width = kh * kw * cin
+        return self._GRAM_FACTOR * positions * (width + cout) < width * cout
 
     def _gram_norms(self, ctx):
         """`[B]` squared norms `sum_{p,q} (a_p . a_q)(g_p . g_q)` over output
         positions, or None. Cheaper than materializing when there are few
         positions against the filter size, `P (kh kw Cin + Cout) < kh kw
         Cin Cout` (a conv1d over a short sequence: P=30, 3x64 -> 64)."""
-        kh, kw, cin, cout = _outer.static_dims(ctx.param)
         out_hw = [tf.compat.dimension_value(d) for d in _hw(
             ctx.grad.shape, ctx.op.get_attr("data_format").decode())]
-        positions = None if None in out_hw else out_hw[0] * out_hw[1]
-        width = kh * kw * cin
-        if positions is None or self._GRAM_FACTOR * positions * (
-                width + cout) >= width * cout:
+        if None in out_hw or not self._takes_gram(ctx, out_hw[0] * out_hw[1]):
             return None
         patches, g, channels_first = self._window_patches(ctx,
                                                           any_filter=True)
@@ -396,27 +547,59 @@ class Conv2DRule(_ConvBase):
         return self._outer(ctx)
 
     def per_example(self, ctx):
-        for form in (self._windows_per_example, self._grouped_per_example,
-                     self._offsets_per_example):
-            per = form(ctx)
+        return self._first_form(ctx, ("windows", "grouped", "offsets"))
+
+    def _chunk_per_example(self, ctx):
+        """A chunk's per-example gradients: the grouped kernel call first
+        (where it runs; mnist_deep's 5x5x32x64 layer at B=256, 1 thread:
+        109 ms in chunks of 5, against 290 ms for the windows in chunks of
+        1, whose NHWC concat of 32-channel pieces dominates), then the
+        windows, offsets and patches."""
+        return self._first_form(ctx, ("grouped", "windows", "offsets"))
+
+    def _first_form(self, ctx, names):
+        for name in names:
+            per = getattr(self, "_%s_per_example" % name)(ctx)
             if per is not None:
                 return per
         return self._outer(ctx).per_example()
 
-    def squared_norms(self, ctx):
-        # Materializing beats the Gram form for the usual image layers
-        # (P^2 (K + C) > P K C), not for short sequences.
-        if not self.has_per_example(ctx):
-            norms = self._gram_norms(ctx)
-            if norms is not None:
-                return norms
-        return super(Conv2DRule, self).squared_norms(ctx)
+    def _chunk_squared_norms(self, ctx):
+        # The Gram form (ghost norm) where it costs less than materializing
+        # (P^2 (K + C) < P K C: short sequences), else the per-example
+        # gradients: both exact for the chunk's examples.
+        norms = self._gram_norms(ctx)
+        if norms is None:
+            norms = self._grouped_per_example(ctx, norms_only=True)
+        if norms is not None:
+            return norms
+        return super(Conv2DRule, self)._chunk_squared_norms(ctx)
 
-    def _backprop_filter(self, ctx, g):
+    def _chunk_gram_elements(self, ctx, positions):
+        if not isinstance(positions, int) or not self._takes_gram(
+                ctx, positions):
+            return 0
+        cout = _outer.static_dims(ctx.param)[3]
+        return 2 * positions * positions + positions * cout
+
+    def _chunk_elements_per_example(self, ctx, positions, image):
+        # The grouped call (taken first where it runs, unless the Gram
+        # form is) builds no patches: folded copies of the image and dz,
+        # the kernels and their transpose.
+        gram = isinstance(positions, int) and self._takes_gram(ctx,
+                                                                positions)
+        if gram or not self._grouped_runs(ctx):
+            return super(Conv2DRule, self)._chunk_elements_per_example(
+                ctx, positions, image)
+        kh, kw, cin, cout = _outer.static_dims(ctx.param)
+        return image + positions * cout + 2 * kh * kw * cin * cout
+
+    def _backprop_filter(self, ctx, g, x=None):
         fmt, _, _, padding = self._attrs(ctx)
         op = ctx.op
         return tf.raw_ops.Conv2DBackpropFilter(
-            input=op.inputs[0], filter_sizes=tf.shape(op.inputs[1]),
+            input=op.inputs[0] if x is None else x,
+            filter_sizes=tf.shape(op.inputs[1]),
             out_backprop=g, strides=op.get_attr("strides"),
             use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
             padding=padding,
@@ -511,11 +694,11 @@ class DepthwiseConv2dRule(_ConvBase):
         folded = tf.reshape(folded, tf.stack([kh, kw, batch, cin, m]))
         return tf.transpose(folded, [2, 0, 1, 3, 4])
 
-    def _backprop_filter(self, ctx, g):
+    def _backprop_filter(self, ctx, g, x=None):
         fmt, _, _, padding = self._attrs(ctx)
         op = ctx.op
         return tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=op.inputs[0], filter_sizes=tf.shape(op.inputs[1]),
+            input=op.inputs[0] if x is None else x, filter_sizes=tf.shape(op.inputs[1]),
             out_backprop=g, strides=op.get_attr("strides"), padding=padding,
             explicit_paddings=op.get_attr("explicit_paddings"),
             data_format=fmt, dilations=op.get_attr("dilations"))

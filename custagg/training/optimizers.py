@@ -701,20 +701,38 @@ class DPOptimizer(PerExampleOptimizer):
                 name=self._name + "_noise_step", colocate_with=colocate_with)
 
     def _noise(self, grads, stddev, var_list):
-        """Gaussian noise for each present gradient, one draw per step."""
+        """Gaussian noise for each present gradient, one draw per step.
+
+        Each draw waits for the clipped sums (a control dependency): it
+        needs nothing from the backward pass, so without one TF runs it when
+        the step starts and the noise (with the seeded split, two copies of
+        the parameters) stays live through the whole backward pass
+        (mnist_deep B=256: 13 MB of the DP step's 97 MB peak); waiting for
+        one gradient only, a large layer's noise is drawn while the other
+        layers' backward tensors are still live (B=64: 1.25x the plain
+        step's peak, against 1.0x). Unseeded, each variable's noise is its
+        own draw, added in the noise's buffer (no `[P]` vector and split
+        copy); seeded, one `[P]` draw split into pieces, the stream
+        `(seed, step)` has always given."""
         present = [g for g in grads if g is not None]
+        if self._seed is None:
+            with tf.control_dependencies(present):
+                return [None if g is None else tf.random.normal(
+                    tf.shape(g), stddev=stddev, dtype=g.dtype) for g in grads]
+        # The counter variable is made outside the control dependencies (its
+        # initializer must not wait for a step's gradients).
+        counter = self._noise_counter(var_list[0])
+        with tf.control_dependencies(present):
+            return self._seeded_noise(grads, present, stddev, counter)
+
+    def _seeded_noise(self, grads, present, stddev, counter):
         sizes = [tf.size(g) for g in present]
         total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
         dtype = present[0].dtype
-        if self._seed is None:
-            flat = tf.random.normal([total], stddev=stddev, dtype=dtype)
-        else:
-            counter = self._noise_counter(var_list[0])
-            step = tf.compat.v1.assign_add(counter, 1)
-            flat = tf.random.stateless_normal(
-                [total], seed=tf.stack([tf.constant(self._seed, tf.int64),
-                                        step]),
-                stddev=stddev, dtype=dtype)
+        step = tf.compat.v1.assign_add(counter, 1)
+        flat = tf.random.stateless_normal(
+            [total], seed=tf.stack([tf.constant(self._seed, tf.int64), step]),
+            stddev=stddev, dtype=dtype)
         pieces = tf.split(flat, sizes)
         it = iter(pieces)
         return [None if g is None else tf.reshape(next(it), tf.shape(g))

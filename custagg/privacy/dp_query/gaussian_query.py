@@ -108,11 +108,18 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
     def get_noised_result(self, sample_state, global_state):
         """`(sum + N(0, stddev^2) noise, global_state, GaussianDpEvent)`."""
+        sample_state = tf.nest.map_structure(tf.convert_to_tensor,
+                                             sample_state)
+
         def add_noise(v):
-            v = tf.convert_to_tensor(v)
-            return v + tf.random.normal(
-                tf.shape(v), stddev=tf.cast(global_state.stddev, v.dtype),
-                dtype=v.dtype)
+            # Drawn once the whole sum exists (not when the step starts, as
+            # a draw of a static shape could be, to stay live through the
+            # backward pass).
+            with tf.control_dependencies(tf.nest.flatten(sample_state)):
+                noise = tf.random.normal(
+                    tf.shape(v), stddev=tf.cast(global_state.stddev, v.dtype),
+                    dtype=v.dtype)
+            return v + noise
 
         result = tf.nest.map_structure(add_noise, sample_state)
         return result, global_state, gaussian_event(self._noise_multiplier(

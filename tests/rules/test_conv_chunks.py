@@ -1,0 +1,257 @@
+"""The convolution rules' bounded-memory norms and weighted sums.
+
+`per_example_norms` and `clipped_gradients` on Conv2D / depthwise /
+separable layers run the rules' chunked norms (a `tf.while_loop` over
+chunks of examples) and the one-call weighted sum (the op's own
+backprop-filter kernel on the factor-scaled image or dz; per-example
+gradients chunk by chunk for dilated filters). Here the chunk is forced
+small (2 examples, or 3 computed at run time) so B=5 runs three chunks, the
+last one short, and every case is compared with the loop reference on a
+static copy of the same model, the custagg side on a dynamic batch
+(`[None, ...]` placeholders), float64 and float32 (float32 reaches the
+grouped kernel call inside the chunks where oneDNN is on). B in {1, 5} by
+default, {32, 33} under `-m slow`. A last test checks the point of it all
+on a graph big enough to tell: the norms' and clipped sums' peak memory
+stays below the size of the per-example gradients they reduce.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import testing
+from custagg.rules import conv
+
+tf1 = tf.compat.v1
+
+
+def _zero_stuffed(f, dilation):
+    """`f` [kh, kw, Cin, C] with dilation-1 zeros between its taps: the
+    undilated filter of the same convolution (TF's CPU kernels have no
+    filter gradient for a dilated one, so the reference goes through it)."""
+    kh, kw = [int(d) for d in f.shape[:2]]
+    taps = [[i * dilation, j * dilation] for i in range(kh) for j in range(kw)]
+    shape = [(kh - 1) * dilation + 1, (kw - 1) * dilation + 1] + \
+        [int(d) for d in f.shape[2:]]
+    return tf.scatter_nd(np.array(taps, np.int32),
+                         tf.reshape(f, [kh * kw] + shape[2:]), shape)
+
+
+def _head(z):
+    return tf.reduce_sum(tf.sin(z) * tf.cos(1.0 + z), axis=[1, 2, 3])
+
+
+# name -> (layer, H=W, Cin, Cout or multiplier, kernel, strides, padding,
+#          dilation, static H and W)
+CASES = {
+    "conv2d_same": ("conv2d", 7, 2, 3, 3, [1, 1], "SAME", 1, True),
+    "conv2d_valid_stride2": ("conv2d", 9, 3, 2, 3, [2, 2], "VALID", 1, True),
+    "conv2d_stride_1x2_kernel_2x3": ("conv2d", 8, 2, 4, (2, 3), [1, 2],
+                                     "SAME", 1, True),
+    "conv2d_dilation2": ("conv2d", 9, 2, 3, 3, [1, 1], "SAME", 2, True),
+    "conv2d_explicit": ("conv2d", 8, 1, 3, 3, [1, 1],
+                        [[0, 0], [1, 2], [2, 0], [0, 0]], 1, True),
+    "conv2d_dynamic_hw": ("conv2d", 9, 2, 3, 3, [2, 2], "SAME", 1, False),
+    "conv2d_many_positions": ("conv2d", 12, 4, 2, 5, [1, 1], "SAME", 1,
+                              True),
+    # Few positions against the filter: the Gram form inside the chunks.
+    "conv2d_gram": ("conv2d", 3, 8, 8, 3, [1, 1], "VALID", 1, True),
+    "depthwise_same": ("depthwise", 7, 2, 2, 3, [1, 1], "SAME", 1, True),
+    "depthwise_valid_stride2": ("depthwise", 9, 3, 1, 3, [2, 2], "VALID", 1,
+                                True),
+    "depthwise_dilation2": ("depthwise", 9, 2, 2, 3, [1, 1], "SAME", 2,
+                            True),
+    "depthwise_dynamic_hw": ("depthwise", 8, 2, 2, 3, [1, 1], "SAME", 1,
+                             False),
+    "separable": ("separable", 7, 2, 3, 3, [1, 1], "SAME", 1, True),
+}
+
+
+class _Model(object):
+    """The case's layer on `x` with the given variables."""
+
+    def __init__(self, case, dtype, rng):
+        (self.layer, self.hw, self.cin, self.cout, kernel, self.strides,
+         padding, self.dilation, self.static) = case
+        kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+        np_dtype = dtype.as_numpy_dtype
+        self.dtype = dtype
+        if self.layer == "separable":
+            self.xs = [tf.Variable(rng.randn(kh, kw, self.cin, 2).astype(
+                np_dtype)), tf.Variable(rng.randn(
+                    1, 1, 2 * self.cin, self.cout).astype(np_dtype))]
+        else:
+            self.xs = [tf.Variable(rng.randn(kh, kw, self.cin,
+                                             self.cout).astype(np_dtype))]
+        self.explicit = []
+        self.padding = padding
+        if not isinstance(padding, str):
+            self.explicit = [p for pair in padding for p in pair]
+            self.padding = "EXPLICIT"
+
+    def loss(self, x, dilated=True):
+        """The per-example loss; `dilated=False` builds the same function
+        with zero-stuffed undilated filters (the reference)."""
+        d = self.dilation if dilated else 1
+        f = self.xs[0] if dilated else _zero_stuffed(self.xs[0],
+                                                     self.dilation)
+        attrs = dict(strides=[1] + self.strides + [1], padding=self.padding,
+                     explicit_paddings=self.explicit, data_format="NHWC",
+                     dilations=[1, d, d, 1])
+        if self.layer == "conv2d":
+            z = tf.raw_ops.Conv2D(input=x, filter=f, **attrs)
+        else:
+            z = tf.raw_ops.DepthwiseConv2dNative(input=x, filter=f, **attrs)
+        if self.layer == "separable":
+            z = tf.nn.conv2d(z, self.xs[1], 1, "VALID")
+        return _head(z)
+
+
+def _chunk_of(size, monkeypatch):
+    """Forces the rules' chunk to `size` examples: a Python int, or with
+    "tensor" a run-time value (the dynamic-shape path)."""
+    if size == "tensor":
+        monkeypatch.setattr(conv._ConvBase, "_chunk_size",
+                            lambda self, ctx: tf.constant(3))
+    else:
+        monkeypatch.setattr(conv._ConvBase, "_chunk_size",
+                            lambda self, ctx: size)
+
+
+def _check(name, batch, dtype, chunk, monkeypatch):
+    case = CASES[name]
+    _chunk_of(chunk, monkeypatch)
+    rng = np.random.RandomState(sum(map(ord, name)) + batch)
+    model = _Model(case, dtype, rng)
+    hw, cin = case[1], case[2]
+    static_x = tf1.placeholder(dtype, [batch, hw, hw, cin])
+    dynamic_x = tf1.placeholder(
+        dtype, [None, hw, hw, cin] if model.static else [None, None, None,
+                                                         cin])
+    ref = testing.loop_per_example(
+        model.loss(static_x, dilated=model.dilation == 1), model.xs)
+    loss = model.loss(dynamic_x)
+    plan = custagg.plan_per_example(loss, model.xs)
+    assert all(a.form == "rules" for a in plan.assignments), str(plan)
+    clip = tf1.placeholder(dtype, [])
+    norms = custagg.per_example_norms(loss, model.xs)
+    clipped, clipped_norms = custagg.clipped_gradients(
+        loss, model.xs, clip, return_norms=True)
+    data = rng.randn(batch, hw, hw, cin).astype(dtype.as_numpy_dtype)
+    rtol = 1e-9 if dtype == tf.float64 else 1e-4
+    with tf1.Session() as sess:
+        sess.run(tf1.global_variables_initializer())
+        ref_values = sess.run(ref, {static_x: data})
+        want_norms = testing.numpy_norms(ref_values)
+        c = 0.7 * float(np.median(want_norms))     # clips some, not all
+        want_clipped, _ = testing.numpy_clipped(ref_values, c)
+        got = sess.run([norms, clipped, clipped_norms],
+                       {dynamic_x: data, clip: c})
+    testing.assert_close(got[0], want_norms, rtol, name + " norms")
+    testing.assert_close(got[2], want_norms, rtol, name + " clipped norms")
+    for j, (g, w) in enumerate(zip(got[1], want_clipped)):
+        testing.assert_close(g, w, rtol, "%s clipped sum x%d" % (name, j))
+
+
+def _skip_unsupported(name, dtype):
+    case = CASES[name]
+    if case[0] == "depthwise" and case[5][0] != case[5][1] and \
+            not conv._tf_compat.is_mkl_enabled():
+        pytest.skip("TF's own CPU depthwise kernel needs equal strides")
+    if case[0] == "depthwise" and case[7] > 1 and dtype == tf.float64:
+        pytest.skip("TF's float64 CPU depthwise kernel has no dilations "
+                    "(the float32 case runs)")
+
+
+@pytest.mark.parametrize("chunk", [2, "tensor"])
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32],
+                         ids=lambda d: d.name)
+@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_norms_and_clipped_sums_match_loop(name, batch, dtype, chunk,
+                                                   monkeypatch):
+    _skip_unsupported(name, dtype)
+    _check(name, batch, dtype, chunk, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [32, 33])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_at_and_off_a_multiple_of_32(name, batch, monkeypatch):
+    _skip_unsupported(name, tf.float64)
+    _check(name, batch, tf.float64, 7, monkeypatch)
+
+
+def test_chunk_size_static_and_dynamic_agree(sess, monkeypatch):
+    """The chunk size from the budget: a Python int with static H and W, a
+    run-time tensor without them, the same value; at least one example."""
+    rule = conv.Conv2DRule()
+    f = tf.Variable(tf.ones([3, 3, 4, 8]))
+    sizes, images = [], []
+    for shape in ([None, 10, 10, 4], [None, None, None, 4]):
+        x = tf1.placeholder(tf.float32, shape)
+        z = tf.nn.conv2d(x, f, 1, "SAME")
+        ctx = conv.registry.RuleContext(z.op, 1, tf.ones_like(z),
+                                        tf.shape(x)[0])
+        images.append(x)
+        sizes.append(rule._chunk_size(ctx))
+    per = rule._chunk_elements_per_example(ctx, 100, 400)
+    assert sizes[0] == max(1, rule._CHUNK_MAX_ELEMENTS // per) > 1
+    assert not isinstance(sizes[1], int)
+    feed = {images[1]: np.zeros([2, 10, 10, 4], np.float32)}
+    sess.run(tf1.global_variables_initializer())
+    assert sess.run(sizes[1], feed) == sizes[0]
+    monkeypatch.setattr(rule, "_CHUNK_MAX_ELEMENTS", 1)
+    assert rule._chunk_size(ctx).graph is sess.graph
+    assert sess.run(rule._chunk_size(ctx), feed) == 1
+
+
+def test_weighted_sum_is_one_backprop_filter_call(graph):
+    """No per-example gradients for an undilated filter's weighted sum: one
+    Conv2DBackpropFilter (on the scaled image here: it is smaller than dz)
+    and no batched matmul or while loop."""
+    x = tf1.placeholder(tf.float32, [None, 8, 8, 2])
+    f = tf.Variable(tf.ones([3, 3, 2, 6]))
+    z = tf.nn.conv2d(x, f, 1, "SAME")
+    ctx = conv.registry.RuleContext(z.op, 1, tf.ones_like(z), tf.shape(x)[0],
+                                    {})
+    before = set(graph.get_operations())
+    conv.Conv2DRule().weighted_sum(ctx, tf.ones([tf.shape(x)[0]]))
+    types = [op.type for op in graph.get_operations() if op not in before]
+    assert types.count("Conv2DBackpropFilter") == 1, types
+    assert not {"BatchMatMulV2", "While", "StatelessWhile", "Enter"} & set(
+        types), types
+
+
+@pytest.mark.parametrize("layer", ["conv2d", "depthwise"])
+def test_peak_memory_within_the_aggregated_gradients(layer):
+    """B=128, a 5x5 filter on 16x16x8 images: the whole-batch window patches
+    are 128 x 256 x 200 floats (26 MB), 2.5x the aggregated gradient's
+    traced peak (benchmarks/memory.py). The norms' and the clipped sum's
+    peaks stay within 1.1x of the aggregated gradient's (+64 KiB); before
+    the chunks they were 4-6x."""
+    from benchmarks import memory
+    batch, hw, cin, cout, k = 128, 16, 8, 16 if layer == "conv2d" else 2, 5
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.RandomState(0)
+        x = tf1.placeholder(tf.float32, [None, hw, hw, cin])
+        f = tf.Variable(rng.randn(k, k, cin, cout).astype(np.float32))
+        z = (tf.nn.conv2d(x, f, 1, "SAME") if layer == "conv2d" else
+             tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME"))
+        loss = _head(z)
+        fetches = {"floor": tf1.gradients(tf.reduce_sum(loss), [f]),
+                   "norms": custagg.per_example_norms(loss, [f]),
+                   "clip": custagg.clipped_gradients(loss, [f], 1.0)}
+        config = tf1.ConfigProto(intra_op_parallelism_threads=1,
+                                 inter_op_parallelism_threads=1)
+        with tf1.Session(config=config) as sess:
+            sess.run(tf1.global_variables_initializer())
+            feed = {x: rng.randn(batch, hw, hw, cin).astype(np.float32)}
+            peaks = {key: memory.step_peak_bytes(sess, fetch, feed)[0]
+                     for key, fetch in fetches.items()}
+    patches = batch * hw * hw * k * k * cin * 4
+    assert patches > 2 * peaks["floor"], peaks      # the test can tell
+    for key in ("norms", "clip"):
+        assert peaks[key] <= 1.1 * peaks["floor"] + 64 * 1024, peaks
