@@ -68,6 +68,8 @@ class BiasAddRule(registry.Rule):
     """`z = BiasAdd(x, bias)`: example b's bias gradient sums dz[b] over all
     but the channel axis. Returns `[B, C]`."""
 
+    reads_other_inputs = False      # dz and the data format only
+
     def unsupported(self, ctx):
         if ctx.input_index != 1:
             return "the parameter is the value, not the bias"

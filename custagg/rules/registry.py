@@ -82,6 +82,13 @@ class RuleContext(collections.namedtuple(
 class Rule(object):
     """Per-example maths of one op type (see the module docstring)."""
 
+    # Whether the rule reads the values of the op's inputs other than the
+    # parameter (a MatMul's activation), or only their shapes, the op's
+    # attributes and the output gradient (a bias). Inside a loop body
+    # (per_example/forms/loop_rules.py) each read input is kept for every
+    # iteration, `[T, B, ...]`: a rule that reads none says False.
+    reads_other_inputs = True
+
     def unsupported(self, ctx):
         """A reason string when this op instance is not handled, else None."""
         del ctx

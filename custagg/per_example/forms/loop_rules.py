@@ -80,7 +80,19 @@ class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot"])):
 
     @property
     def others(self):
-        """The input positions other than x's: pushed per iteration."""
+        """The input positions other than x's whose values the rule reads:
+        pushed per iteration."""
+        if not self.rule.reads_other_inputs:
+            return []
+        return [k for k in range(len(self.op.inputs)) if k != self.index]
+
+    @property
+    def stand_ins(self):
+        """The input positions other than x's that the rule does not read
+        (`Rule.reads_other_inputs`): not kept per iteration; the op rebuilt
+        outside the loop gets zeros of their shape, which nothing runs."""
+        if self.rule.reads_other_inputs:
+            return []
         return [k for k in range(len(self.op.inputs)) if k != self.index]
 
 
@@ -610,6 +622,17 @@ def _tap_result(use, tap, hook, dz):
     inputs[tap.index] = _outside_value(use, tap.slot)
     g = tf.convert_to_tensor(dz[i])                            # [T, B, ...]
     steps = tf.shape(g)[0]
+    for k in tap.stand_ins:
+        # The rule reads only this input's shape (and the op's attributes):
+        # zeros of `[T*B, ...]`, which nothing downstream runs. Where its
+        # dims after the batch are not static, the output's (the one rule
+        # that reads no other input, BiasAdd's, has its value shaped so).
+        rest = tap.op.inputs[k].shape[1:]
+        inputs[k] = tf.zeros(
+            tf.concat([[steps * tf.shape(g)[1]],
+                       rest.as_list() if rest.is_fully_defined() else
+                       tf.shape(g)[2:]], 0), tap.op.inputs[k].dtype)
+        inputs[k].set_shape(tf.TensorShape([None]).concatenate(rest))
     # The tapped op once more, outside the loop, on every step's rows: the
     # rule reads its inputs, attributes and shapes from it.
     graph = tf.compat.v1.get_default_graph()
