@@ -270,7 +270,10 @@ def check_optimizer(loss_fn, variables, batch, label):
 for batch in (1, 33):
     check_optimizer(per_example_loss, xs_, batch, "eager B=%d" % batch)
 
-import tf_keras
+try:
+    import tf_keras
+except ImportError:     # TF <= 2.15 without tf-keras: tf.keras is Keras 2
+    tf_keras = tf.keras
 model = tf_keras.Sequential([
     tf_keras.layers.Dense(5, activation="tanh"), tf_keras.layers.Dense(2)])
 model.build((None, 3))
