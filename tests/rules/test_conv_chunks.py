@@ -9,8 +9,9 @@ small (2 examples, or 3 computed at run time) so B=5 runs three chunks, the
 last one short, and every case is compared with the loop reference on a
 static copy of the same model, the custagg side on a dynamic batch
 (`[None, ...]` placeholders), float64 and float32 (float32 reaches the
-grouped kernel call inside the chunks where oneDNN is on). B in {1, 5} by
-default, {32, 33} under `-m slow`. A last test checks the point of it all
+grouped kernel call inside the chunks where oneDNN is on). By default
+B=5 in chunks of 2 and B=1 in a run-time chunk; `-m slow` adds the other
+two pairs and B in {32, 33}. A last test checks the point of it all
 on a graph big enough to tell: the norms' and clipped sums' peak memory
 stays below the size of the per-example gradients they reduce.
 """
@@ -164,10 +165,15 @@ def _skip_unsupported(name, dtype):
                     "(the float32 case runs)")
 
 
-@pytest.mark.parametrize("chunk", [2, "tensor"])
+@pytest.mark.parametrize("batch, chunk", [
+    # Default: 5 examples in chunks of 2 (two whole chunks and a partial
+    # one), and B=1 in a chunk known only at run time; the other two pairs
+    # under -m slow.
+    pytest.param(5, 2, id="5-2"), pytest.param(1, "tensor", id="1-tensor"),
+    pytest.param(1, 2, id="1-2", marks=pytest.mark.slow),
+    pytest.param(5, "tensor", id="5-tensor", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", [tf.float64, tf.float32],
                          ids=lambda d: d.name)
-@pytest.mark.parametrize("batch", [1, 5])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_chunked_norms_and_clipped_sums_match_loop(name, batch, dtype, chunk,
                                                    monkeypatch):
