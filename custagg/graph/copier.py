@@ -28,6 +28,8 @@ from custagg.graph import walks
 
 # Attrs a copy must not take: colocation with the original's neighbours.
 _DROP_ATTRS = frozenset(["_class"])
+# Convolutions copied with their EXPLICIT padding as a tf.pad (copy_op).
+_EXPLICIT_PADDING_OPS = frozenset(["Conv2D", "DepthwiseConv2dNative"])
 
 
 class CannotCopy(ValueError):
@@ -108,6 +110,20 @@ class Copier(object):
         node_def = _tf_compat.node_def(op)
         attrs = {k: node_def.attr[k] for k in node_def.attr
                  if k not in _DROP_ATTRS}
+        if op.type in _EXPLICIT_PADDING_OPS and \
+                node_def.attr["padding"].s == b"EXPLICIT" and \
+                "_gradient_op_type" not in node_def.attr:
+            # The same convolution as an explicit tf.pad and VALID padding:
+            # pfor runs the copies' Conv2DBackpropFilter through its
+            # while-loop fallback, which drops `explicit_paddings` (TF 2.21:
+            # "explicit_paddings attribute must contain 8 values, but got:
+            # 0"). Zero padding then a VALID window is what EXPLICIT means.
+            pads = list(node_def.attr["explicit_paddings"].list.i)
+            inputs[0] = tf.pad(inputs[0], [pads[k:k + 2]
+                                           for k in range(0, len(pads), 2)])
+            attrs["padding"] = _tf_compat.attr_value_pb2.AttrValue(s=b"VALID")
+            attrs["explicit_paddings"] = _tf_compat.attr_value_pb2.AttrValue(
+                list=_tf_compat.attr_value_pb2.AttrValue.ListValue())
         controls = [mapping[c.outputs[0].ref()].op for c in op.control_inputs
                     if c.outputs and c.outputs[0].ref() in mapping]
         with tf.control_dependencies(controls):

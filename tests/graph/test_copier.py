@@ -72,3 +72,37 @@ def test_a_v1_cond_frame_is_refused_with_the_op():
             copier.Copier().copy_ops(inside, {})
         assert e.value.op is inside[0]
         del y
+
+
+@pytest.mark.parametrize("layer", ["conv2d", "depthwise"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_explicit_padding_is_copied_as_a_pad(layer, batch):
+    """A convolution with EXPLICIT padding, in a graph whose examples
+    interact after it (a roll along the batch), under strategy='pfor': the
+    copies of the forward pass (then their run-time check fails and the
+    exact form runs) used to raise at run time: pfor's while-loop fallback
+    for Conv2DBackpropFilter drops `explicit_paddings`. The copier now
+    writes the padding as a tf.pad before a VALID convolution. Found by
+    the randomized per-example models (seed 140266)."""
+    import per_example_reference as ref
+    rng = np.random.RandomState(batch)
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float64, [None, 4, 4, 2])
+        f = tf.Variable(rng.normal(size=(2, 2, 2, 2)))
+        pads = [[0, 0], [1, 0], [0, 2], [0, 0]]
+        if layer == "conv2d":
+            z = tf.nn.conv2d(x, f, 1, pads)
+        else:
+            z = tf.raw_ops.DepthwiseConv2dNative(
+                input=x, filter=f, strides=[1, 1, 1, 1], padding="EXPLICIT",
+                explicit_paddings=sum(pads, []))
+        h = tf.reshape(z, [-1, int(np.prod(z.shape.as_list()[1:]))])
+        h = h + 0.5 * tf.roll(h, 1, axis=0)
+        loss = tf.reduce_sum(tf.square(h), 1)
+        built, weights = ref.build_functions(
+            loss, [f], "pfor", ("per_example_norms", "clipped_gradients"))
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            why = ref.check(sess, loss, [f], {x: rng.normal(
+                size=(batch, 4, 4, 2))}, built, weights, rtol=1e-9)
+    assert why is None, why
