@@ -22,6 +22,7 @@ from custagg import batch_axis
 from custagg import graph as graph_lib
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
+from custagg.per_example.forms import rows
 from custagg.rules import registry as registry_lib
 from custagg.rules import shortcuts
 from custagg.rules.applies import rule_reason  # noqa: F401  (the rules' own checks)
@@ -217,13 +218,19 @@ class CertifiedForm(RulesForm):
         if not unproven:    # cannot happen after RULES refused; be safe
             raise base.Refused("nothing to certify")
         for c in rule_consumers(consumers):
-            _, axis = c.rule.coupling_start(registry_lib.RuleContext(
+            start, axis = c.rule.coupling_start(registry_lib.RuleContext(
                 c.op, c.index, None, ctx.batch_size))
             if not isinstance(axis, int):
                 # The row check reads one batch axis of the rule's output.
                 raise base.Refused(batch_axis.Reason(
                     "the batch is not one axis of op '%s''s output (%s)"
                     % (c.op.name, axis), c.op))
+            # Rows no run-time check can map to examples: the check would
+            # fail every step, so x goes on to the next form now.
+            why = rows.non_example_rows(start, axis, ctx.loss)
+            if why is not None:
+                raise base.Refused(batch_axis.Reason(
+                    "op '%s': %s" % (c.op.name, why), why.op))
         # Why the static proof failed is the rules' refusal, already in
         # the plan's reason.
         return base.Choice(self, consumers=consumers)
