@@ -75,7 +75,9 @@ def _static_dim(t, axis):
     return tf.compat.dimension_value(t.shape[axis])
 
 
-def _walk(t, axis, start, depth):
+def _walk(t, axis, start, depth, cols=None):
+    """`cols`: what is known of t's axes after the rows (a MatMul's
+    contraction size, which a reshape's static shape may not say)."""
     if depth > _MAX_DEPTH:
         return None
     op = t.op
@@ -104,9 +106,14 @@ def _walk(t, axis, start, depth):
     if op.type == "MatMul" and axis == 0 and t.value_index == 0:
         if op.get_attr("transpose_a"):
             return None
-        return _walk(op.inputs[0], 0, start, depth + 1)
+        # The rows' length is the contraction size, the weight's.
+        w = op.inputs[1]
+        inner = _static_dim(w, 1 if op.get_attr("transpose_b") else 0)
+        return _walk(op.inputs[0], 0, start, depth + 1,
+                     None if inner is None else
+                     [symbolic_shapes.Dim.of(inner)])
     if op.type == "Reshape" and axis == 0:
-        return _reshape(op, where, start, depth)
+        return _reshape(op, where, start, depth, cols)
     if op.type == "Transpose" and t.value_index == 0:
         perm = tensor_util.constant_value(op.inputs[1])
         if perm is not None and int(perm[axis]) == axis:
@@ -147,7 +154,7 @@ def _concat(op, where, start, depth):
     return None
 
 
-def _reshape(op, where, start, depth):
+def _reshape(op, where, start, depth, cols=None):
     """A reshape whose output axis 0 takes input axes 0..k (the output's
     other axes hold exactly the input's axes after k, as symbolic shapes
     read them): the rows are the input's when the axes 1..k are all 1, a
@@ -157,6 +164,9 @@ def _reshape(op, where, start, depth):
     xs, ys = shapes.shape(x), shapes.shape(y)
     if xs is None or ys is None or not ys or len(xs) < len(ys):
         return None
+    if cols is not None and len(cols) == len(ys) - 1:
+        ys = ys[:1] + [c if d.static is None else d
+                       for d, c in zip(ys[1:], cols)]
     after = symbolic_shapes.product(ys[1:])
     if after is None:
         return None

@@ -236,7 +236,9 @@ class CertifiedForm(RulesForm):
         return base.Choice(self, consumers=consumers)
 
     def build(self, engine, group):
-        return engine.certified_per_example(group)
+        # Each quantity is chosen per x under its own `tf.cond`
+        # (`Engine.certified`): the rules' value, or the exact form's.
+        return {id(a): engine.per_example(a) for a in group}
 
 
 RULES = RulesForm()
