@@ -307,6 +307,32 @@ def test_a_group_builds_one_exact_form(graph, monkeypatch):
                              "group norms")
 
 
+def test_coupled_embedding_is_exact_either_way(graph):
+    """A certified embedding table (its clipped sum IndexedSlices): behind a
+    roll its check passes at B=1 and fails at B=7, so both branches of its
+    cond return slices; values exact either way."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    init = tf.compat.v1.random_normal_initializer(seed=9, dtype=tf.float64)
+    table = tf.compat.v1.get_variable("emb", [CLASSES + 2, D_IN], tf.float64,
+                                      init)
+    w = tf.compat.v1.get_variable("w", [D_IN, 1], tf.float64, init)
+    e = tf.nn.embedding_lookup(table, y)                 # [B, D]
+    e = e + 0.5 * tf.roll(e, shift=1, axis=0)
+    loss = tf.reduce_sum(tf.tanh(e * x), 1) + tf.squeeze(tf.matmul(x, w), 1)
+    plan = custagg.plan_per_example(loss, [table, w])
+    assert plan.forms() == ["certified", "rules"], str(plan)
+    for b, values in _run(graph, x, y, loss, [table, w],
+                          DEFAULT_BATCHES).items():
+        _check_exact(values, "coupled embedding B=%d" % b)
+    certs = _certificates(graph)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        rng = np.random.default_rng(3)
+        for b in DEFAULT_BATCHES:
+            assert all(sess.run(certs, _feed(x, y, rng, b))) == (b == 1), b
+
+
 # --------------------------------------------------------------------------
 # Plan-time refusal: rule rows that cannot be examples.
 
@@ -337,7 +363,8 @@ def _fixed_block_model():
     return x, y, loss, [table, w]
 
 
-def test_fixed_block_rows_are_refused_at_plan_time(graph):
+@pytest.mark.parametrize("batches", BATCHES)
+def test_fixed_block_rows_are_refused_at_plan_time(batches, graph):
     x, y, loss, xs = _fixed_block_model()
     plan = custagg.plan_per_example(loss, xs)
     table = plan.assignments[0]
@@ -349,7 +376,7 @@ def test_fixed_block_rows_are_refused_at_plan_time(graph):
     def feed(rng, b):
         return {x: rng.normal(size=[b, D_IN]),
                 y: rng.integers(0, VOCAB, size=[b])}
-    for b, values in _run(graph, x, y, loss, xs, DEFAULT_BATCHES,
+    for b, values in _run(graph, x, y, loss, xs, batches,
                           feed_fn=feed).items():
         _check_exact(values, "fixed block B=%d" % b)
 
