@@ -286,8 +286,7 @@ class Engine(object):
                 def own_rules(a=a):
                     with self._branch():
                         return fast(a)
-                out.append(tf.cond(ok, own_rules,
-                                   lambda e=e: tf.identity(e),
+                out.append(tf.cond(ok, own_rules, lambda e=e: _identity(e),
                                    name="certified_x"))
             return out
         every = oks[0] if len(oks) == 1 else tf.reduce_all(tf.stack(oks))
@@ -534,6 +533,15 @@ def _on_rules(a):
     certified rules' come from them too, inside a `tf.cond` per quantity:
     `Engine.certified`)."""
     return a.form in ("rules", "loop-rules")
+
+
+def _identity(t):
+    """`tf.identity` of a tensor or IndexedSlices (a branch's own output)."""
+    if isinstance(t, indexed_slices_lib.IndexedSlices):
+        return indexed_slices_lib.IndexedSlices(
+            tf.identity(t.values), tf.identity(t.indices),
+            None if t.dense_shape is None else tf.identity(t.dense_shape))
+    return tf.identity(t)
 
 
 def _groups_key(groups):

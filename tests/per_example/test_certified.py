@@ -16,7 +16,14 @@ after the test):
   static proof would miss: with Tanh known the plain rules run and are
   wrong (the control: the plant is real); with Tanh hidden the certified
   form runs, its check fails at B=7, and the exact form's value is
-  returned.
+  returned;
+* two certified first layers whose static proofs stop at different ops
+  (a hidden Softplus, a real roll) are two groups: the apart one keeps its
+  rules while the coupled one takes the exact form; xs stopped at the same
+  op share one exact form;
+* rule rows that cannot be examples (a concat with a fixed-size block as
+  nce_loss gathers, sampled ids, Unique's ids, an unread fold) are refused
+  at plan time (`forms/rows.py`), with the reason in the plan.
 """
 
 import numpy as np
@@ -308,21 +315,25 @@ def test_a_group_builds_one_exact_form(graph, monkeypatch):
 
 
 def test_coupled_embedding_is_exact_either_way(graph):
-    """A certified embedding table (its clipped sum IndexedSlices): behind a
-    roll its check passes at B=1 and fails at B=7, so both branches of its
-    cond return slices; values exact either way."""
+    """A certified embedding table (its clipped sum IndexedSlices) and a
+    bias, behind a roll: their checks pass at B=1 and fail at B=7, so both
+    branches of their conds return slices; values exact either way."""
     x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
     y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
     init = tf.compat.v1.random_normal_initializer(seed=9, dtype=tf.float64)
     table = tf.compat.v1.get_variable("emb", [CLASSES + 2, D_IN], tf.float64,
                                       init)
+    bias = tf.compat.v1.get_variable("bias", [D_IN], tf.float64, init)
     w = tf.compat.v1.get_variable("w", [D_IN, 1], tf.float64, init)
-    e = tf.nn.embedding_lookup(table, y)                 # [B, D]
+    e = tf.nn.embedding_lookup(table, y) + bias         # [B, D]
     e = e + 0.5 * tf.roll(e, shift=1, axis=0)
     loss = tf.reduce_sum(tf.tanh(e * x), 1) + tf.squeeze(tf.matmul(x, w), 1)
-    plan = custagg.plan_per_example(loss, [table, w])
-    assert plan.forms() == ["certified", "rules"], str(plan)
-    for b, values in _run(graph, x, y, loss, [table, w],
+    xs = [table, bias, w]
+    plan = custagg.plan_per_example(loss, xs)
+    # table and bias: one group (both stop at the roll), each x its own
+    # inner cond where the group's check fails.
+    assert plan.forms() == ["certified", "certified", "rules"], str(plan)
+    for b, values in _run(graph, x, y, loss, xs,
                           DEFAULT_BATCHES).items():
         _check_exact(values, "coupled embedding B=%d" % b)
     certs = _certificates(graph)
