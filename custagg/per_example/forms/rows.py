@@ -8,8 +8,8 @@ rows that no run-time check can map to examples, at any step:
   (nce_loss gathers `concat([labels, sampled_ids])`: B true rows, then S
   sampled rows shared by the whole batch): R = B' + S rows, the S of them
   built from no example;
-* rows drawn by a sampler or a random op (the sampled candidates), or made
-  by `Unique` (the distinct ids of a sparse lookup: one row per id, not per
+* rows drawn by a candidate sampler (nce_loss's sampled candidates, one
+  block shared by the batch), or made by `Unique` (the distinct ids of a sparse lookup: one row per id, not per
   example);
 * rows that fold the batch with another axis the rule did not unfold
   (`[B*T, D]` read as `[B, D]`): R = B * T.
@@ -82,7 +82,9 @@ def _walk(t, axis, start, depth, cols=None):
         return None
     op = t.op
     where = "the rows of '%s' (axis %d)" % (start.name, axis)
-    if op.type in _SAMPLERS or op.type in batch_axis.RANDOM:
+    # (Not any random op: ids drawn per example, `[B]` of them, may well
+    # be rows of examples. A candidate sampler draws one shared block.)
+    if op.type in _SAMPLERS:
         return batch_axis.Reason(
             "%s are drawn by op '%s' (type %s): sampled rows, not examples"
             % (where, op.name, op.type), op)
