@@ -15,6 +15,7 @@ squared norms, weighted and squared sums) from whichever form x has.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 
@@ -606,32 +607,61 @@ class Certificate(object):
     def __init__(self, engine, consumers):
         loss = engine.loss
         batch = tf.shape(loss)[0]
-        pairs = {}
+        # Per consumer, the tensors its check reads: (tensor, g1 or None,
+        # axis, start). A rule op: its output, with g1 from the shared
+        # pass. A loop use: the loop's outputs after the loop
+        # (`LoopUse.checks`), whose g1 one more unseeded pass to those
+        # tensors only gives.
+        points = collections.OrderedDict()
+        by_consumer = {}
         for c in consumers:
-            out = c.op.outputs[0]
-            if out.ref() in pairs:
+            key = (c.op, c.index)
+            if key in by_consumer:
                 continue
+            by_consumer[key] = []
+            # (Also builds the shared pass here, outside any tf.cond, so
+            # the rules' contexts are the graph's own.)
             ctx = engine.shared.context(c)
+            if isinstance(c, loop_rules.LoopUse):
+                for t, axis in c.checks or ():
+                    points.setdefault(t.ref(), [t, None, axis, t])
+                    by_consumer[key].append(t.ref())
+                continue
+            out = c.op.outputs[0]
             if ctx is None:
                 continue    # no gradient reaches it: nothing to certify
-            pairs[out.ref()] = (out, ctx.grad) + _rows(c)
+            if out.ref() not in points:
+                axis, start = _rows(c)
+                points[out.ref()] = [out, ctx.grad, axis, start]
+            by_consumer[key].append(out.ref())
         self._ok = {}
-        if not pairs:
+        if not points:
             return
         with tf.name_scope("certificate"):
             seed = tf.random.uniform([batch], 1.0, 2.0, dtype=loss.dtype)
-            keys = list(pairs)
-            gcs = gradients(loss, [pairs[k][0] for k in keys], grad_ys=seed)
+            keys = list(points)
+            missing = [k for k in keys if points[k][1] is None]
+            if missing:
+                for k, g in zip(missing, gradients(
+                        loss, [points[k][0] for k in missing])):
+                    points[k][1] = g
+            gcs = gradients(loss, [points[k][0] for k in keys], grad_ys=seed)
+            ok_at = {}
             for k, gc in zip(keys, gcs):
-                out, g1, axis, start = pairs[k]
-                self._ok[k] = tf.constant(True) if gc is None else \
-                    _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
-                                axis, start, batch)
+                out, g1, axis, start = points[k]
+                ok_at[k] = tf.constant(True) if gc is None or g1 is None \
+                    else _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
+                                     axis, start, batch)
+        for key, refs in by_consumer.items():
+            oks = [ok_at[r] for r in refs]
+            if oks:
+                self._ok[key] = oks[0] if len(oks) == 1 else \
+                    tf.reduce_all(tf.stack(oks))
 
     def ok_of(self, consumers):
         """Scalar bool: the check holds at every op of `consumers`."""
-        oks = [self._ok[c.op.outputs[0].ref()] for c in consumers
-               if c.op.outputs[0].ref() in self._ok]
+        oks = [self._ok[(c.op, c.index)] for c in consumers
+               if (c.op, c.index) in self._ok]
         if not oks:
             return tf.constant(True)
         return tf.reduce_all(tf.stack(oks)) if len(oks) > 1 else oks[0]

@@ -90,7 +90,9 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
     `unproven`: None (the static proof must hold for every rule op), or a
     list: a rule op that applies but whose separation down to the loss the
     static analysis cannot prove is taken anyway and its reason appended
-    (the certified form checks those at run time); loops are still refused.
+    (the certified form checks those at run time); a loop proved apart
+    only inside its body is taken with the tensors after it to check
+    (`LoopUse.checks`).
     """
     loss, loss_ancestors = ctx.loss, ctx.ancestors
     found = batch_axis.infer(loss)
@@ -115,6 +117,15 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
             # A loop: its body's ops are what use x (loop rules).
             use, why = loop_rules.find(op, k, loss, loss_ancestors,
                                        ctx.registry, ctx.batch_size)
+            if use is None and unproven is not None:
+                # Apart inside the loop, not proved after it: the
+                # certificate checks the loop's outputs at run time.
+                deferred, _ = loop_rules.find(
+                    op, k, loss, loss_ancestors, ctx.registry,
+                    ctx.batch_size, defer=True)
+                if deferred is not None:
+                    unproven.append(why)
+                    use = deferred
             if use is None:
                 raise base.Refused(batch_axis.Reason(
                     "no per-example rule for op type '%s' (op '%s'): %s"
@@ -212,12 +223,12 @@ class CertifiedForm(RulesForm):
     def plan(self, x_tensor, ctx):
         unproven = []
         consumers = find_rule_consumers(x_tensor, ctx, unproven=unproven)
-        if any(isinstance(c, loop_rules.LoopUse)
-               for c in rule_consumers(consumers)):
-            raise base.Refused("the certificate does not cover loop rules")
         if not unproven:    # cannot happen after RULES refused; be safe
             raise base.Refused("nothing to certify")
         for c in rule_consumers(consumers):
+            if isinstance(c, loop_rules.LoopUse):
+                # Its rows were read when its checks were found.
+                continue
             start, axis = c.rule.coupling_start(registry_lib.RuleContext(
                 c.op, c.index, None, ctx.batch_size))
             if not isinstance(axis, int):
