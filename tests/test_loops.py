@@ -248,7 +248,8 @@ class _forcing(object):
     def __enter__(self):
         if self.form is None:
             return
-        loop_rules.find = lambda *args: (None, "loop rules off (test)")
+        loop_rules.find = lambda *args, **kwargs: (
+            None, "loop rules off (test)")
         if self.form == "recompute-loop":
             def fail(*args, **kwargs):
                 raise Refused("forced off by the test")
@@ -323,10 +324,16 @@ def test_random_ops_are_refused_with_their_name(graph):
 
 def test_batch_coupling_is_refused(graph):
     """A mean over the batch inside the forward pass: one example alone has
-    another loss, so no copy; the whole pass stays exact."""
+    another loss, so no copy (pfor takes the whole pass); "auto" certifies
+    the loop rules, apart inside the loop, at the loop's outputs (the check
+    fails at B > 1 and the exact form runs: tests/per_example/
+    test_loop_rules.py)."""
     loss, xs, feed = hand_rnn()
     centred = loss - tf.reduce_mean(loss)
     plan = custagg.plan_per_example(centred, xs[:2])
+    assert plan.forms() == ["certified"] * 2, str(plan)
+    assert "mixes examples" in str(plan), str(plan)
+    plan = custagg.plan_per_example(centred, xs[:2], strategy="pfor")
     assert plan.forms() == ["whole-pass"] * 2, str(plan)
     assert "mixes examples" in str(plan), str(plan)
 

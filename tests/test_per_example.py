@@ -405,14 +405,17 @@ def test_rnn_weight_in_a_while_loop_warns_of_the_quadratic_form(graph, caplog):
     v = _var(rng, [2], "readout")
 
     def body(t, h):
-        return t + 1, tf.tanh(tf.matmul(x[:, t, :] + h, w))
+        # Centred over the batch at every step, examples interact inside
+        # the loop: w cannot take the loop rules (certified or not: the
+        # loop is not proved apart even inside) nor the O(B) per-example
+        # copies, only the whole pass (v: no coupling after its own op,
+        # an O(B) form). A coupling after the loop only takes the
+        # certified loop rules (tests/per_example/test_loop_rules.py).
+        h = tf.tanh(tf.matmul(x[:, t, :] + h, w))
+        return t + 1, h - tf.reduce_mean(h, axis=0)
 
     _, h = tf.compat.v1.while_loop(lambda t, h: t < 3, body,
                                    [0, tf.zeros([4, 2], tf.float64)])
-    # Centred over the batch, examples interact after the loop: w cannot
-    # take the O(B) per-example copies of the forward pass, only the whole
-    # pass (v's rule sees no coupling after its own op).
-    h = h - tf.reduce_mean(h, axis=0)
     loss = tf.reduce_sum(h * v, axis=1)
     with caplog.at_level("WARNING", logger="custagg"):
         got = custagg.per_example_gradients(loss, [w, v])
@@ -423,7 +426,10 @@ def test_rnn_weight_in_a_while_loop_warns_of_the_quadratic_form(graph, caplog):
     assert len(warned) == 1 and "cell_w" in warned[0], warned
     assert "readout" not in warned[0] and len(warned[0]) < 500, warned[0]
     plan = custagg.plan_per_example(loss, [w, v])
-    assert plan.forms() == ["whole-pass", "rules"]
+    # (v: an O(B) form; which one depends on how far the batch is traced
+    # back through the mixing loop.)
+    assert plan.forms()[0] == "whole-pass", str(plan)
+    assert plan.forms()[1] in ("rules", "boundary"), str(plan)
     assert "O(B^2)" in str(plan)
     del again
     ref = testing.loop_per_example(loss, [w, v])

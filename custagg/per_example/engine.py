@@ -15,6 +15,8 @@ squared norms, weighted and squared sums) from whichever form x has.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 
 import tensorflow as tf
@@ -45,6 +47,10 @@ class SharedPass(object):
     def __init__(self, plan):
         self.plan = plan
         self._contexts = None
+        # Inside a `tf.cond` branch (the certified rules): the contexts'
+        # caches for that branch only, so a tensor a rule caches there is
+        # never read from outside it (`Engine._branch`).
+        self.branch_caches = None
 
     def _build(self):
         self._contexts = {}
@@ -81,7 +87,16 @@ class SharedPass(object):
         gradient does not reach it."""
         if self._contexts is None:
             self._build()
-        return self._contexts[(c.op, c.index)]
+        return self._in_branch(c, self._contexts[(c.op, c.index)])
+
+    def _in_branch(self, c, ctx):
+        if ctx is None or self.branch_caches is None:
+            return ctx
+        # What the cache held before the branch (built outside it) stays
+        # readable; what the branch adds stays in the branch.
+        cache = self.branch_caches.setdefault((c.op, c.index),
+                                              dict(ctx.cache or {}))
+        return ctx._replace(cache=cache)
 
     def contexts(self, a):
         """(rule, RuleContext) pairs of an x planned as "rules" (its chains
@@ -92,7 +107,7 @@ class SharedPass(object):
         for c in a.consumers:
             if isinstance(c, rules_form.Chain):
                 continue
-            ctx = self._contexts[(c.op, c.index)]
+            ctx = self._in_branch(c, self._contexts[(c.op, c.index)])
             if ctx is None:
                 continue
             rule = loop_rules.RULE if isinstance(c, loop_rules.LoopUse) \
@@ -137,6 +152,7 @@ class Engine(object):
         self.built = {}
         self._materialized = {}     # id(assignment) -> [B, *x]
         self._certificate = None
+        self._certified_memo = {}   # quantity key -> {id(a): value}
 
     x_shape = staticmethod(x_shape)
     static_x_shape = staticmethod(static_x_shape)
@@ -208,34 +224,85 @@ class Engine(object):
         return self._certificate.ok_of(
             list(rules_form.rule_consumers(a.consumers)))
 
-    def certified_per_example(self, group):
-        """`{id(a): [B, *x]}` of certified xs: the rules' values where the
-        x's certificate holds at this step, else the exact form's. The
-        exact form is built inside a `tf.cond` branch taken only on a step
-        where some x of `group` fails, so a certified step never runs it."""
+    @contextlib.contextmanager
+    def _branch(self):
+        """Rule contexts with caches of their own while a `tf.cond` branch
+        is built (`SharedPass.branch_caches`)."""
+        saved = self.shared.branch_caches
+        self.shared.branch_caches = {}
+        try:
+            yield
+        finally:
+            self.shared.branch_caches = saved
+
+    def coupled_group(self, a, within=None):
+        """The certified xs (of `within`, default the plan's) whose static
+        proof stopped at the same op as x's (`Assignment.blocker`): a
+        coupling there fails their checks together, so their exact form is
+        built once for all of them (`certified`). x alone when it names no
+        op."""
+        pool = self.plan.assignments if within is None else within
+        if a.blocker is None:
+            return [a]
+        return [b for b in pool if b.form == "certified"
+                and b.blocker is a.blocker]
+
+    def certified(self, group, fast, exact):
+        """One quantity of the certified xs of `group` (one `coupled_group`):
+        `fast(a)` (from the rules) for each x whose own certificate holds
+        at this step, else x's value from `exact(group)` (a list aligned
+        with group).
+
+        One `tf.cond` on the group's checks: a step where all hold runs
+        the rules only; otherwise the exact form is built once for the
+        group and each x still takes its rules under its own `tf.cond`
+        where its check holds. Each value is built inside the branch that
+        returns it, so a step runs only what it takes: a certified step
+        never runs the exact form, a failing x's rules (whose rows may not
+        even be B) never run, and xs whose static proof stopped elsewhere
+        (other groups) never join this group's exact form.
+
+        Returns:
+          A list aligned with `group`.
+        """
         oks = [self.certificate(a) for a in group]
-        # Outside the cond: the rules' tensors (and their caches) live in
-        # the graph itself, so other quantities may reuse them.
-        fast = [tf.cast(self.rules_per_example(a), x_dtype(a))
-                for a in group]
+        built = {}
 
-        def checked():
-            exact = self.exact(group)
-            # A failed x's rules rows may not even be B (a sampled path's
-            # rows): select by a cond per x, not elementwise.
-            return [tf.cond(ok, lambda f=f: tf.identity(f),
-                            lambda e=e: tf.identity(e))
-                    for ok, f, e in zip(oks, fast, exact)]
+        def rules_branch():
+            with self._branch():
+                built["fast"] = [fast(a) for a in group]
+            return built["fast"]
 
-        every = tf.reduce_all(tf.stack(oks))
-        out = tf.cond(every, lambda: [tf.identity(f) for f in fast],
-                      checked, name="certified")
-        if not isinstance(out, (list, tuple)):
-            out = [out]
-        for t, a in zip(out, group):
-            t.set_shape(tf.TensorShape([None]).concatenate(
-                static_x_shape(a)))
-        return dict(zip([id(a) for a in group], out))
+        def exact_branch():
+            with self._branch():
+                exact_values = exact(group)
+            out = []
+            for a, ok, e, like in zip(group, oks, exact_values,
+                                      built["fast"]):
+                e = _same_kind(e, like)
+                if len(group) == 1:
+                    out.append(e)
+                    continue
+
+                def own_rules(a=a):
+                    with self._branch():
+                        return fast(a)
+                out.append(tf.cond(ok, own_rules, lambda e=e: _identity(e),
+                                   name="certified_x"))
+            return out
+        every = oks[0] if len(oks) == 1 else tf.reduce_all(tf.stack(oks))
+        out = tf.cond(every, rules_branch, exact_branch, name="certified")
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    def _certified_quantity(self, a, key, fast, exact):
+        """`certified` for x's group, built once per quantity `key` and
+        group (the values of the group's other xs kept for their calls)."""
+        memo = self._certified_memo.setdefault(key, {})
+        if id(a) not in memo:
+            group = self.coupled_group(a)
+            for b, v in zip(group, self.certified(group, fast, exact)):
+                memo[id(b)] = v
+        return memo[id(a)]
 
     # -- rules --
 
@@ -323,10 +390,21 @@ class Engine(object):
         """`[B, *x]`, or None for an unconnected x."""
         if a.strategy is None:
             return None
+        if a.form == "certified":
+            out = self._certified_quantity(
+                a, "per_example",
+                lambda b: tf.cast(self._rules_per_example(b), x_dtype(b)),
+                self.exact)
+            out.set_shape(tf.TensorShape([None]).concatenate(
+                static_x_shape(a)))
+            return out
         if _on_rules(a):
-            return self._checked(self.rules_per_example(a), a,
-                                 "per-example gradients")
+            return self._rules_per_example(a)
         return self.materialized(a)
+
+    def _rules_per_example(self, a):
+        return self._checked(self.rules_per_example(a), a,
+                             "per-example gradients")
 
     def squared_norms(self, a, groups=None):
         """[B] squared norms of x's per-example gradients (loss dtype), or
@@ -334,8 +412,27 @@ class Engine(object):
         squared norms of the group sums:
         each rule's own identity for one consumer, the terms' inner
         products for several, else from the materialized gradients."""
+        if a.form == "certified":
+            return self._certified_quantity(
+                a, ("norms", _groups_key(groups)),
+                lambda b: self._rules_squared_norms(b, groups),
+                lambda group: [self._norms_of(g, groups)
+                               for g in self.exact(group)])
+        if _on_rules(a):
+            return self._rules_squared_norms(a, groups)
+        return self._norms_of(self.per_example(a), groups)
+
+    def _norms_of(self, g, groups):
+        """Squared norms of materialized `[B, *x]` (of their group sums)."""
+        g = tf.cast(g, self.loss.dtype)
+        if groups is not None:
+            g = registry_lib.group_sum(g, groups)
+        return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
+                             axis=1)
+
+    def _rules_squared_norms(self, a, groups):
         dtype = self.loss.dtype
-        if _on_rules(a) and not self._chains(a):
+        if not self._chains(a):
             pairs = self.shared.contexts(a)
             if len(pairs) == 1:      # one consumer: the rule's own identity
                 rule, ctx = pairs[0]
@@ -351,19 +448,13 @@ class Engine(object):
             if not pairs:
                 return tf.zeros(tf.shape(self.loss) if groups is None
                                 else [group_count(groups)], dtype)
-        if _on_rules(a):
-            # A shared weight, or weight decay next to a layer: cross terms.
-            cross = norm_algebra.squared_norms_of_terms(
-                self._terms(a, groups), dtype)
-            if cross is not None:
-                return cross if groups is not None else \
-                    self._checked(cross, a, "norms")
-        g = tf.cast(self.per_example(a), dtype)
-        if groups is not None:
-            g = registry_lib.group_sum(g, groups)
-        sq = tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
-                           axis=1)
-        return sq
+        # A shared weight, or weight decay next to a layer: cross terms.
+        cross = norm_algebra.squared_norms_of_terms(
+            self._terms(a, groups), dtype)
+        if cross is not None:
+            return cross if groups is not None else \
+                self._checked(cross, a, "norms")
+        return self._norms_of(self._rules_per_example(a), groups)
 
     def weighted_sums(self, group, weights):
         """sum_b weights[b] g_b for each x of `group` (one weights vector),
@@ -371,7 +462,17 @@ class Engine(object):
         out = {}
         by_pass = []
         for a in group:
+            if a.form == "certified":
+                if id(a) not in out:
+                    # One weighted pass for x's group (of this call).
+                    together = self.coupled_group(a, group)
+                    out.update(zip([id(b) for b in together], self.certified(
+                        together,
+                        lambda b: self._rules_weighted_sum(b, weights),
+                        lambda g: self.weighted_pass(g, weights))))
+                continue
             if _on_rules(a):
+                out[id(a)] = self._rules_weighted_sum(a, weights)
                 continue
             done = self._materialized.get(id(a))
             if done is not None and not _gathered(a.tensor):
@@ -383,42 +484,95 @@ class Engine(object):
                                           axes=1)
             else:
                 by_pass.append(a)
-        for a in group:
-            if _on_rules(a):
-                parts = [self.to_x(rule.weighted_sum(ctx, weights), a, False)
-                         for rule, ctx in self.shared.contexts(a)]
-                for chain in self._chains(a):
-                    # Linear in the cotangent: the chain's weighted sum is the
-                    # op's gradient of its outputs' weighted sums.
-                    inner = self.weighted_sums(chain.inner, weights)
-                    parts.extend(chains_lib.vjp(
-                        self, chain,
-                        [sparse.dense(inner[id(i)]) for i in chain.inner], a,
-                        False))
-                out[id(a)] = _sum_parts(parts)
         if by_pass:
-            # Exact whatever the graph: d/dx sum_b w_b l_b with w constant.
-            grads = gradients(self.loss, [a.tensor for a in by_pass],
-                              aggregation_method=AggregationMethod.CUSTOM,
-                              gradient_factors=weights)
-            for a, g in zip(by_pass, grads):
-                out[id(a)] = g
+            out.update(zip([id(a) for a in by_pass],
+                           self.weighted_pass(by_pass, weights)))
         return out
+
+    def weighted_pass(self, group, weights):
+        """`sum_b weights[b] g_b` of each x of `group` by one backward pass
+        weighted per example: exact whatever the graph (the weights are
+        constants: d/dx sum_b w_b l_b)."""
+        return gradients(self.loss, [a.tensor for a in group],
+                         aggregation_method=AggregationMethod.CUSTOM,
+                         gradient_factors=weights)
+
+    def _rules_weighted_sum(self, a, weights):
+        parts = [self.to_x(rule.weighted_sum(ctx, weights), a, False)
+                 for rule, ctx in self.shared.contexts(a)]
+        for chain in self._chains(a):
+            # Linear in the cotangent: the chain's weighted sum is the op's
+            # gradient of its outputs' weighted sums.
+            inner = self.weighted_sums(chain.inner, weights)
+            parts.extend(chains_lib.vjp(
+                self, chain, [sparse.dense(inner[id(i)]) for i in chain.inner],
+                a, False))
+        return _sum_parts(parts)
 
     def squared_sum(self, a):
         """`sum_b g_b ** 2` (elementwise), x's shape."""
-        if _on_rules(a) and not self._chains(a):
+        if a.form == "certified":
+            return self._certified_quantity(
+                a, "squared_sum", self._rules_squared_sum,
+                lambda group: [tf.reduce_sum(tf.square(g), axis=0)
+                               for g in self.exact(group)])
+        if _on_rules(a):
+            return self._rules_squared_sum(a)
+        return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+
+    def _rules_squared_sum(self, a):
+        if not self._chains(a):
             parts = self.shared.contexts(a)
             if len(parts) == 1:
                 rule, ctx = parts[0]
                 return self.to_x(rule.squared_sum(ctx), a, False)
-        return tf.reduce_sum(tf.square(self.per_example(a)), axis=0)
+        return tf.reduce_sum(tf.square(self._rules_per_example(a)), axis=0)
 
 
 def _on_rules(a):
     """Whether x's quantities come from the rules' contexts directly (the
-    certified rules are materialized: their values pass a `tf.cond`)."""
+    certified rules' come from them too, inside a `tf.cond` per quantity:
+    `Engine.certified`)."""
     return a.form in ("rules", "loop-rules")
+
+
+def _identity(t):
+    """`tf.identity` of a tensor or IndexedSlices (a branch's own output)."""
+    if isinstance(t, indexed_slices_lib.IndexedSlices):
+        return indexed_slices_lib.IndexedSlices(
+            tf.identity(t.values), tf.identity(t.indices),
+            None if t.dense_shape is None else tf.identity(t.dense_shape))
+    return tf.identity(t)
+
+
+def _groups_key(groups):
+    """A dict key for a grouping (None, an int M, or a `Segments`)."""
+    return groups if groups is None or isinstance(groups, int) \
+        else id(groups)
+
+
+def _same_kind(t, like):
+    """The exact branch's value `t` in the form of the rules branch's `like`
+    (a `tf.cond` needs the same structure from both): IndexedSlices with
+    indices and dense shape of like's dtypes, or a dense tensor of like's
+    dtype."""
+    if isinstance(like, indexed_slices_lib.IndexedSlices):
+        if not isinstance(t, indexed_slices_lib.IndexedSlices):
+            t = tf.convert_to_tensor(t)
+            t = indexed_slices_lib.IndexedSlices(
+                t, tf.range(tf.shape(t, out_type=like.indices.dtype)[0]),
+                tf.shape(t, out_type=tf.int64))
+        shape = None
+        if like.dense_shape is not None:
+            # (like's tensors live in the other branch: only its constant
+            # dense shape may be read from here.)
+            shape = tf.cast(t.dense_shape if t.dense_shape is not None
+                            else tf.constant(tf.get_static_value(
+                                like.dense_shape)), like.dense_shape.dtype)
+        return indexed_slices_lib.IndexedSlices(
+            tf.cast(t.values, like.values.dtype),
+            tf.cast(t.indices, like.indices.dtype), shape)
+    return tf.cast(sparse.dense(t), like.dtype)
 
 
 # Relative tolerance of the certificate's row check, by the gradients'
@@ -453,32 +607,61 @@ class Certificate(object):
     def __init__(self, engine, consumers):
         loss = engine.loss
         batch = tf.shape(loss)[0]
-        pairs = {}
+        # Per consumer, the tensors its check reads: (tensor, g1 or None,
+        # axis, start). A rule op: its output, with g1 from the shared
+        # pass. A loop use: the loop's outputs after the loop
+        # (`LoopUse.checks`), whose g1 one more unseeded pass to those
+        # tensors only gives.
+        points = collections.OrderedDict()
+        by_consumer = {}
         for c in consumers:
-            out = c.op.outputs[0]
-            if out.ref() in pairs:
+            key = (c.op, c.index)
+            if key in by_consumer:
                 continue
+            by_consumer[key] = []
+            # (Also builds the shared pass here, outside any tf.cond, so
+            # the rules' contexts are the graph's own.)
             ctx = engine.shared.context(c)
+            if isinstance(c, loop_rules.LoopUse):
+                for t, axis in c.checks or ():
+                    points.setdefault(t.ref(), [t, None, axis, t])
+                    by_consumer[key].append(t.ref())
+                continue
+            out = c.op.outputs[0]
             if ctx is None:
                 continue    # no gradient reaches it: nothing to certify
-            pairs[out.ref()] = (out, ctx.grad) + _rows(c)
+            if out.ref() not in points:
+                axis, start = _rows(c)
+                points[out.ref()] = [out, ctx.grad, axis, start]
+            by_consumer[key].append(out.ref())
         self._ok = {}
-        if not pairs:
+        if not points:
             return
         with tf.name_scope("certificate"):
             seed = tf.random.uniform([batch], 1.0, 2.0, dtype=loss.dtype)
-            keys = list(pairs)
-            gcs = gradients(loss, [pairs[k][0] for k in keys], grad_ys=seed)
+            keys = list(points)
+            missing = [k for k in keys if points[k][1] is None]
+            if missing:
+                for k, g in zip(missing, gradients(
+                        loss, [points[k][0] for k in missing])):
+                    points[k][1] = g
+            gcs = gradients(loss, [points[k][0] for k in keys], grad_ys=seed)
+            ok_at = {}
             for k, gc in zip(keys, gcs):
-                out, g1, axis, start = pairs[k]
-                self._ok[k] = tf.constant(True) if gc is None else \
-                    _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
-                                axis, start, batch)
+                out, g1, axis, start = points[k]
+                ok_at[k] = tf.constant(True) if gc is None or g1 is None \
+                    else _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
+                                     axis, start, batch)
+        for key, refs in by_consumer.items():
+            oks = [ok_at[r] for r in refs]
+            if oks:
+                self._ok[key] = oks[0] if len(oks) == 1 else \
+                    tf.reduce_all(tf.stack(oks))
 
     def ok_of(self, consumers):
         """Scalar bool: the check holds at every op of `consumers`."""
-        oks = [self._ok[c.op.outputs[0].ref()] for c in consumers
-               if c.op.outputs[0].ref() in self._ok]
+        oks = [self._ok[(c.op, c.index)] for c in consumers
+               if (c.op, c.index) in self._ok]
         if not oks:
             return tf.constant(True)
         return tf.reduce_all(tf.stack(oks)) if len(oks) > 1 else oks[0]

@@ -16,7 +16,17 @@ after the test):
   static proof would miss: with Tanh known the plain rules run and are
   wrong (the control: the plant is real); with Tanh hidden the certified
   form runs, its check fails at B=7, and the exact form's value is
-  returned.
+  returned;
+* two certified first layers whose static proofs stop at different ops
+  (a hidden Softplus, a real roll) are two groups: the apart one keeps its
+  rules while the coupled one takes the exact form; xs stopped at the same
+  op share one exact form;
+* rule rows that cannot be examples (a concat with a fixed-size block as
+  nce_loss gathers, sampled ids, Unique's ids, an unread fold) are refused
+  at plan time (`forms/rows.py`), with the reason in the plan;
+* loop rules proved apart inside a dynamic_rnn but not after it (a hidden
+  Softplus) are certified at the loop's stacked outputs: a roll after the
+  loop fails the check at B > 1 and the exact form runs.
 """
 
 import numpy as np
@@ -27,6 +37,7 @@ import custagg
 from custagg import testing
 from custagg.batch_axis import table as table_lib
 from custagg.per_example import engine as engine_lib
+from custagg.per_example.forms import rows as rows_lib
 
 RTOL = 1e-9
 DEFAULT_BATCHES = (1, 7)
@@ -88,23 +99,27 @@ def _feed(x, y, rng, b):
             y: rng.integers(0, CLASSES, size=[b])}
 
 
-def _run(graph, x, y, loss, xs, batches, extra=None):
-    """Runs custagg's per-example gradients, norms and clipped sum next to
-    the loop reference at each B; returns {B: values}."""
+def _run(graph, x, y, loss, xs, batches, extra=None, feed_fn=None,
+         per_example=True):
+    """Runs custagg's per-example gradients (unless not `per_example`),
+    norms and clipped sum next to the loop reference at each B; returns
+    {B: values}. `feed_fn(rng, b)`: the feed of b examples (default
+    `_model`'s, on `x` and `y`)."""
     clip = tf.compat.v1.placeholder(tf.float64, [])
     fetches = {
         "ref": testing.loop_per_example(loss, xs, max(batches), rows=True),
-        "per_example": custagg.per_example_gradients(loss, xs),
         "clipped": custagg.clipped_gradients(loss, xs, clip,
                                              return_norms=True),
     }
+    if per_example:
+        fetches["per_example"] = custagg.per_example_gradients(loss, xs)
     fetches.update(extra or {})
     rng = np.random.default_rng(sum(batches))
     out = {}
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for b in batches:
-            feed = _feed(x, y, rng, b)
+            feed = feed_fn(rng, b) if feed_fn else _feed(x, y, rng, b)
             feed[clip] = 1.0
             values = sess.run(dict(fetches, ref=fetches["ref"][:b]), feed)
             per_example = [np.stack(col) for col in zip(*values["ref"])]
@@ -119,7 +134,7 @@ def _run(graph, x, y, loss, xs, batches, extra=None):
 
 def _check_exact(values, label):
     ref = values["reference"]
-    for j, g in enumerate(ref):
+    for j, g in enumerate(ref[:len(values.get("per_example", ()))]):
         testing.assert_close(values["per_example"][j], g, RTOL,
                              "%s per_example[%d]" % (label, j))
     sums, _ = testing.numpy_clipped(ref, values["clip"])
@@ -219,3 +234,264 @@ def test_certificate_tolerances_are_documented():
     # The tolerance the docs state is the one the code uses.
     assert engine_lib.CERTIFICATE_RTOL[tf.float64] == 1e-8
     assert engine_lib.CERTIFICATE_RTOL[tf.float32] == 1e-4
+
+
+# --------------------------------------------------------------------------
+# One cond per group: a failing check sends only its own group to the exact
+# form.
+
+
+def _two_branch_model():
+    """Two certified first layers side by side, float64, dynamic batch:
+    `wa` behind Softplus (hidden from the table by the tests: truly apart),
+    `wb` behind a roll of its activations along the batch (truly coupled at
+    B > 1); `w2` reads their sum and `w3` is a linear skip (both static
+    rules)."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    init = tf.compat.v1.random_normal_initializer(seed=5, dtype=tf.float64)
+    wa = tf.compat.v1.get_variable("wa", [D_IN, HIDDEN], tf.float64, init)
+    wb = tf.compat.v1.get_variable("wb", [D_IN, HIDDEN], tf.float64, init)
+    w2 = tf.compat.v1.get_variable("w2", [HIDDEN, CLASSES], tf.float64, init)
+    w3 = tf.compat.v1.get_variable("w3", [D_IN, CLASSES], tf.float64, init)
+    ha = tf.math.softplus(tf.matmul(x, wa))
+    hb = tf.tanh(tf.matmul(x, wb))
+    hb = hb + 0.5 * tf.roll(hb, shift=1, axis=0)
+    logits = tf.matmul(ha + hb, w2) + tf.matmul(x, w3)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=logits)
+    return x, y, loss, [wa, wb, w2, w3]
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_only_the_coupled_group_takes_the_exact_form(
+        batches, graph, monkeypatch):
+    _hide(monkeypatch, "Softplus")
+    x, y, loss, xs = _two_branch_model()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["certified", "certified", "rules", "rules"], \
+        str(plan)
+    a_apart, a_coupled = plan.assignments[:2]
+    # Their static proofs stopped at different ops: two groups, two conds.
+    assert a_apart.blocker.type == "Softplus", str(plan)
+    assert a_coupled.blocker.type == "Roll", str(plan)
+    engine = engine_lib.Engine(plan, 32)
+    assert engine.coupled_group(a_apart) == [a_apart]
+    assert engine.coupled_group(a_coupled) == [a_coupled]
+    oks = [engine.certificate(a_apart), engine.certificate(a_coupled)]
+    results = _run(graph, x, y, loss, xs, batches)
+    for b, values in results.items():
+        _check_exact(values, "two branches B=%d" % b)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        rng = np.random.default_rng(2)
+        for b in batches:
+            ok_apart, ok_coupled = sess.run(oks, _feed(x, y, rng, b))
+            # wa keeps its rules; only wb (at B > 1, where the roll mixes)
+            # takes the exact form.
+            assert ok_apart, b
+            assert ok_coupled == (b == 1), b
+
+
+def test_a_group_builds_one_exact_form(graph, monkeypatch):
+    """w1 and b1 stop at the same hidden Tanh: one group, one cond whose
+    exact branch is built once for both (and each x keeps its rules where
+    its own check holds)."""
+    _tell_apart(monkeypatch, "Roll")
+    _hide(monkeypatch, "Tanh")
+    x, y, loss, xs = _model(roll=True)
+    plan = custagg.plan_per_example(loss, xs)
+    engine = engine_lib.Engine(plan, 32)
+    w1, b1 = plan.assignments[:2]
+    assert engine.coupled_group(w1) == [w1, b1]
+    norms = [engine.squared_norms(a) for a in (w1, b1)]
+    outer = [op for op in graph.get_operations()
+             if op.type in ("If", "StatelessIf")
+             and op.name.split("/")[-1].startswith("certified")
+             and not op.name.split("/")[-1].startswith("certified_x")]
+    assert len(outer) == 1, [op.name for op in outer]
+    reference = testing.loop_per_example(loss, xs[:2], 7)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got, ref = sess.run([norms, reference],
+                            _feed(x, y, np.random.default_rng(4), 7))
+    for g, r in zip(got, ref):
+        testing.assert_close(g, np.sum(np.square(r.reshape(7, -1)), 1), RTOL,
+                             "group norms")
+
+
+def test_coupled_embedding_is_exact_either_way(graph):
+    """A certified embedding table (its clipped sum IndexedSlices) and a
+    bias, behind a roll: their checks pass at B=1 and fail at B=7, so both
+    branches of their conds return slices; values exact either way."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    init = tf.compat.v1.random_normal_initializer(seed=9, dtype=tf.float64)
+    table = tf.compat.v1.get_variable("emb", [CLASSES + 2, D_IN], tf.float64,
+                                      init)
+    bias = tf.compat.v1.get_variable("bias", [D_IN], tf.float64, init)
+    w = tf.compat.v1.get_variable("w", [D_IN, 1], tf.float64, init)
+    e = tf.nn.embedding_lookup(table, y) + bias         # [B, D]
+    e = e + 0.5 * tf.roll(e, shift=1, axis=0)
+    loss = tf.reduce_sum(tf.tanh(e * x), 1) + tf.squeeze(tf.matmul(x, w), 1)
+    xs = [table, bias, w]
+    plan = custagg.plan_per_example(loss, xs)
+    # table and bias: one group (both stop at the roll), each x its own
+    # inner cond where the group's check fails.
+    assert plan.forms() == ["certified", "certified", "rules"], str(plan)
+    for b, values in _run(graph, x, y, loss, xs,
+                          DEFAULT_BATCHES).items():
+        _check_exact(values, "coupled embedding B=%d" % b)
+    certs = _certificates(graph)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        rng = np.random.default_rng(3)
+        for b in DEFAULT_BATCHES:
+            assert all(sess.run(certs, _feed(x, y, rng, b))) == (b == 1), b
+
+
+# --------------------------------------------------------------------------
+# Plan-time refusal: rule rows that cannot be examples.
+
+VOCAB, BLOCK = 9, (0, 3, 5)
+
+
+def _fixed_block_model():
+    """A table gathered by `concat([labels, (0, 3, 5)])`, as nce_loss
+    gathers its true and sampled rows: the first B rows are the examples'
+    own (a dot with x), the last 3 a block every example meets (logits
+    against x). Float64, dynamic batch."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    init = tf.compat.v1.random_normal_initializer(seed=7, dtype=tf.float64)
+    table = tf.compat.v1.get_variable("table", [VOCAB, D_IN], tf.float64,
+                                      init)
+    w = tf.compat.v1.get_variable("w", [D_IN, 1], tf.float64, init)
+    ids = tf.concat([y, tf.constant(BLOCK, tf.int32)], 0)
+    rows = tf.nn.embedding_lookup(table, ids)           # [B + 3, D]
+    batch = tf.shape(y)[0]
+    own = tf.slice(rows, [0, 0], tf.stack([batch, -1]))
+    block = tf.slice(rows, tf.stack([batch, 0]), [-1, -1])
+    logits = tf.matmul(x, block, transpose_b=True)      # [B, 3]
+    # The labels' own term makes them a batch source the analysis finds
+    # (so the gather is batch data, not a batch-free chain).
+    loss = (tf.reduce_sum(x * own, 1) + tf.reduce_logsumexp(logits, 1) +
+            tf.squeeze(tf.matmul(x, w), 1) + 0.01 * tf.cast(y, tf.float64))
+    return x, y, loss, [table, w]
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_fixed_block_rows_are_refused_at_plan_time(batches, graph):
+    x, y, loss, xs = _fixed_block_model()
+    plan = custagg.plan_per_example(loss, xs)
+    table = plan.assignments[0]
+    assert table.form != "certified", str(plan)
+    assert "no certified rules" in table.reason, str(plan)
+    assert "block of 3 rows" in table.reason, str(plan)
+    assert plan.forms()[1] == "rules", str(plan)
+
+    def feed(rng, b):
+        return {x: rng.normal(size=[b, D_IN]),
+                y: rng.integers(0, VOCAB, size=[b])}
+    for b, values in _run(graph, x, y, loss, xs, batches,
+                          feed_fn=feed).items():
+        _check_exact(values, "fixed block B=%d" % b)
+
+
+def _rows_of(t):
+    return rows_lib.non_example_rows(t, 0, tf.zeros([3]))
+
+
+def test_non_example_rows_reads_the_graph(graph):
+    """What `rows.non_example_rows` refuses (sampled ids, Unique's ids, a
+    fold of the batch with another axis) and what it leaves to the run-time
+    check (a plain batch, ids of [B, T], a fold it cannot read)."""
+    table = tf.zeros([20, 4])
+    labels = tf.compat.v1.placeholder(tf.int64, [None, 1])
+    sampled, _, _ = tf.random.log_uniform_candidate_sampler(
+        labels, 1, 5, True, 20)
+    ids = tf.concat([tf.reshape(labels, [-1]), sampled], 0)
+    why = _rows_of(tf.gather(table, ids))
+    assert why is not None and "LogUniformCandidateSampler" in why, why
+    unique, _ = tf.unique(tf.reshape(labels, [-1]))
+    why = _rows_of(tf.gather(table, unique))
+    assert why is not None and "Unique" in why, why
+    seq = tf.compat.v1.placeholder(tf.float32, [None, None, 4])
+    folded = tf.matmul(tf.reshape(seq, [-1, 4]), tf.zeros([4, 2]))
+    why = _rows_of(folded)
+    assert why is not None and "fold the batch" in why, why
+    # Rows a run-time check may well map to examples: not refused.
+    assert _rows_of(tf.gather(table, tf.reshape(labels, [-1]))) is None
+    tokens = tf.compat.v1.placeholder(tf.int32, [None, None])
+    assert _rows_of(tf.gather(table, tokens)) is None
+    unit = tf.compat.v1.placeholder(tf.float32, [None, 1, 4])
+    assert _rows_of(tf.matmul(tf.reshape(unit, [-1, 4]),
+                              tf.zeros([4, 2]))) is None
+    # Static row counts: refused only when both are known and differ.
+    assert rows_lib.non_example_rows(tf.zeros([4, 2]), 0,
+                                     tf.zeros([3])) is not None
+    assert rows_lib.non_example_rows(tf.zeros([3, 2]), 0,
+                                     tf.zeros([3])) is None
+
+
+# --------------------------------------------------------------------------
+# Loop rules: proved apart inside the loop, certified after it.
+
+STEPS = 3
+
+
+def _rnn_model(roll):
+    """dynamic_rnn (a tanh cell) whose output sequence passes a Softplus
+    (hidden by the tests) and, with `roll`, a roll along the batch, summed
+    over time into a dense head. Float64, dynamic batch."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, STEPS, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    cell = tf.compat.v1.nn.rnn_cell.BasicRNNCell(HIDDEN, dtype=tf.float64)
+    out, _ = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float64)
+    h = tf.reduce_sum(tf.math.softplus(out), 1)              # [B, H]
+    if roll:
+        h = h + 0.5 * tf.roll(h, shift=1, axis=0)
+    init = tf.compat.v1.random_normal_initializer(seed=11, dtype=tf.float64)
+    w = tf.compat.v1.get_variable("head", [HIDDEN, CLASSES], tf.float64, init)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(h, w))
+    return x, y, loss, cell.trainable_weights + [w]
+
+
+# The default run: the rolled model at B in {1, 7} (the check passes at
+# B=1, fails at B=7); `-m slow`: the apart model (passing at every B) and
+# B in {32, 33}.
+@pytest.mark.parametrize("roll", [
+    pytest.param(False, id="apart", marks=pytest.mark.slow),
+    pytest.param(True, id="rolled")])
+@pytest.mark.parametrize("batches", BATCHES)
+def test_loop_rules_are_certified_after_the_loop(
+        batches, roll, graph, monkeypatch):
+    """The cell's weights: the static proof holds inside the loop and stops
+    at the hidden Softplus after it, so the certified form checks the
+    loop's stacked outputs at run time. Apart: the check passes and the
+    loop rules' values are returned; rolled: it fails at B > 1 and the
+    exact form's are."""
+    _hide(monkeypatch, "Softplus")
+    x, y, loss, xs = _rnn_model(roll)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["certified", "certified", "rules"], str(plan)
+    assert "in loop '" in str(plan), str(plan)
+    engine = engine_lib.Engine(plan, 32)
+    oks = [engine.certificate(a) for a in plan.assignments[:2]]
+
+    def feed(rng, b):
+        return {x: rng.normal(size=[b, STEPS, D_IN]),
+                y: rng.integers(0, CLASSES, size=[b])}
+    # Norms and clipped sums (the per-example gradients' cond is the same
+    # code, checked on the models above; building it again here doubles
+    # the cost of the loop's exact form).
+    for b, values in _run(graph, x, y, loss, xs, batches, feed_fn=feed,
+                          per_example=False).items():
+        _check_exact(values, "rnn roll=%s B=%d" % (roll, b))
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        rng = np.random.default_rng(6)
+        for b in batches:
+            got = sess.run(oks, feed(rng, b))
+            assert all(got) == (not roll or b == 1), (b, got)

@@ -1,5 +1,5 @@
 """The certified form refuses at plan time when a rule's rows provably are
-not the batch's examples (per_example/forms/rules.py `_check_rows`).
+not the batch's examples (per_example/forms/rows.py `non_example_rows`).
 
 Found by the randomized per-example models (tests/test_randomized.py, seeds
 40140 and 40212): with a static batch of 1 and the input x [1, 3] in xs,

@@ -6,7 +6,9 @@ rules for its cell weights, and every public function (per-example
 gradients, norms, clipped sums global and per x, weighted sums, second
 moments) matches one `tf.compat.v1.gradients(loss[i], xs)` per example at
 B in {1, 5, 32, 33}. Loops that mix examples, or that the rules cannot
-read, are refused with the op's name and take an exact form instead.
+read, are refused with the op's name and take an exact form instead; a
+loop whose examples are proved apart inside it but not after it takes the
+certified loop rules (checked at the loop's outputs at run time).
 """
 
 import numpy as np
@@ -188,8 +190,6 @@ def _rnn(mix=None, after=None, changing=False, inside=None):
     ("a Gram matrix over the batch",
      lambda: _rnn(mix=lambda h: tf.matmul(h, tf.matmul(
          h, h, transpose_a=True))), "MatMul"),
-    ("a mean of the losses after the loop",
-     lambda: _rnn(after=lambda l: l - tf.reduce_mean(l)), "Mean"),
     ("the weight changes inside the loop",
      lambda: _rnn(changing=True), "loop variable"),
     ("random numbers inside the loop",
@@ -207,12 +207,18 @@ def test_loops_the_rules_cannot_prove_are_refused(graph, what, build, names):
         custagg.plan_per_example(loss, xs[:1], strategy="rules")
 
 
-def test_refused_coupling_after_the_loop_is_still_exact(graph):
-    """The loss mixes examples after the loop: no rules, no copies; the
-    exact whole pass, against the loop reference."""
+def test_coupling_after_the_loop_is_certified_and_exact(graph):
+    """The loss mixes examples after the loop (a mean of the losses): the
+    static proof holds inside the loop only, so the cell weight takes the
+    certified loop rules (the plan names the Mean; strategy "rules"
+    refuses); the run-time check at the loop's outputs fails at B > 1 and
+    the exact form runs: values against the loop reference."""
     loss, xs, feed = _rnn(after=lambda l: l - 0.5 * tf.reduce_mean(l))
     plan = custagg.plan_per_example(loss, xs)
-    assert plan.forms()[0] == "whole-pass", str(plan)
+    assert plan.forms()[0] == "certified", str(plan)
+    assert "Mean" in plan.assignments[0].reason, str(plan)
+    with pytest.raises(ValueError, match="strategy='rules' cannot"):
+        custagg.plan_per_example(loss, xs[:1], strategy="rules")
     _check_all(loss, xs, feed, batches=(1, 5), coupled=True)
 
 

@@ -97,7 +97,8 @@ class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot"])):
 
 
 class LoopUse(collections.namedtuple("LoopUse", [
-        "op", "index", "taps", "value", "outputs", "loop", "counter"])):
+        "op", "index", "taps", "value", "outputs", "loop", "counter",
+        "checks"], defaults=[None])):
     """x's uses inside one loop, entering at `op.inputs[index]` (`op`: the
     v2 While, or the v1 Enter).
 
@@ -105,6 +106,10 @@ class LoopUse(collections.namedtuple("LoopUse", [
     outputs: the loop's outputs the loss reads (While outputs, v1 Exits).
     loop: the While op, or the v1 WhileContext (one rebuild per loop).
     counter: (final, start) tensors of the loop's iteration counter.
+    checks: None when examples are proved apart from every tap to the loss;
+      for the certified form (`find(..., defer=True)`: proved apart inside
+      the loop only), the `(tensor, batch axis)` pairs after the loop
+      where the run-time certificate checks the rest (`engine.Certificate`).
     """
 
     @property
@@ -113,13 +118,21 @@ class LoopUse(collections.namedtuple("LoopUse", [
         return self.loop.name
 
 
-def find(op, index, loss, loss_ancestors, registry, batch_size):
+def find(op, index, loss, loss_ancestors, registry, batch_size,
+         defer=False):
     """`(LoopUse, None)` when every use of `op.inputs[index]` in the loop
     body is a tap that keeps examples apart to the loss, else
     `(None, reason)`. `op`: a v2 While, or the Enter of a v1 frame.
-    `registry`: the rules to ask; `batch_size`: B (int or scalar tensor)."""
+    `registry`: the rules to ask; `batch_size`: B (int or scalar tensor).
+
+    `defer`: prove examples apart only from the taps to the loop's outputs
+    (through the body and the next iterations), and leave the rest, from
+    the outputs to the loss, to the run-time certificate: the use's
+    `checks` say where (v2 loops only)."""
     taps = _TapFinder(registry, batch_size)
     if op.type in ("Enter", "RefEnter"):
+        if defer:
+            return None, "the certificate covers v2 loops only"
         return _find_v1(op, loss, loss_ancestors, taps)
     if op.type not in LOOP_TYPES:
         return None, "not a while loop"
@@ -138,11 +151,74 @@ def find(op, index, loss, loss_ancestors, registry, batch_size):
     # Body ops behind the loop variables whose outputs the loss reads.
     live = copier.ancestors_in([body.outputs[k] for k in used])
 
+    checks = []
+
     def coupling(z):
+        if defer:
+            return _inside(op, body, z, live, loss_ancestors, checks)
         return _coupling(op, body, z, live, loss, loss_ancestors)
     outputs = tuple(op.outputs[k] for k in used)
-    return _use(op, index, op.name, live, body.inputs[index], coupling,
-                outputs, op, (op.outputs[0], op.inputs[0]), taps)
+    use, why = _use(op, index, op.name, live, body.inputs[index], coupling,
+                    outputs, op, (op.outputs[0], op.inputs[0]), taps)
+    if use is not None and defer:
+        use = use._replace(checks=tuple(_unique(checks)))
+    return use, why
+
+
+def _list_readers(t, loss_ancestors):
+    """The ops that read list `t` (a While output) on the loss's side,
+    through the Identity ops control flow v2 puts after a loop."""
+    out, stack = [], [t]
+    while stack:
+        for c in stack.pop().consumers():
+            if c not in loss_ancestors:
+                continue
+            if c.type == "Identity":
+                stack.append(c.outputs[0])
+            else:
+                out.append(c)
+    return out
+
+
+def _unique(points):
+    out = []
+    for t, axis in points:
+        if not any(t is u and axis == a for u, a in out):
+            out.append((t, axis))
+    return out
+
+
+def _inside(op, body, start, live, loss_ancestors, checks):
+    """`_coupling`'s first half: None if row b of `start` reaches only row
+    b of the loop's outputs (through the body and the next iterations),
+    appending to `checks` where those rows are read after the loop
+    (`(tensor, axis)`: an output, or the stack of an output list); else a
+    reason."""
+    reached, why = batch_axis.walk_body(body, [(start, 0)], live)
+    if why:
+        return why
+    for k, axes in sorted(reached.items()):
+        out = op.outputs[k]
+        if not any(c in loss_ancestors for c in out.consumers()):
+            continue
+        for axis in axes:
+            if isinstance(axis, int) and out.dtype != tf.variant:
+                checks.append((out, axis))
+                continue
+            if isinstance(axis, batch_axis.ListOf) and \
+                    isinstance(axis.axis, int):
+                readers = _list_readers(out, loss_ancestors)
+                if readers and all(c.type == "TensorListStack"
+                                   for c in readers):
+                    # Items [B, ...] stacked: [T, B, ...].
+                    checks.extend((c.outputs[0], axis.axis + 1)
+                                  for c in readers)
+                    continue
+            return batch_axis.Reason(
+                "output %d of loop '%s' holds the batch as %s, where the "
+                "run-time certificate cannot read rows" % (k, op.name, axis),
+                op)
+    return None
 
 
 def in_v1_loop(op):

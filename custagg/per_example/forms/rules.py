@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import collections
 
-import tensorflow as tf
-
 from custagg import batch_axis
 from custagg import graph as graph_lib
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
+from custagg.per_example.forms import rows
 from custagg.rules import registry as registry_lib
 from custagg.rules import shortcuts
 from custagg.rules.applies import rule_reason  # noqa: F401  (the rules' own checks)
@@ -91,7 +90,9 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
     `unproven`: None (the static proof must hold for every rule op), or a
     list: a rule op that applies but whose separation down to the loss the
     static analysis cannot prove is taken anyway and its reason appended
-    (the certified form checks those at run time); loops are still refused.
+    (the certified form checks those at run time); a loop proved apart
+    only inside its body is taken with the tensors after it to check
+    (`LoopUse.checks`).
     """
     loss, loss_ancestors = ctx.loss, ctx.ancestors
     found = batch_axis.infer(loss)
@@ -116,6 +117,15 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
             # A loop: its body's ops are what use x (loop rules).
             use, why = loop_rules.find(op, k, loss, loss_ancestors,
                                        ctx.registry, ctx.batch_size)
+            if use is None and unproven is not None:
+                # Apart inside the loop, not proved after it: the
+                # certificate checks the loop's outputs at run time.
+                deferred, _ = loop_rules.find(
+                    op, k, loss, loss_ancestors, ctx.registry,
+                    ctx.batch_size, defer=True)
+                if deferred is not None:
+                    unproven.append(why)
+                    use = deferred
             if use is None:
                 raise base.Refused(batch_axis.Reason(
                     "no per-example rule for op type '%s' (op '%s'): %s"
@@ -213,12 +223,12 @@ class CertifiedForm(RulesForm):
     def plan(self, x_tensor, ctx):
         unproven = []
         consumers = find_rule_consumers(x_tensor, ctx, unproven=unproven)
-        if any(isinstance(c, loop_rules.LoopUse)
-               for c in rule_consumers(consumers)):
-            raise base.Refused("the certificate does not cover loop rules")
         if not unproven:    # cannot happen after RULES refused; be safe
             raise base.Refused("nothing to certify")
         for c in rule_consumers(consumers):
+            if isinstance(c, loop_rules.LoopUse):
+                # Its rows were read when its checks were found.
+                continue
             start, axis = c.rule.coupling_start(registry_lib.RuleContext(
                 c.op, c.index, None, ctx.batch_size))
             if not isinstance(axis, int):
@@ -226,32 +236,20 @@ class CertifiedForm(RulesForm):
                 raise base.Refused(batch_axis.Reason(
                     "the batch is not one axis of op '%s''s output (%s)"
                     % (c.op.name, axis), c.op))
-            _check_rows(c.op, start, axis, ctx.static_b)
+            # Rows no run-time check can map to examples: the check would
+            # fail every step, so x goes on to the next form now.
+            why = rows.non_example_rows(start, axis, ctx.loss)
+            if why is not None:
+                raise base.Refused(batch_axis.Reason(
+                    "op '%s': %s" % (c.op.name, why), why.op))
         # Why the static proof failed is the rules' refusal, already in
         # the plan's reason.
         return base.Choice(self, consumers=consumers)
 
     def build(self, engine, group):
-        return engine.certified_per_example(group)
-
-
-def _check_rows(op, start, axis, static_b):
-    """Refuses when the rule's rows provably are not the batch's examples:
-    the axis the rule reads its examples from has a static size other than
-    a static B (e.g. an input x [B, K] in xs, taken as the parameter of
-    `x @ W`: the rule's examples are then W's columns). The run-time check
-    would fail at every step, and the rule's values, shaped by those rows,
-    could not even be built beside the other forms' `[B, ...]` ones."""
-    if start is not op.outputs[0]:
-        axis = 0    # read past an unfold: `start` is `[B, T, ...]`
-    rank = start.shape.rank
-    rows = (tf.compat.dimension_value(start.shape[axis])
-            if rank is not None and axis < rank else None)
-    if static_b is not None and rows is not None and rows != static_b:
-        raise base.Refused(batch_axis.Reason(
-            "the rows op '%s''s rule reads its examples from (%d, axis %d "
-            "of '%s') are not the batch's %d examples" % (
-                op.name, rows, axis, start.name, static_b), op))
+        # Each quantity is chosen per x under its own `tf.cond`
+        # (`Engine.certified`): the rules' value, or the exact form's.
+        return {id(a): engine.per_example(a) for a in group}
 
 
 RULES = RulesForm()
