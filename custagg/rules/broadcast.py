@@ -69,6 +69,7 @@ class BiasAddRule(registry.Rule):
     but the channel axis. Returns `[B, C]`."""
 
     reads_other_inputs = False      # dz and the data format only
+    passes_gradient_to = (0,)       # d value = dz
 
     def unsupported(self, ctx):
         if ctx.input_index != 1:

@@ -88,6 +88,10 @@ class Rule(object):
     # (per_example/forms/loop_rules.py) each read input is kept for every
     # iteration, `[T, B, ...]`: a rule that reads none says False.
     reads_other_inputs = True
+    # The inputs whose gradient is the output's, unchanged (a BiasAdd's
+    # value: dz). Inside a loop body the op feeding such an input alone
+    # then reads its dz from this op's tap: one `[T, B, ...]` tensor less.
+    passes_gradient_to = ()
 
     def unsupported(self, ctx):
         """A reason string when this op instance is not handled, else None."""

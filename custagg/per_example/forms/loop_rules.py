@@ -466,6 +466,24 @@ def _element_shape(t):
                                for d in t.shape.as_list()[1:]], tf.int32)
 
 
+def _gradient_owner(tap, taps, tap_of_op):
+    """The index of the tap whose dz is also `tap`'s: `tap`'s output has one
+    consumer, that tap's op, which reads it only at inputs other than its
+    parameter whose gradient is the op's output gradient unchanged
+    (`Rule.passes_gradient_to`); else None."""
+    out = tap.op.outputs[0]
+    users = out.consumers()
+    if len(users) != 1 or users[0] not in tap_of_op:
+        return None
+    j = tap_of_op[users[0]]
+    other = taps[j]
+    positions = [k for k, t in enumerate(other.op.inputs) if t is out]
+    if positions and all(k in other.rule.passes_gradient_to and
+                         k != other.index for k in positions):
+        return j
+    return None
+
+
 class _Hook(object):
     """Taps one rebuilt While body (`Copier.hooks`): adds
     `eps[t]` to each tap's output and pushes the tap's other inputs."""
@@ -474,11 +492,30 @@ class _Hook(object):
         self.v1 = v1
         self.taps = list(taps)
         self.ops = {tap.op: i for i, tap in enumerate(self.taps)}
+        # slot[i]: which eps (and dz) tap i reads: its own, or that of the
+        # tap it alone feeds through an input whose gradient is dz itself
+        # (a MatMul into a BiasAdd: one [T, B, ...] tensor, not two).
+        owner = [_gradient_owner(tap, self.taps, self.ops)
+                 for tap in self.taps]
+        roots = []
+        for i in range(len(self.taps)):
+            seen = {i}
+            while owner[i] is not None and owner[i] not in seen:
+                seen.add(owner[i])
+                i = owner[i]
+            roots.append(i)
+        self.slot = {}
         self.eps = []
-        for tap in self.taps:
+        for i, tap in enumerate(self.taps):
+            if roots[i] != i:
+                continue
+            self.slot[i] = len(self.eps)
             dtype = tap.op.outputs[0].dtype
             self.eps.append(tf.zeros(tf.stack([steps, batch] + tap.rest),
                                      dtype))
+        for i in range(len(self.taps)):
+            self.slot[i] = self.slot[roots[i]]
+        self.owners = {i for i in range(len(self.taps)) if roots[i] == i}
         self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
             tensor=e, element_shape=_element_shape(e[0])) for e in self.eps]
         # One extra loop variable per (tap, other input): the pushed rows.
@@ -525,15 +562,16 @@ class _Hook(object):
         i = self.ops[op]
         self.fired.add(i)
         tap = self.taps[i]
+        s = self.slot[i]
         if self.v1:
             # A v1 loop accumulates a captured tensor's gradient (here
             # IndexedSlices) itself; a variant list's it does not.
-            item = tf.gather(self.eps[i], self.step)
+            item = tf.gather(self.eps[s], self.step)
         else:
             item = tf.raw_ops.TensorListGetItem(
-                input_handle=self._lists[i], index=self.step,
-                element_shape=_element_shape(self.eps[i][0]),
-                element_dtype=self.eps[i].dtype)
+                input_handle=self._lists[s], index=self.step,
+                element_shape=_element_shape(self.eps[s][0]),
+                element_dtype=self.eps[s].dtype)
         copied = outs[0].op        # the copy, its inputs the rebuilt body's
         checks = []
         for k in tap.others:
@@ -558,6 +596,9 @@ class _Hook(object):
             message="custagg: a loop rule's op '%s' has other rows than the "
                     "batch's examples; use strategy='pfor'" % op.name))
         with tf.control_dependencies(checks):
+            if i not in self.owners:
+                # Its dz is read at the tap it feeds (`slot`).
+                return [tf.identity(outs[0])] + list(outs[1:])
             return [outs[0] + item] + list(outs[1:])
 
     def leave(self):
@@ -696,7 +737,7 @@ def _tap_result(use, tap, hook, dz):
     for k in tap.others:
         inputs[k] = _fold(hook.inputs[(i, k)])
     inputs[tap.index] = _outside_value(use, tap.slot)
-    g = tf.convert_to_tensor(dz[i])                            # [T, B, ...]
+    g = tf.convert_to_tensor(dz[hook.slot[i]])                 # [T, B, ...]
     steps = tf.shape(g)[0]
     for k in tap.stand_ins:
         # The rule reads only this input's shape (and the op's attributes):
