@@ -99,6 +99,10 @@ class ShapeCache(object):
             target = self.value(op.inputs[1])
             if target is not None:
                 return self._resolve_target(op.inputs[0], target, static)
+        if op.type == "Transpose" and t.value_index == 0:
+            return _merge(static, self._transposed(op))
+        if op.type == "MatMul" and t.value_index == 0:
+            return _merge(static, self._matmul(op))
         if (op.type in _SAME_SHAPE and t.value_index == 0 and op.inputs
                 and op.inputs[0].dtype != tf.resource):
             inner = self.shape(op.inputs[0])
@@ -107,9 +111,30 @@ class ShapeCache(object):
                 return _merge(static, inner)
         return static
 
+    def _transposed(self, op):
+        """`tf.transpose(x, perm)`: x's dims in the order of a constant perm
+        (`tf.tensordot` moves its contracted axes last, often by the
+        identity perm)."""
+        inner = self.shape(op.inputs[0])
+        perm = _ints(self, op.inputs[1])
+        if inner is None or not isinstance(perm, list) or \
+                sorted(perm) != list(range(len(inner))):
+            return None
+        return [inner[k] for k in perm]
+
+    def _matmul(self, op):
+        """`[M, K] x [K, N]` -> `[M, N]` (transposes read from the attrs)."""
+        a, b = self.shape(op.inputs[0]), self.shape(op.inputs[1])
+        if a is None or b is None or len(a) != 2 or len(b) != 2:
+            return None
+        rows = a[1] if op.get_attr("transpose_a") else a[0]
+        cols = b[0] if op.get_attr("transpose_b") else b[1]
+        return [rows, cols]
+
     def _resolve_target(self, x, target, static):
         """The output shape of reshape(x, target), the -1 worked out."""
-        if static is not None and len(static) != len(target):
+        if not isinstance(target, list) or (
+                static is not None and len(static) != len(target)):
             return static
         dims = list(target)
         if WILDCARD in dims:
@@ -150,6 +175,8 @@ class ShapeCache(object):
 
 def _merge(static, dims):
     """`dims`, with TF's static knowledge where `dims` has none."""
+    if dims is None or (static is not None and len(static) != len(dims)):
+        return static
     if static is None:
         return list(dims)
     return [s if (d is None or (s.static is not None and d.static is None))
@@ -244,6 +271,22 @@ def _v_concat(cache, op):
     return out
 
 
+def _v_gather(cache, op):
+    """Entries of a shape vector picked by constant positions
+    (`tf.tensordot`'s `gather(tf.shape(x), free)`)."""
+    v = cache.value(op.inputs[0])
+    picks = _ints(cache, op.inputs[1])
+    if not isinstance(v, list) or picks is None or \
+            _ints(cache, op.inputs[2]) not in (0, [0]) or \
+            op.get_attr("batch_dims") != 0:
+        return None
+    if isinstance(picks, int):
+        return v[picks] if -len(v) <= picks < len(v) else None
+    if any(not -len(v) <= k < len(v) for k in picks):
+        return None
+    return [v[k] for k in picks]
+
+
 def _v_prod(cache, op):
     v = cache.value(op.inputs[0])
     if not isinstance(v, list) or op.get_attr("keep_dims"):
@@ -274,7 +317,7 @@ _VALUE_TABLE = {
     "Shape": _v_shape, "Rank": _v_rank, "Cast": _v_cast,
     "Identity": _v_cast, "StridedSlice": _v_strided_slice,
     "Slice": _v_slice, "Pack": _v_pack, "ConcatV2": _v_concat,
-    "Prod": _v_prod, "Mul": _v_mul, "Sub": _v_arith, "Add": _v_arith,
+    "GatherV2": _v_gather, "Prod": _v_prod, "Mul": _v_mul, "Sub": _v_arith, "Add": _v_arith,
     "AddV2": _v_arith, "FloorDiv": _v_arith, "Maximum": _v_arith,
     "Minimum": _v_arith,
 }

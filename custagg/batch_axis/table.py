@@ -198,7 +198,7 @@ def _reshape(op, index, batch, shapes):
     row = symbolic_shapes.product(in_shape[pos + 1:])
     if row is None:
         return None
-    example = row * symbolic_shapes.Dim.of(_prod(middle))
+    example = row * _middle_size(middle)
     for out_axis in range(len(out_shape)):
         after = symbolic_shapes.product(out_shape[out_axis + 1:])
         if after is not None:
@@ -217,20 +217,33 @@ def _reshape(op, index, batch, shapes):
 
 
 def _new_fold(example_dims, after):
-    """The leading example dims T... when the rest hold `after` entries."""
+    """The leading example dims T... when the rest hold `after` entries.
+
+    A dynamic T (`[B, None, D]` -> `[-1, D]`, the tensordot of a dense
+    layer on a padded batch) is kept as its symbolic `Dim`: row-major order
+    makes row n of the output entry (n // T, n % T) whatever T is at run
+    time, so the fold is exact as long as the rows hold exactly the
+    trailing dims' entries, which the symbolic comparison proves."""
     for j in range(1, len(example_dims)):
         lead = example_dims[:j]
-        if any(d is None or d.static is None for d in lead):
+        if any(d is None for d in lead):
             return None
         if symbolic_shapes.product(example_dims[j:]) == after:
-            return tuple(d.static for d in lead)
+            return tuple(_middle_entry(d) for d in lead)
     return None
 
 
-def _prod(dims):
-    out = 1
-    for d in dims:
-        out *= d
+def _middle_entry(dim):
+    """A `Folded.middle` entry: the int when static, else the `Dim`."""
+    return dim.static if dim.static is not None else dim
+
+
+def _middle_size(middle):
+    """The number of rows one example has in a fold, as a `Dim`."""
+    out = symbolic_shapes.ONE
+    for d in middle:
+        out = out * (d if isinstance(d, symbolic_shapes.Dim)
+                     else symbolic_shapes.Dim.of(d))
     return out
 
 
@@ -471,7 +484,9 @@ class Folded(collections.namedtuple("Folded", ["middle", "axis"])):
 
     `tf.tensordot` (Keras Dense on `[B, T..., D]`) reshapes to `[B*T, D]`,
     multiplies, and reshapes back; Keras LayerNormalization reshapes to
-    `[1, B*T, D, 1]`. `middle` is the static `T...` shape. Ops that move or
+    `[1, B*T, D, 1]`. `middle` is the `T...` shape: an int where static, a
+    `symbolic_shapes.Dim` where T is dynamic (the same symbol wherever the
+    graph's shapes prove the same T). Ops that move or
     keep an axis treat a folded axis like a plain one; reshapes and
     batch normalization look at the fold itself.
     """
