@@ -223,6 +223,11 @@ class _Interpreter(object):
                                     % (k, op_text(op)))
                 if here is NO_BATCH:
                     descs[k].add(UNKNOWN)
+                elif isinstance(here, table.Stacked):
+                    raise NotProved(
+                        "%s stacks copies of the batch on one axis (rows "
+                        "k*B + b), which the row-wise proof does not "
+                        "follow" % op_text(op))
                 else:
                     descs[k].add(table.normalize(op.outputs[k], here))
         result = []

@@ -101,6 +101,8 @@ class ShapeCache(object):
                 return self._resolve_target(op.inputs[0], target, static)
         if op.type == "Transpose" and t.value_index == 0:
             return _merge(static, self._transposed(op))
+        if op.type == "Split":
+            return _merge(static, self._split(op))
         if op.type == "MatMul" and t.value_index == 0:
             return _merge(static, self._matmul(op))
         if (op.type in _SAME_SHAPE and t.value_index == 0 and op.inputs
@@ -121,6 +123,21 @@ class ShapeCache(object):
                 sorted(perm) != list(range(len(inner))):
             return None
         return [inner[k] for k in perm]
+
+    def _split(self, op):
+        """Each output of `tf.split(x, n, axis)`: x's dims with that axis
+        divided by n (the op requires it to divide)."""
+        inner = self.shape(op.inputs[1])
+        axis = _ints(self, op.inputs[0])
+        if inner is None or not isinstance(axis, int) or \
+                not -len(inner) <= axis < len(inner):
+            return None
+        dims = list(inner)
+        axis %= len(dims)
+        if dims[axis] is None:
+            return None
+        dims[axis] = dims[axis].divide(Dim.of(op.get_attr("num_split")))
+        return dims
 
     def _matmul(self, op):
         """`[M, K] x [K, N]` -> `[M, N]` (transposes read from the attrs)."""
