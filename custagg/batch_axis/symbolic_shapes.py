@@ -101,6 +101,8 @@ class ShapeCache(object):
                 return self._resolve_target(op.inputs[0], target, static)
         if op.type == "Transpose" and t.value_index == 0:
             return _merge(static, self._transposed(op))
+        if op.type == "Slice" and t.value_index == 0:
+            return _merge(static, self._sliced(op))
         if op.type == "Split":
             return _merge(static, self._split(op))
         if op.type == "MatMul" and t.value_index == 0:
@@ -123,6 +125,28 @@ class ShapeCache(object):
                 sorted(perm) != list(range(len(inner))):
             return None
         return [inner[k] for k in perm]
+
+    def _sliced(self, op):
+        """`tf.slice(x, begin, size)`: `size`, its -1 entries ("to the end")
+        worked out as x's dim minus `begin` where that is known (nce_loss
+        slices `[n, -1]` off its gathered weights: the width stays D)."""
+        inner = self.shape(op.inputs[0])
+        begin, size = self.value(op.inputs[1]), self.value(op.inputs[2])
+        if not isinstance(size, list) or not isinstance(begin, list) or \
+                inner is None or not len(inner) == len(size) == len(begin):
+            return None
+        dims = []
+        for d, b, n in zip(inner, begin, size):
+            if n is None or n != WILDCARD:
+                dims.append(n)
+            elif b is not None and b.static == 0:
+                dims.append(d)
+            elif d is not None and d.static is not None and \
+                    b is not None and b.static is not None:
+                dims.append(Dim.of(d.static - b.static))
+            else:
+                dims.append(None)
+        return dims
 
     def _split(self, op):
         """Each output of `tf.split(x, n, axis)`: x's dims with that axis
