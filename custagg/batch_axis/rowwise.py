@@ -263,7 +263,8 @@ class _Interpreter(object):
             for j, (t, v) in enumerate(zip(op.inputs, ins)):
                 if v not in (None, SAME) or t.dtype == tf.resource:
                     continue
-                for cand in table.candidates(t, out.desc, op.outputs[k]):
+                for cand in table.candidates(t, out.desc, op.outputs[k],
+                                             self.shapes):
                     if isinstance(cand, table.ListOf):
                         continue
                     got = table.forward(op, j, cand, self.shapes)
@@ -271,8 +272,8 @@ class _Interpreter(object):
                     if here is MIXES or here is NO_BATCH or table.normalize(
                             op.outputs[k], here) != out.desc:
                         continue
-                    axis = cand.axis if isinstance(cand, table.Folded) \
-                        else cand
+                    axis = cand.axis if isinstance(
+                        cand, (table.Folded, table.Stacked)) else cand
                     if tf.compat.dimension_value(t.shape[axis]) == 1:
                         continue
                     raise Unexplained(

@@ -131,7 +131,7 @@ def inverse(op, out_index, desc, shapes=None, _depth=0):
     result = []
     for i, inp in enumerate(op.inputs):
         got = set()
-        cands = table.candidates(inp, want, op.outputs[out_index])
+        cands = table.candidates(inp, want, op.outputs[out_index], shapes)
         if not cands:
             cands = _from_the_right(inp, want, op.outputs[out_index], shapes,
                                     _depth)

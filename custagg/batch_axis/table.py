@@ -666,7 +666,7 @@ def _item_list(op, index, batch):
         if step == "pop":
             return [batch, batch.axis]
         return None
-    if isinstance(batch, Folded) or batch < 0:
+    if isinstance(batch, (Folded, Stacked)) or batch < 0:
         return None
     if step == "put":
         return ListOf(batch)
@@ -1065,13 +1065,16 @@ def _stack_candidates(like, output):
     return sorted(out)
 
 
-def candidates(t, like, output=None):
+def candidates(t, like, output=None, shapes=None):
     """The descriptors input `t` might hold the batch at, for an output
     holding it at `like`: every axis of t; as `Folded` with like's middle
     when `like` is folded, or, into a reshape `output` (unfolding
-    `[B*T, D]` back to `[B, T, D]`), with each static run of the output's
-    axes after the batch as the middle; lists' item axes for scalars
-    (lists, TensorArray flows). Empty when t's rank is unknown (nothing is guessed)."""
+    `[B*T, D]` back to `[B, T, D]`), with each run of the output's axes
+    after the batch as the middle (static ones; with `shapes`, a
+    `symbolic_shapes.ShapeCache`, dynamic ones by their symbolic dims too);
+    as `Stacked` copies where a concat, tile or split may have stacked the
+    batch; lists' item axes for scalars (lists, TensorArray flows). Empty
+    when t's rank is unknown (nothing is guessed)."""
     rank = t.shape.rank
     if rank is None:
         return []
@@ -1085,6 +1088,14 @@ def candidates(t, like, output=None):
         for n in range(1, len(after)):
             if all(d is not None for d in after[:n]):
                 middles.append(tuple(after[:n]))
+        dims = shapes.shape(output) if shapes is not None else None
+        if dims is not None and len(dims) == output.shape.rank:
+            after = dims[like + 1:]
+            for n in range(1, len(after)):
+                if all(d is not None for d in after[:n]):
+                    middle = tuple(_middle_entry(d) for d in after[:n])
+                    if middle not in middles:
+                        middles.append(middle)
     for middle in middles:
         out.extend(Folded(middle, j) for j in range(rank))
     for copies in _stack_candidates(like, output):
@@ -1093,8 +1104,8 @@ def candidates(t, like, output=None):
     if rank == 0:
         # A TensorList (variant) or a v1 TensorArray's flow (a float
         # scalar): a list whose items hold the batch.
-        depth = like.axis if isinstance(like, ListOf) else (
-            like.axis if isinstance(like, Folded) else like)
+        depth = like.axis if isinstance(like, ListOf) else \
+            _position(like)
         out.extend(ListOf(j) for j in range(max(depth, 0) + 2))
     return out
 
