@@ -458,6 +458,67 @@ def embedding_pooled(pooling, lookups, resource=True):
     return build
 
 
+# pfor of embedding_lookup_sparse's backward pass falls back to a while
+# loop that stacks the table's resource handle in a TensorList, which has
+# no CPU kernel for DT_RESOURCE (TensorListConcatV2).
+PFOR_RESOURCE_LIST = {"pfor": "pfor's fallback loop stacks a resource "
+                              "handle (no CPU TensorListConcatV2 kernel)"}
+# The per-example copies that pfor vectorizes give SparseSegment*With-
+# NumSegments segment ids and indices of different sizes (run-time error).
+PFOR_SEGMENT_COPIES = {"pfor": "pfor's copies of a sparse segment "
+                               "reduction fail at run time"}
+
+
+def sparse_segments(combiner, lookups=3):
+    """A `[V, D]` table through `tf.nn.embedding_lookup_sparse` (feature
+    columns' sparse path: the batch's unique ids gathered, then
+    SparseSegmentSum / Mean / SqrtN by example) on a sparse tensor with
+    `lookups` entries per example (ids repeat within an example and
+    across examples). A dense feature multiplies the pooled rows: the
+    segment ids carry the batch in their values, not on an axis, so the
+    batch sources are found from the dense inputs (as in wide & deep)."""
+    vocab = 5
+
+    def build(dtype, rng):
+        table = var(rng, [vocab, 3], dtype)
+
+        def loss(i, x):
+            where = tf.where(tf.ones_like(i, tf.bool))          # [B*L, 2]
+            sp = tf.SparseTensor(where, tf.gather_nd(i, where),
+                                 tf.shape(i, out_type=tf.int64))
+            pooled = tf.nn.embedding_lookup_sparse(table, sp, None,
+                                                   combiner=combiner)
+            # To the batch's shape, as feature columns do (a static B
+            # stays static for the loop reference).
+            return head(x * tf.tanh(tf.reshape(pooled, tf.shape(x))))
+        return Problem([table], [ids(vocab, lookups), floats(3)], loss)
+
+    return build
+
+
+def segments_of_table(combiner, lookups=3):
+    """`tf.sparse.segment_*` with `num_segments=B` straight on a `[V, D]`
+    table (no gather in between): example b's `lookups` ids are its
+    entries, segment b."""
+    vocab = 5
+    reduce = {"sum": tf.sparse.segment_sum, "mean": tf.sparse.segment_mean,
+              "sqrtn": tf.sparse.segment_sqrt_n}[combiner]
+
+    def build(dtype, rng):
+        table = var(rng, [vocab, 3], dtype)
+
+        def loss(i, x):
+            batch = tf.shape(x)[0]
+            segment = tf.reshape(tf.tile(tf.range(batch)[:, None],
+                                         [1, lookups]), [-1])
+            pooled = reduce(table, tf.reshape(i, [-1]), segment,
+                            num_segments=batch)
+            return head(x * tf.tanh(tf.reshape(pooled, tf.shape(x))))
+        return Problem([table], [ids(vocab, lookups), floats(3)], loss)
+
+    return build
+
+
 def fused_batch_norm(training, data_format="NHWC"):
     """`tf.compat.v1.nn.fused_batch_norm` on a conv output, scale and offset
     as the parameters (inference mode: fixed mean and variance)."""
@@ -638,6 +699,18 @@ SPECS = (
           embedding_pooled("sum", 4, resource=False)),
      Spec("embedding_resource_mean_pooled_counts_by_sort", "ResourceGather",
           embedding_pooled("mean", 130)),
+     Spec("sparse_segment_sum", "SparseSegmentSum", sparse_segments("sum"),
+          limits=PFOR_RESOURCE_LIST),
+     Spec("sparse_segment_mean", "SparseSegmentMean",
+          sparse_segments("mean"), limits=PFOR_RESOURCE_LIST),
+     Spec("sparse_segment_sqrtn", "SparseSegmentSqrtN",
+          sparse_segments("sqrtn"), limits=PFOR_RESOURCE_LIST),
+     Spec("segment_sum_of_table", "SparseSegmentSumWithNumSegments",
+          segments_of_table("sum"), limits=PFOR_SEGMENT_COPIES),
+     Spec("segment_mean_of_table", "SparseSegmentMeanWithNumSegments",
+          segments_of_table("mean"), limits=PFOR_SEGMENT_COPIES),
+     Spec("segment_sqrtn_of_table", "SparseSegmentSqrtNWithNumSegments",
+          segments_of_table("sqrtn"), limits=PFOR_SEGMENT_COPIES),
      Spec("fused_batch_norm_inference", "FusedBatchNormV3",
           fused_batch_norm(False), skip=BN_FLOAT64_SKIP),
      Spec("fused_batch_norm_inference_nchw", "FusedBatchNormV3",
