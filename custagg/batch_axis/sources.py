@@ -142,7 +142,8 @@ def inverse(op, out_index, desc, shapes=None, _depth=0):
             here = out[out_index] if isinstance(out, list) else out
             if here is MIXES or here is NO_BATCH:
                 continue
-            if table.normalize(op.outputs[out_index], here) == want:
+            if table.same(table.normalize(op.outputs[out_index], here),
+                          want, shapes, op):
                 got.add(cand)
         result.append(frozenset(got))
     return result

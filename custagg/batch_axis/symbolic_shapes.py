@@ -188,6 +188,78 @@ class ShapeCache(object):
                 dims[k] = static[k] if static is not None else None
         return _merge(static, dims)
 
+    # -- equalities checked at run time --
+
+    def equal(self, a, b, at):
+        """Whether `Dim`s a and b are equal whenever op `at` runs.
+
+        Equal as expressions, or once the run-time checks `at` depends on
+        are taken into account: a `tf.debugging.assert_equal` of two
+        shape vectors (`Assert(All(Equal(u, v)))`, which
+        `sparse_softmax_cross_entropy_with_logits` adds between the labels'
+        shape and the logits' for logits of rank 3) equates their entries
+        in every run where `at` runs, since the assert is among its
+        ancestors (data or control) and a failed one stops the run. Only
+        entries that are single symbols or ints are equated."""
+        if a is None or b is None:
+            return False
+        if a == b:
+            return True
+        find = self._checked(at)
+        return find is not None and _canonical(a, find) == \
+            _canonical(b, find)
+
+    def _checked(self, op):
+        """The union-find (a `find` function) of the equalities that the
+        asserts among `op`'s ancestors check, or None if there are none."""
+        asserts = [a for a in op.graph.get_operations()
+                   if a.type == "Assert" and _equal_operands(a)]
+        if not asserts:
+            return None
+        wanted = set(asserts)
+        found = []
+        seen = set()
+        stack = [op]
+        while stack and wanted:
+            o = stack.pop()
+            if o in seen:
+                continue
+            seen.add(o)
+            if o in wanted:
+                wanted.discard(o)
+                found.append(o)
+            stack.extend(t.op for t in o.inputs)
+            stack.extend(o.control_inputs)
+        if not found:
+            return None
+        parent = {}
+
+        def find(node):
+            while parent.get(node, node) != node:
+                node = parent[node]
+            return node
+
+        for a in found:
+            u, v = _equal_operands(a)
+            left, right = self.value(u), self.value(v)
+            if isinstance(left, Dim):
+                left, right = [left], [right]
+            if not isinstance(left, list) or not isinstance(right, list) or \
+                    len(left) != len(right):
+                continue
+            for x, y in zip(left, right):
+                nx, ny = _atom(x), _atom(y)
+                if nx is None or ny is None:
+                    continue
+                rx, ry = find(nx), find(ny)
+                if rx != ry:
+                    # An int represents its class; else the smaller key.
+                    if rx[0] == "int" or (ry[0] != "int" and rx < ry):
+                        parent[ry] = rx
+                    else:
+                        parent[rx] = ry
+        return find
+
     # -- values of integer shape tensors --
 
     def value(self, t):
@@ -212,6 +284,40 @@ class ShapeCache(object):
         op = t.op
         fn = _VALUE_TABLE.get(op.type)
         return fn(self, op) if fn is not None else None
+
+
+def _equal_operands(assert_op):
+    """(u, v) when `assert_op` checks `reduce_all(u == v)`, else None."""
+    cond = assert_op.inputs[0].op
+    if cond.type != "All" or cond.inputs[0].op.type != "Equal":
+        return None
+    u, v = cond.inputs[0].op.inputs
+    if not (u.dtype.is_integer and v.dtype.is_integer):
+        return None
+    return u, v
+
+
+def _atom(dim):
+    """A union-find node for a Dim that is one symbol or an int."""
+    if dim is None:
+        return None
+    if dim.static is not None:
+        return ("int", dim.static)
+    if dim.coef == 1 and len(dim.factors) == 1:
+        return ("sym", dim.factors[0])
+    return None
+
+
+def _canonical(dim, find):
+    """`dim` with each symbol replaced by its class's representative."""
+    coef, factors = dim.coef, []
+    for f in dim.factors:
+        rep = find(("sym", f))
+        if rep[0] == "int":
+            coef *= rep[1]
+        else:
+            factors.append(rep[1])
+    return Dim(coef, tuple(sorted(factors)))
 
 
 def _merge(static, dims):

@@ -202,12 +202,12 @@ def _reshape(op, index, batch, shapes):
     for out_axis in range(len(out_shape)):
         after = symbolic_shapes.product(out_shape[out_axis + 1:])
         if after is not None:
-            if after == example:
+            if shapes.equal(after, example, op):
                 return out_axis
-            if middle and after == row:
+            if middle and shapes.equal(after, row, op):
                 return Folded(middle, out_axis)
             if not middle:
-                fold = _new_fold(in_shape[pos + 1:], after)
+                fold = _new_fold(in_shape[pos + 1:], after, shapes, op)
                 if fold is not None:
                     return Folded(fold, out_axis)
         dim = out_shape[out_axis]
@@ -216,7 +216,7 @@ def _reshape(op, index, batch, shapes):
     return None
 
 
-def _new_fold(example_dims, after):
+def _new_fold(example_dims, after, shapes, op):
     """The leading example dims T... when the rest hold `after` entries.
 
     A dynamic T (`[B, None, D]` -> `[-1, D]`, the tensordot of a dense
@@ -224,11 +224,14 @@ def _new_fold(example_dims, after):
     makes row n of the output entry (n // T, n % T) whatever T is at run
     time, so the fold is exact as long as the rows hold exactly the
     trailing dims' entries, which the symbolic comparison proves."""
-    for j in range(1, len(example_dims)):
+    # Up to all of them: `[B, T]` -> `[B*T]` (labels flattened for a
+    # per-token loss) folds T with nothing left per row.
+    for j in range(1, len(example_dims) + 1):
         lead = example_dims[:j]
         if any(d is None for d in lead):
             return None
-        if symbolic_shapes.product(example_dims[j:]) == after:
+        if shapes.equal(symbolic_shapes.product(example_dims[j:]), after,
+                        op):
             return tuple(_middle_entry(d) for d in lead)
     return None
 
@@ -242,8 +245,7 @@ def _middle_size(middle):
     """The number of rows one example has in a fold, as a `Dim`."""
     out = symbolic_shapes.ONE
     for d in middle:
-        out = out * (d if isinstance(d, symbolic_shapes.Dim)
-                     else symbolic_shapes.Dim.of(d))
+        out = out * _as_dim(d)
     return out
 
 
@@ -496,7 +498,7 @@ def _concat_rows(op, index, desc, shapes):
     dims = [shapes.shape(t) for t in op.inputs[:n]]
     if any(d is None or len(d) <= pos or d[pos] is None for d in dims):
         return None
-    if any(d[pos] != dims[index][pos] for d in dims):
+    if not all(shapes.equal(d[pos], dims[index][pos], op) for d in dims):
         return None
     return Stacked(_copies(desc) * n, pos)
 
@@ -1030,6 +1032,25 @@ def _forward(op, index, axis, shapes):
         return None
 
 
+def same(a, b, shapes, op):
+    """Whether descriptors a and b place the batch alike at op's output:
+    equal, or folds on the same axis whose middles are equal whenever op
+    runs (`ShapeCache.equal`: a dynamic T read from two tensors that a
+    run-time check equates)."""
+    if a == b:
+        return True
+    if not (isinstance(a, Folded) and isinstance(b, Folded)) or \
+            a.axis != b.axis or len(a.middle) != len(b.middle):
+        return False
+    return all(shapes.equal(_as_dim(x), _as_dim(y), op)
+               for x, y in zip(a.middle, b.middle))
+
+
+def _as_dim(entry):
+    return entry if isinstance(entry, symbolic_shapes.Dim) else \
+        symbolic_shapes.Dim.of(entry)
+
+
 def _position(desc):
     """The axis of a plain, folded or stacked batch descriptor."""
     return desc.axis if isinstance(desc, (Folded, Stacked)) else desc
@@ -1084,14 +1105,16 @@ def candidates(t, like, output=None, shapes=None):
         middles.append(like.middle)
     elif isinstance(like, int) and like >= 0 and output is not None and \
             output.op.type == "Reshape" and output.shape.rank is not None:
+        # Up to all of them: `[B*T]` -> `[B, T]` (a per-token loss
+        # reshaped back) has no row axis left.
         after = output.shape.as_list()[like + 1:]
-        for n in range(1, len(after)):
+        for n in range(1, len(after) + 1):
             if all(d is not None for d in after[:n]):
                 middles.append(tuple(after[:n]))
         dims = shapes.shape(output) if shapes is not None else None
         if dims is not None and len(dims) == output.shape.rank:
             after = dims[like + 1:]
-            for n in range(1, len(after)):
+            for n in range(1, len(after) + 1):
                 if all(d is not None for d in after[:n]):
                     middle = tuple(_middle_entry(d) for d in after[:n])
                     if middle not in middles:
