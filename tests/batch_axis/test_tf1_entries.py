@@ -214,7 +214,43 @@ def _sliced_rows(mixing):
     return loss, [v], [], feed
 
 
+def _sequence_loss(mixing, checked=True):
+    """The taggers' and language models' loss: logits `[B, T, V]` from a
+    tensordot dense layer (dynamic B and T), labels `[B, T]` from their own
+    placeholder, `sparse_softmax_cross_entropy_with_logits` (which folds
+    both to `[B*T]`, checks at run time that the labels' shape is the
+    logits' `[B, T]`, and reshapes the cost to the labels' shape), masked
+    and summed per sequence. The labels' T is another symbol than the
+    logits' T: only that run-time check equates them. `checked=False`: the
+    same cost without the check (flattened by hand), which the proof must
+    then not take (nothing is guessed), though the values stay exact."""
+    del mixing
+    vocab = 3
+    x = tf1.placeholder(tf.float64, [None, None, D], name="x")
+    labels = tf1.placeholder(tf.int32, [None, None], name="labels")
+    mask = tf1.placeholder(tf.float64, [None, None], name="mask")
+    w, b = _var("w", [D, vocab]), _var("b", [vocab])
+    logits = tf.tensordot(tf.tanh(x), w, [[2], [0]]) + b        # [B, T, V]
+    if checked:
+        cost = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits)
+    else:
+        cost = tf.reshape(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.reshape(labels, [-1]),
+            logits=tf.reshape(logits, [-1, vocab])), tf.shape(labels))
+    loss = tf.reduce_sum(cost * mask, 1)
+
+    def feed(rng, batch, steps):
+        lengths = _lengths(rng, batch, steps)
+        return {x: rng.normal(size=[batch, steps, D]),
+                labels: rng.integers(0, vocab, [batch, steps]),
+                mask: (np.arange(steps)[None, :] <
+                       lengths[:, None]).astype(np.float64)}
+    return loss, [w, b], [], feed
+
+
 POSITIVE = {"reverse_sequence": _reverse_sequence, "one_hot": _one_hot,
+            "sequence_loss": _sequence_loss,
             "roll_along_t": _roll, "attention_heads": _attention,
             "lrn": _lrn, "nce_loss": _nce, "sliced_rows": _sliced_rows}
 NEGATIVE = {"reverse_sequence_along_the_batch": _reverse_sequence,
@@ -299,3 +335,14 @@ def test_without_the_entry_the_proof_fails(graph, monkeypatch, op_type,
     loss, xs, _, _ = POSITIVE[name](mixing=False)
     plan = custagg.plan_per_example(loss, xs)
     assert plan.forms() != ["rules"] * len(xs), str(plan)
+
+
+def test_without_the_run_time_check_the_labels_t_is_not_the_logits_t(
+        graph):
+    """The control for `sequence_loss`: the same cost flattened by hand has
+    no check equating the labels' T with the logits' T, so the proof does
+    not take the kernel (the values stay exact)."""
+    loss, xs, _, feed = _sequence_loss(mixing=False, checked=False)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[0] != "rules", str(plan)
+    _run(loss, xs, feed, (1, 7), seed=5)
