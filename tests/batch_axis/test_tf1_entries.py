@@ -319,8 +319,23 @@ def test_entry_proves_the_model_and_matches_the_loop(graph, name, batches):
     _run(loss, xs, feed, batches, seed=sum(map(ord, name)))
 
 
-@pytest.mark.parametrize("batches", BATCHES)
-@pytest.mark.parametrize("name", sorted(NEGATIVE))
+def _negative_cases():
+    """B=1,7 for each negative case but those covered elsewhere in the
+    default run (the preexisting LRN entry; a roll along the batch: the
+    in-batch negatives model and test_certified's roll model), which run
+    under `-m slow` only."""
+    cases = []
+    for name in sorted(NEGATIVE):
+        for batches in BATCHES:
+            marks = list(batches.marks)
+            if name in ("lrn_across_the_batch", "roll_along_the_batch"):
+                marks = [pytest.mark.slow]
+            cases.append(pytest.param(name, batches.values[0], marks=marks,
+                                      id="%s-%s" % (name, batches.id)))
+    return cases
+
+
+@pytest.mark.parametrize("name, batches", _negative_cases())
 def test_mixing_use_is_not_proved_and_stays_exact(graph, name, batches):
     loss, xs, coupled, feed = NEGATIVE[name](mixing=True)
     assert coupled

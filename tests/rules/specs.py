@@ -464,8 +464,8 @@ def embedding_pooled(pooling, lookups, resource=True):
 # no CPU kernel for DT_RESOURCE (TensorListConcatV2).
 PFOR_RESOURCE_LIST = {"pfor": "pfor's fallback loop stacks a resource "
                               "handle (no CPU TensorListConcatV2 kernel)"}
-# The per-example copies that pfor vectorizes give SparseSegment*With-
-# NumSegments segment ids and indices of different sizes (run-time error).
+# The per-example copies that pfor vectorizes give a sparse segment
+# reduction segment ids and indices of different sizes (run-time error).
 PFOR_SEGMENT_COPIES = {"pfor": "pfor's copies of a sparse segment "
                                "reduction fail at run time"}
 
@@ -497,27 +497,19 @@ def sparse_segments(combiner, lookups=3):
     return build
 
 
-def segments_of_table(combiner, lookups=3):
-    """`tf.sparse.segment_*` with `num_segments=B` straight on a `[V, D]`
-    table (no gather in between): example b's `lookups` ids are its
-    entries, segment b."""
+def segments_of_table(dtype, rng, lookups=3):
+    """`tf.sparse.segment_mean` straight on a `[V, D]` table (no gather in
+    between): example b's `lookups` ids are its entries, segment b."""
     vocab = 5
-    reduce = {"sum": tf.sparse.segment_sum, "mean": tf.sparse.segment_mean,
-              "sqrtn": tf.sparse.segment_sqrt_n}[combiner]
+    table = var(rng, [vocab, 3], dtype)
 
-    def build(dtype, rng):
-        table = var(rng, [vocab, 3], dtype)
-
-        def loss(i, x):
-            batch = tf.shape(x)[0]
-            segment = tf.reshape(tf.tile(tf.range(batch)[:, None],
-                                         [1, lookups]), [-1])
-            pooled = reduce(table, tf.reshape(i, [-1]), segment,
-                            num_segments=batch)
-            return head(x * tf.tanh(tf.reshape(pooled, tf.shape(x))))
-        return Problem([table], [ids(vocab, lookups), floats(3)], loss)
-
-    return build
+    def loss(i, x):
+        batch = tf.shape(x)[0]
+        segment = tf.reshape(tf.tile(tf.range(batch)[:, None],
+                                     [1, lookups]), [-1])
+        pooled = tf.sparse.segment_mean(table, tf.reshape(i, [-1]), segment)
+        return head(x * tf.tanh(tf.reshape(pooled, tf.shape(x))))
+    return Problem([table], [ids(vocab, lookups), floats(3)], loss)
 
 
 def fused_batch_norm(training, data_format="NHWC"):
@@ -705,12 +697,8 @@ SPECS = (
           sparse_segments("mean"), limits=PFOR_RESOURCE_LIST),
      Spec("sparse_segment_sqrtn", "SparseSegmentSqrtN",
           sparse_segments("sqrtn"), limits=PFOR_RESOURCE_LIST),
-     Spec("segment_sum_of_table", "SparseSegmentSumWithNumSegments",
-          segments_of_table("sum"), limits=PFOR_SEGMENT_COPIES),
-     Spec("segment_mean_of_table", "SparseSegmentMeanWithNumSegments",
-          segments_of_table("mean"), limits=PFOR_SEGMENT_COPIES),
-     Spec("segment_sqrtn_of_table", "SparseSegmentSqrtNWithNumSegments",
-          segments_of_table("sqrtn"), limits=PFOR_SEGMENT_COPIES),
+     Spec("segment_mean_of_table", "SparseSegmentMean", segments_of_table,
+          limits=PFOR_SEGMENT_COPIES),
      Spec("fused_batch_norm_inference", "FusedBatchNormV3",
           fused_batch_norm(False), skip=BN_FLOAT64_SKIP),
      Spec("fused_batch_norm_inference_nchw", "FusedBatchNormV3",
