@@ -17,7 +17,6 @@ sums without materializing); otherwise a generic einsum materializes.
 import tensorflow as tf
 
 from custagg import _tf_compat
-from custagg import batch_axis
 from custagg.batch_axis import symbolic_shapes
 from custagg.rules import registry
 from custagg._tf_compat import tensor_util
@@ -172,12 +171,7 @@ class MatMulRule(BilinearRule):
     def coupling_start(self, ctx):
         folded = _folded_rows(ctx)
         if folded is not None:
-            x, unfold = folded
-            if unfold is not None:
-                return unfold.outputs[0], 0
-            # Rows (b, t...) of the product, followed by the walk (a bias
-            # added before the unfold: xw_plus_b, `matmul(..) + b`).
-            return ctx.op.outputs[0], _fold_of(x)
+            return folded[1].outputs[0], 0
         return super(MatMulRule, self).coupling_start(ctx)
 
 
@@ -191,8 +185,7 @@ def _skip_identity_transpose(t):
 
 
 def _folded_rows(ctx):
-    """`(x, unfold_op)` when this MatMul is a dense layer on `[B, T..., D]`
-    (`unfold_op` None when the product is not unfolded right after it).
+    """`(x, unfold_op)` when this MatMul is a dense layer on `[B, T..., D]`.
 
     `tf.tensordot` (and so Keras/`tf.compat.v1.layers` Dense on inputs of
     rank 3 or more) reshapes `x` `[B, T..., D]` to rows `[B*T, D]`, multiplies
@@ -205,9 +198,6 @@ def _folded_rows(ctx):
     for a dynamic T (`[None, None, D]` placeholders), the same symbolic
     dims (`batch_axis.symbolic_shapes`: tensordot unfolds to
     `gather(tf.shape(x), free) + [K]`, which is x's own `B, T...`).
-    Without that unfold (`tf.reshape(h, [-1, H])` then `xw_plus_b`) the
-    fold alone still makes the per-example maths exact; the walk then
-    starts from the product's folded rows (`coupling_start`).
     """
     op = ctx.op
     if (ctx.input_index != 1 or op.get_attr("transpose_a")
@@ -225,36 +215,22 @@ def _folded_rows(ctx):
     # added (TF <= 2.15's Reshape gradient reads its shape), do not count:
     # the answer must not change once any gradient exists in the graph.
     consumers = _tf_compat.forward_consumers(op.outputs[0])
+    if len(consumers) != 1 or consumers[0].type != "Reshape":
+        return None
+    unfold = consumers[0]
+    out = unfold.outputs[0]
     width = p_dims[0] if op.get_attr("transpose_b") else p_dims[1]
-    unfold = consumers[0] if len(consumers) == 1 and \
-        consumers[0].type == "Reshape" else None
-    if unfold is not None:
-        out = unfold.outputs[0]
-        if (unfold.inputs[0] is not op.outputs[0] or
-                out.shape.rank != x.shape.rank or
-                tf.compat.dimension_value(out.shape[-1]) != width):
-            unfold = None
-    shapes = symbolic_shapes.ShapeCache()
-    x_dims = shapes.shape(x)
-    if unfold is not None and not (
-            middle.is_fully_defined() and
+    if (unfold.inputs[0] is not op.outputs[0] or out.shape.rank != x.shape.rank
+            or tf.compat.dimension_value(out.shape[-1]) != width):
+        return None
+    if not (middle.is_fully_defined() and
             out.shape[1:-1].as_list() == middle.as_list()):
-        out_dims = shapes.shape(out)
+        shapes = symbolic_shapes.ShapeCache()
+        x_dims, out_dims = shapes.shape(x), shapes.shape(out)
         if x_dims is None or out_dims is None or None in x_dims[1:-1] or \
                 x_dims[1:-1] != out_dims[1:-1]:
-            unfold = None
-    if unfold is None and (x_dims is None or None in x_dims[1:-1]):
-        return None
+            return None
     return x, unfold
-
-
-def _fold_of(x):
-    """`batch_axis.Folded` for the `[B*T..., K]` product of a fold of x
-    `[B, T..., D]`: T... static where known, else symbolic (the walk's own
-    `symbolic_shapes`, so the same T is the same symbol)."""
-    dims = symbolic_shapes.ShapeCache().shape(x)[1:-1]
-    return batch_axis.Folded(tuple(
-        d.static if d.static is not None else d for d in dims), 0)
 
 
 def _leading(rank):

@@ -249,28 +249,7 @@ def _sequence_loss(mixing, checked=True):
     return loss, [w, b], [], feed
 
 
-def _fold_bias_unfold(mixing):
-    """The bi-LSTM tagger's projection: `[B, T, D]` (dynamic T) reshaped
-    to rows `[-1, D]`, a MatMul, a bias added to the rows, and the rows
-    reshaped back with T read from the input (`tf.shape(h)[1]`): the
-    MatMul's rows are followed as a fold from its product, past the bias.
-    (The bias itself, added to the `[B*T]` rows, stays off this proof.)"""
-    del mixing
-    vocab = 3
-    x = tf1.placeholder(tf.float64, [None, None, D], name="x")
-    w, b, v = _var("w", [D, vocab]), _var("b", [vocab]), _var("v", [vocab])
-    h = tf.tanh(x)
-    rows = tf.matmul(tf.reshape(h, [-1, D]), w) + b
-    out = tf.reshape(rows, [-1, tf.shape(h)[1], vocab])
-    loss = tf.reduce_sum(tf.tanh(out) * v, [1, 2])
-
-    def feed(rng, batch, steps):
-        return {x: rng.normal(size=[batch, steps, D])}
-    return loss, [w, v], [], feed
-
-
 POSITIVE = {"reverse_sequence": _reverse_sequence, "one_hot": _one_hot,
-            "fold_bias_unfold": _fold_bias_unfold,
             "sequence_loss": _sequence_loss,
             "roll_along_t": _roll, "attention_heads": _attention,
             "lrn": _lrn, "nce_loss": _nce, "sliced_rows": _sliced_rows}

@@ -6,8 +6,10 @@ O(B^2) form shows here first.
 
 Still off the static proof, and why (so not listed): word2vec's NCE
 weights and biases (their gather mixes the examples' label rows with the
-shared sampled rows), the tagger's and the language model's biases added
-to `[B*T]` rows (the broadcast rule reads rows as examples), the language
+shared sampled rows), the tagger's and the language model's projections
+(`tf.reshape(h, [-1, H])`, then a MatMul and a bias on the `[B*T]` rows
+before the reshape back: the MatMul and bias rules read a fold only when
+the unfold follows the MatMul at once), the language
 model's recurrent and output layers (its logits are reshaped to
 `[tf.shape(input_data)[0], -1, V]`: the input's B is another symbol than
 the RNN output's, and no run-time check equates them), and the in-batch
@@ -32,8 +34,7 @@ EXPECTED = {
         "bi-lstm/bidirectional_rnn/fw/lstm_cell/kernel:0": "loop-rules",
         "bi-lstm/bidirectional_rnn/fw/lstm_cell/bias:0": "loop-rules",
         "bi-lstm/bidirectional_rnn/bw/lstm_cell/kernel:0": "loop-rules",
-        "bi-lstm/bidirectional_rnn/bw/lstm_cell/bias:0": "loop-rules",
-        "proj/W:0": "rules"},
+        "bi-lstm/bidirectional_rnn/bw/lstm_cell/bias:0": "loop-rules"},
     "in_batch_negatives": {"query_tower/h/kernel:0": "rules",
                            "query_tower/out/kernel:0": "rules"},
 }
