@@ -40,6 +40,7 @@ from custagg.batch_axis.table import RANDOM
 from custagg.batch_axis.table import Folded
 from custagg.batch_axis.table import ListOf
 from custagg.batch_axis.table import Reason
+from custagg.batch_axis.table import Stacked
 from custagg.batch_axis.table import forward
 from custagg.batch_axis.table import known
 from custagg.batch_axis.table import normalize
@@ -48,5 +49,5 @@ __all__ = [
     "NotProved", "Unexplained", "untraced", "prove_rowwise", "LOOP_TYPES", "coupling", "propagate",
     "step", "walk_body", "BatchAxes", "batch_region", "infer", "inverse",
     "is_leaf", "no_sources_reason", "ELEMENTWISE", "MIXES", "NO_BATCH",
-    "RANDOM", "Folded", "ListOf", "Reason", "forward", "known", "normalize",
+    "RANDOM", "Folded", "ListOf", "Reason", "Stacked", "forward", "known", "normalize",
 ]

@@ -223,6 +223,11 @@ class _Interpreter(object):
                                     % (k, op_text(op)))
                 if here is NO_BATCH:
                     descs[k].add(UNKNOWN)
+                elif isinstance(here, table.Stacked):
+                    raise NotProved(
+                        "%s stacks copies of the batch on one axis (rows "
+                        "k*B + b), which the row-wise proof does not "
+                        "follow" % op_text(op))
                 else:
                     descs[k].add(table.normalize(op.outputs[k], here))
         result = []
@@ -258,7 +263,8 @@ class _Interpreter(object):
             for j, (t, v) in enumerate(zip(op.inputs, ins)):
                 if v not in (None, SAME) or t.dtype == tf.resource:
                     continue
-                for cand in table.candidates(t, out.desc, op.outputs[k]):
+                for cand in table.candidates(t, out.desc, op.outputs[k],
+                                             self.shapes):
                     if isinstance(cand, table.ListOf):
                         continue
                     got = table.forward(op, j, cand, self.shapes)
@@ -266,8 +272,8 @@ class _Interpreter(object):
                     if here is MIXES or here is NO_BATCH or table.normalize(
                             op.outputs[k], here) != out.desc:
                         continue
-                    axis = cand.axis if isinstance(cand, table.Folded) \
-                        else cand
+                    axis = cand.axis if isinstance(
+                        cand, (table.Folded, table.Stacked)) else cand
                     if tf.compat.dimension_value(t.shape[axis]) == 1:
                         continue
                     raise Unexplained(

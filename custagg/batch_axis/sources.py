@@ -131,7 +131,7 @@ def inverse(op, out_index, desc, shapes=None, _depth=0):
     result = []
     for i, inp in enumerate(op.inputs):
         got = set()
-        cands = table.candidates(inp, want, op.outputs[out_index])
+        cands = table.candidates(inp, want, op.outputs[out_index], shapes)
         if not cands:
             cands = _from_the_right(inp, want, op.outputs[out_index], shapes,
                                     _depth)
@@ -142,7 +142,8 @@ def inverse(op, out_index, desc, shapes=None, _depth=0):
             here = out[out_index] if isinstance(out, list) else out
             if here is MIXES or here is NO_BATCH:
                 continue
-            if table.normalize(op.outputs[out_index], here) == want:
+            if table.same(table.normalize(op.outputs[out_index], here),
+                          want, shapes, op):
                 got.add(cand)
         result.append(frozenset(got))
     return result

@@ -185,7 +185,7 @@ def _reshape(op, index, batch, shapes):
     `[tf.shape(x)[0], -1]` and Keras LayerNormalization's
     `[1, B*T, D, 1]` are all proved from the graph.
     """
-    if index != 0:
+    if index != 0 or isinstance(batch, Stacked):
         return None
     in_shape = shapes.shape(op.inputs[0])
     out_shape = shapes.shape(op.outputs[0])
@@ -198,16 +198,16 @@ def _reshape(op, index, batch, shapes):
     row = symbolic_shapes.product(in_shape[pos + 1:])
     if row is None:
         return None
-    example = row * symbolic_shapes.Dim.of(_prod(middle))
+    example = row * _middle_size(middle)
     for out_axis in range(len(out_shape)):
         after = symbolic_shapes.product(out_shape[out_axis + 1:])
         if after is not None:
-            if after == example:
+            if shapes.equal(after, example, op):
                 return out_axis
-            if middle and after == row:
+            if middle and shapes.equal(after, row, op):
                 return Folded(middle, out_axis)
             if not middle:
-                fold = _new_fold(in_shape[pos + 1:], after)
+                fold = _new_fold(in_shape[pos + 1:], after, shapes, op)
                 if fold is not None:
                     return Folded(fold, out_axis)
         dim = out_shape[out_axis]
@@ -216,21 +216,36 @@ def _reshape(op, index, batch, shapes):
     return None
 
 
-def _new_fold(example_dims, after):
-    """The leading example dims T... when the rest hold `after` entries."""
-    for j in range(1, len(example_dims)):
+def _new_fold(example_dims, after, shapes, op):
+    """The leading example dims T... when the rest hold `after` entries.
+
+    A dynamic T (`[B, None, D]` -> `[-1, D]`, the tensordot of a dense
+    layer on a padded batch) is kept as its symbolic `Dim`: row-major order
+    makes row n of the output entry (n // T, n % T) whatever T is at run
+    time, so the fold is exact as long as the rows hold exactly the
+    trailing dims' entries, which the symbolic comparison proves."""
+    # Up to all of them: `[B, T]` -> `[B*T]` (labels flattened for a
+    # per-token loss) folds T with nothing left per row.
+    for j in range(1, len(example_dims) + 1):
         lead = example_dims[:j]
-        if any(d is None or d.static is None for d in lead):
+        if any(d is None for d in lead):
             return None
-        if symbolic_shapes.product(example_dims[j:]) == after:
-            return tuple(d.static for d in lead)
+        if shapes.equal(symbolic_shapes.product(example_dims[j:]), after,
+                        op):
+            return tuple(_middle_entry(d) for d in lead)
     return None
 
 
-def _prod(dims):
-    out = 1
-    for d in dims:
-        out *= d
+def _middle_entry(dim):
+    """A `Folded.middle` entry: the int when static, else the `Dim`."""
+    return dim.static if dim.static is not None else dim
+
+
+def _middle_size(middle):
+    """The number of rows one example has in a fold, as a `Dim`."""
+    out = symbolic_shapes.ONE
+    for d in middle:
+        out = out * _as_dim(d)
     return out
 
 
@@ -299,7 +314,7 @@ def _batch_norm(op, index, batch, shapes):
         return [batch] + [NO_PATH] * (n_out - 1)
     rank = _rank(op.inputs[0])
     pos = batch.axis if isinstance(batch, Folded) else batch
-    if rank is None or pos < 0:
+    if rank is None or isinstance(batch, Stacked) or pos < 0:
         return None
     channel = 1 if op.get_attr("data_format").decode().startswith("NC") \
         else rank - 1
@@ -442,6 +457,120 @@ def _tile(op, index, axis):
     return axis
 
 
+def _tile_rows(op, index, desc, shapes):
+    """`tf.tile` with m > 1 copies along the batch axis repeats the whole
+    axis: row `k*R + r` is row r (R rows), so a batch (or c stacked
+    copies of it) becomes m (m*c) stacked copies; tiling other axes
+    keeps the batch where it is."""
+    del shapes
+    multiples = _const(op.inputs[1])
+    pos = _position(desc)
+    if index != 0 or multiples is None or pos < 0:
+        return None
+    m = multiples[pos]
+    if m == 1:
+        return _move(_tile, op, index, desc)
+    if m < 1 or isinstance(desc, Folded):
+        return None
+    return Stacked(_copies(desc) * m, pos)
+
+
+def _copies(desc):
+    return desc.copies if isinstance(desc, Stacked) else 1
+
+
+def _concat_rows(op, index, desc, shapes):
+    """`tf.concat` along another axis keeps the batch. Along the batch
+    axis, input k's rows start after the rows of inputs 0..k-1: when every
+    input has the same (symbolic) size R there, input k's row r is output
+    row `k*R + r`, so N inputs holding the batch (c stacked copies) give N
+    (N*c) stacked copies (the Transformer's heads moved to axis 0)."""
+    n = op.get_attr("N")
+    concat_axis = _const(op.inputs[n])
+    rank = _rank(op.outputs[0])
+    pos = _position(desc)
+    if index >= n or concat_axis is None or rank is None or pos < 0:
+        return None
+    if concat_axis[0] % rank != pos:
+        return _move(_concat, op, index, desc)
+    if isinstance(desc, Folded):
+        return None
+    dims = [shapes.shape(t) for t in op.inputs[:n]]
+    if any(d is None or len(d) <= pos or d[pos] is None for d in dims):
+        return None
+    if not all(shapes.equal(d[pos], dims[index][pos], op) for d in dims):
+        return None
+    return Stacked(_copies(desc) * n, pos)
+
+
+def _split_rows(op, index, desc, shapes):
+    """`tf.split` along another axis keeps the batch. `Split` cuts the
+    batch axis into equal runs: with c stacked copies cut into s pieces (s
+    dividing c), piece k holds copies `k*c/s .. (k+1)*c/s - 1`, each a
+    whole batch (s == c: the batch itself). A plain batch cut, or uneven
+    sizes (`SplitV`), mixes."""
+    del shapes
+    value_index, axis_index = (1, 0) if op.type == "Split" else (0, 2)
+    split_axis = _const(op.inputs[axis_index])
+    rank = _rank(op.inputs[value_index])
+    pos = _position(desc)
+    if index != value_index or split_axis is None or rank is None or \
+            pos < 0:
+        return None
+    if split_axis[0] % rank != pos:
+        return _move(_split, op, index, desc)
+    if op.type != "Split" or not isinstance(desc, Stacked):
+        return None
+    pieces = op.get_attr("num_split")
+    if pieces < 1 or desc.copies % pieces:
+        return None
+    per = desc.copies // pieces
+    return pos if per == 1 else Stacked(per, pos)
+
+
+def _reverse_sequence(op, index, axis):
+    """`tf.reverse_sequence`: slice k of `batch_dim` has its first
+    `seq_lengths[k]` entries along `seq_dim` reversed. Every entry stays in
+    its slice of every axis but `seq_dim` (there it moves within the
+    slice), so a batch on any other axis stays where it is, and
+    `seq_lengths` (one per slice of `batch_dim`) puts its batch on
+    `batch_dim`. A batch on `seq_dim` is reversed across examples: mixes.
+    (bidirectional_dynamic_rnn's backward direction, with batch_dim=0 on
+    batch-major inputs.)"""
+    seq_dim, batch_dim = op.get_attr("seq_dim"), op.get_attr("batch_dim")
+    if index == 1:
+        return batch_dim if axis == 0 else None
+    if index != 0 or axis == seq_dim:
+        return None
+    return axis
+
+
+def _one_hot(op, index, axis):
+    """`tf.one_hot(indices, depth, axis=a)`: entry i of the indices becomes
+    the depth-vector at i, a new axis at `a` (-1: last); the batch axis of
+    the indices moves past it. depth and the on/off values are scalars."""
+    new = op.get_attr("axis")
+    rank = _rank(op.inputs[0])
+    if index != 0 or rank is None:
+        return None
+    if new == -1:
+        new = rank
+    return axis + 1 if new <= axis else axis
+
+
+def _roll(op, index, axis):
+    """`tf.roll`: entries move along the rolled axes only, so a batch on
+    another axis stays; rolled along the batch axis (in-batch negatives'
+    `tf.roll(d, 1, axis=0)`), example i meets example i-1: mixes."""
+    shift_axes = _const(op.inputs[2])
+    rank = _rank(op.inputs[0])
+    if index != 0 or shift_axes is None or rank is None:
+        return None
+    if axis in [a % rank for a in shift_axes]:
+        return None
+    return axis
+
+
 def _parse_example(op, index, axis):
     """Example b's features come from serialized record b alone: the dense
     values hold the batch on axis 0; the sparse (and ragged) outputs list
@@ -471,13 +600,26 @@ class Folded(collections.namedtuple("Folded", ["middle", "axis"])):
 
     `tf.tensordot` (Keras Dense on `[B, T..., D]`) reshapes to `[B*T, D]`,
     multiplies, and reshapes back; Keras LayerNormalization reshapes to
-    `[1, B*T, D, 1]`. `middle` is the static `T...` shape. Ops that move or
+    `[1, B*T, D, 1]`. `middle` is the `T...` shape: an int where static, a
+    `symbolic_shapes.Dim` where T is dynamic (the same symbol wherever the
+    graph's shapes prove the same T). Ops that move or
     keep an axis treat a folded axis like a plain one; reshapes and
     batch normalization look at the fold itself.
     """
 
     def __new__(cls, middle, axis=0):
         return super(Folded, cls).__new__(cls, tuple(middle), axis)
+
+
+class Stacked(collections.namedtuple("Stacked", ["copies", "axis"])):
+    """Rows stacked from the batch: axis `axis` holds `copies` blocks of B
+    rows, row `k*B + b` belonging to example b.
+
+    The TF1 Transformers' heads on axis 0 (`tf.concat(tf.split(q, h,
+    axis=2), axis=0)`: `[h*B, T, D/h]`) and `tf.tile(x, [h, 1])` make it;
+    `tf.split(.., h, axis=0)` takes the blocks apart again. Ops that move
+    or keep an axis treat it like a plain one; a reshape does not follow it.
+    """
 
 
 class ListOf(collections.namedtuple("ListOf", ["axis"])):
@@ -526,7 +668,7 @@ def _item_list(op, index, batch):
         if step == "pop":
             return [batch, batch.axis]
         return None
-    if isinstance(batch, Folded) or batch < 0:
+    if isinstance(batch, (Folded, Stacked)) or batch < 0:
         return None
     if step == "put":
         return ListOf(batch)
@@ -716,8 +858,8 @@ class Entry(collections.namedtuple("Entry", ["axes", "sizes",
       None inside it means MIXES and NO_PATH means NO_BATCH (`forward`
       turns them into the sentinels). With `fold_aware`,
       `fn(op, index, desc, shapes)` sees the whole descriptor (a `Folded`
-      included) and the symbolic shapes; otherwise a folded axis is moved
-      like a plain one. None: the op is not known to keep examples apart.
+      or `Stacked` included) and the symbolic shapes; otherwise a folded
+      or stacked axis is moved like a plain one. None: the op is not known to keep examples apart.
     sizes: `fn(op, ins)` -> the row-wise proof's values of the outputs
       (`proof_values`) given the inputs' (`ins`), where the batch size may
       flow through the op (`tf.shape(x)[0]`, `tf.stack`, `tf.fill`), or
@@ -750,9 +892,13 @@ _TABLE.update({
     "SoftmaxCrossEntropyWithLogits": Entry(_xent),
     "Pad": Entry(_pad), "PadV2": Entry(_pad), "MirrorPad": Entry(_pad),
     "Slice": Entry(_slice), "GatherV2": Entry(_gather),
-    "ResourceGather": Entry(_gather), "Tile": Entry(_tile),
-    "Split": Entry(_split), "SplitV": Entry(_split),
+    "ResourceGather": Entry(_gather),
+    "Tile": Entry(_tile_rows, fold_aware=True),
+    "Split": Entry(_split_rows, fold_aware=True),
+    "SplitV": Entry(_split_rows, fold_aware=True),
     "Unpack": Entry(_unpack),
+    "ReverseSequence": Entry(_reverse_sequence), "OneHot": Entry(_one_hot),
+    "Roll": Entry(_roll),
     "ParseExample": Entry(_parse_example),
     "ParseExampleV2": Entry(_parse_example),
     "Reshape": Entry(_reshape, fold_aware=True),
@@ -772,7 +918,7 @@ _TABLE.update({
     "StridedSlice": Entry(_strided_slice, _size_strided_slice),
     "ExpandDims": Entry(_expand_dims, _size_expand_dims),
     "Pack": Entry(_pack, _size_pack),
-    "ConcatV2": Entry(_concat, _size_concat),
+    "ConcatV2": Entry(_concat_rows, _size_concat, fold_aware=True),
     "Fill": Entry(sizes=_size_fill),
     "BroadcastTo": Entry(sizes=_size_broadcast_to),
     "TensorListReserve": Entry(sizes=_size_list_reserve),
@@ -818,9 +964,9 @@ def normalize(t, axis):
     rank = _rank(t)
     if rank is None or isinstance(axis, ListOf):
         return axis
-    if isinstance(axis, Folded):
-        return axis if axis.axis >= 0 else Folded(axis.middle,
-                                                  axis.axis + rank)
+    if isinstance(axis, (Folded, Stacked)):
+        return axis if axis.axis >= 0 else axis._replace(
+            axis=axis.axis + rank)
     return axis + rank if axis < 0 else axis
 
 
@@ -878,13 +1024,7 @@ def _forward(op, index, axis, shapes):
                     index == 0:
                 out = _fold(op, op.inputs[0], op.outputs[0])
             return out
-        position = axis.axis if isinstance(axis, Folded) else axis
-        if position < 0 and fn is not _elementwise:
-            return None     # only broadcasting knows axes from the end
-        if isinstance(axis, Folded):
-            out = fn(op, index, axis.axis)
-            return None if out is None else Folded(axis.middle, out)
-        return fn(op, index, axis)
+        return _move(fn, op, index, axis)
     except (ValueError, TypeError, IndexError):
         # Attrs or constant inputs the entry cannot read (a missing attr
         # on an old release, an axis out of range): not known to keep
@@ -892,13 +1032,70 @@ def _forward(op, index, axis, shapes):
         return None
 
 
-def candidates(t, like, output=None):
+def same(a, b, shapes, op):
+    """Whether descriptors a and b place the batch alike at op's output:
+    equal, or folds on the same axis whose middles are equal whenever op
+    runs (`ShapeCache.equal`: a dynamic T read from two tensors that a
+    run-time check equates)."""
+    if a == b:
+        return True
+    if not (isinstance(a, Folded) and isinstance(b, Folded)) or \
+            a.axis != b.axis or len(a.middle) != len(b.middle):
+        return False
+    return all(shapes.equal(_as_dim(x), _as_dim(y), op)
+               for x, y in zip(a.middle, b.middle))
+
+
+def _as_dim(entry):
+    return entry if isinstance(entry, symbolic_shapes.Dim) else \
+        symbolic_shapes.Dim.of(entry)
+
+
+def _position(desc):
+    """The axis of a plain, folded or stacked batch descriptor."""
+    return desc.axis if isinstance(desc, (Folded, Stacked)) else desc
+
+
+def _move(fn, op, index, desc):
+    """An entry that moves or keeps whole axes (`fn(op, index, axis)`),
+    applied to any descriptor: a folded or stacked axis is moved like a
+    plain one, its rows staying what they are."""
+    position = _position(desc)
+    if position < 0 and fn is not _elementwise:
+        return None     # only broadcasting knows axes from the end
+    out = fn(op, index, position)
+    if not isinstance(desc, (Folded, Stacked)):
+        return out
+
+    def rewrap(d):
+        if d is None or d is NO_PATH or not isinstance(d, int):
+            return d
+        return desc._replace(axis=d)
+    return [rewrap(d) for d in out] if isinstance(out, list) else rewrap(out)
+
+
+def _stack_candidates(like, output):
+    """Numbers of stacked copies an input might hold for an output holding
+    the batch at `like`: the divisors of like's copies (a concat or tile
+    of stacked inputs), and the pieces of a `Split` times like's copies."""
+    copies = like.copies if isinstance(like, Stacked) else 1
+    out = set(c for c in range(2, copies + 1) if copies % c == 0)
+    if output is not None and output.op.type == "Split":
+        out.add(copies * output.op.get_attr("num_split"))
+    out.discard(1)
+    return sorted(out)
+
+
+def candidates(t, like, output=None, shapes=None):
     """The descriptors input `t` might hold the batch at, for an output
     holding it at `like`: every axis of t; as `Folded` with like's middle
     when `like` is folded, or, into a reshape `output` (unfolding
-    `[B*T, D]` back to `[B, T, D]`), with each static run of the output's
-    axes after the batch as the middle; lists' item axes for scalars
-    (lists, TensorArray flows). Empty when t's rank is unknown (nothing is guessed)."""
+    `[B*T, D]` back to `[B, T, D]`), with each run of the output's axes
+    after the batch as the middle (static ones; with `shapes`, a
+    `symbolic_shapes.ShapeCache`, dynamic ones by their symbolic dims too);
+    as `Stacked` copies where a concat, tile or split may have stacked the
+    batch; lists' item axes for scalars (lists, TensorArray flows). Empty
+    when t's rank is unknown (nothing is guessed)."""
     rank = t.shape.rank
     if rank is None:
         return []
@@ -908,18 +1105,30 @@ def candidates(t, like, output=None):
         middles.append(like.middle)
     elif isinstance(like, int) and like >= 0 and output is not None and \
             output.op.type == "Reshape" and output.shape.rank is not None:
+        # Up to all of them: `[B*T]` -> `[B, T]` (a per-token loss
+        # reshaped back) has no row axis left.
         after = output.shape.as_list()[like + 1:]
-        for n in range(1, len(after)):
+        for n in range(1, len(after) + 1):
             if all(d is not None for d in after[:n]):
                 middles.append(tuple(after[:n]))
+        dims = shapes.shape(output) if shapes is not None else None
+        if dims is not None and len(dims) == output.shape.rank:
+            after = dims[like + 1:]
+            for n in range(1, len(after) + 1):
+                if all(d is not None for d in after[:n]):
+                    middle = tuple(_middle_entry(d) for d in after[:n])
+                    if middle not in middles:
+                        middles.append(middle)
     for middle in middles:
         out.extend(Folded(middle, j) for j in range(rank))
+    for copies in _stack_candidates(like, output):
+        out.extend(Stacked(copies, j) for j in range(rank))
     out.extend(range(rank))
     if rank == 0:
         # A TensorList (variant) or a v1 TensorArray's flow (a float
         # scalar): a list whose items hold the batch.
-        depth = like.axis if isinstance(like, ListOf) else (
-            like.axis if isinstance(like, Folded) else like)
+        depth = like.axis if isinstance(like, ListOf) else \
+            _position(like)
         out.extend(ListOf(j) for j in range(max(depth, 0) + 2))
     return out
 

@@ -17,6 +17,7 @@ sums without materializing); otherwise a generic einsum materializes.
 import tensorflow as tf
 
 from custagg import _tf_compat
+from custagg.batch_axis import symbolic_shapes
 from custagg.rules import registry
 from custagg._tf_compat import tensor_util
 from custagg.rules import outer as _outer
@@ -193,7 +194,10 @@ def _folded_rows(ctx):
     sum over T per example. Recognized only when the shapes prove it: the
     fold keeps D as the last axis (row-major order then makes row n =
     (b, t)), and the product's only consumer (`_tf_compat.forward_consumers`)
-    unfolds it to `[?, T..., K]` with the same static T.
+    unfolds it to `[?, T..., K]` with the same T: equal static dims, or,
+    for a dynamic T (`[None, None, D]` placeholders), the same symbolic
+    dims (`batch_axis.symbolic_shapes`: tensordot unfolds to
+    `gather(tf.shape(x), free) + [K]`, which is x's own `B, T...`).
     """
     op = ctx.op
     if (ctx.input_index != 1 or op.get_attr("transpose_a")
@@ -205,8 +209,7 @@ def _folded_rows(ctx):
         return None
     depth = p_dims[1] if op.get_attr("transpose_b") else p_dims[0]
     middle = x.shape[1:-1]
-    if not middle.is_fully_defined() or \
-            tf.compat.dimension_value(x.shape[-1]) != depth:
+    if tf.compat.dimension_value(x.shape[-1]) != depth:
         return None
     # Ops that read only the product's shape, and those a backward pass
     # added (TF <= 2.15's Reshape gradient reads its shape), do not count:
@@ -218,9 +221,15 @@ def _folded_rows(ctx):
     out = unfold.outputs[0]
     width = p_dims[0] if op.get_attr("transpose_b") else p_dims[1]
     if (unfold.inputs[0] is not op.outputs[0] or out.shape.rank != x.shape.rank
-            or out.shape[1:-1].as_list() != middle.as_list()
             or tf.compat.dimension_value(out.shape[-1]) != width):
         return None
+    if not (middle.is_fully_defined() and
+            out.shape[1:-1].as_list() == middle.as_list()):
+        shapes = symbolic_shapes.ShapeCache()
+        x_dims, out_dims = shapes.shape(x), shapes.shape(out)
+        if x_dims is None or out_dims is None or None in x_dims[1:-1] or \
+                x_dims[1:-1] != out_dims[1:-1]:
+            return None
     return x, unfold
 
 

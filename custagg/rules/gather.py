@@ -23,7 +23,12 @@ from custagg._tf_compat import tensor_util
 
 def _table_shape(ctx):
     """Static dims of the table `[V, *D]` (from the handle for resources)."""
-    p = ctx.param
+    return table_shape(ctx.param)
+
+
+def table_shape(p):
+    """Static dims of table `p` `[V, *D]` (a resource handle's from its
+    handle data), or None."""
     if p.dtype == tf.resource:
         data = resource_variable_ops.get_eager_safe_handle_data(p)
         if data is None or not data.is_set or len(data.shape_and_type) != 1:

@@ -29,6 +29,7 @@ import weakref
 
 from custagg._tf_compat import backprop_util
 from custagg._tf_compat import ops
+from custagg.rules import sparse_segments
 
 # Ops between a parameter and the op that uses it that the rules see through:
 # they change neither values nor (up to a reshape) layout.
@@ -59,8 +60,15 @@ def _float_or_handle(t):
 
 
 def passes_through(op, k, live):
-    """Whether the rules may see through input `k` of `op` to its output."""
-    if op.type not in PASS_THROUGH or k != 0 or op not in live:
+    """Whether the rules may see through input `k` of `op` to its output.
+
+    Besides `PASS_THROUGH`, a table lookup that feeds only sparse segment
+    reductions (`sparse_segments.lookup_into_segments`: feature columns'
+    `embedding_lookup_sparse`), whose rule keys rows by table row."""
+    if k != 0 or op not in live:
+        return False
+    if op.type not in PASS_THROUGH and not (
+            sparse_segments.lookup_into_segments(op)):
         return False
     if gradient_override(op) is not None:
         return False

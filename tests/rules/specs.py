@@ -156,7 +156,8 @@ def tensordot_dense(depth_dynamic):
     """Two dense layers on `[B, T, D]` through tf.tensordot (what Keras Dense
     and tf.compat.v1.layers.dense build): a `[B*T, D]` MatMul between a fold
     and an unfold reshape. `depth_dynamic`: T unknown in the placeholder, so
-    tensordot builds its reshapes from tf.shape (rules then do not apply)."""
+    tensordot builds its reshapes from tf.shape (the symbolic shapes follow
+    them: the unfold is x's own `B, T`, and the rules apply)."""
 
     def build(dtype, rng):
         w1, b1 = var(rng, [3, 5], dtype), var(rng, [5], dtype)
@@ -458,6 +459,59 @@ def embedding_pooled(pooling, lookups, resource=True):
     return build
 
 
+# pfor of embedding_lookup_sparse's backward pass falls back to a while
+# loop that stacks the table's resource handle in a TensorList, which has
+# no CPU kernel for DT_RESOURCE (TensorListConcatV2).
+PFOR_RESOURCE_LIST = {"pfor": "pfor's fallback loop stacks a resource "
+                              "handle (no CPU TensorListConcatV2 kernel)"}
+# The per-example copies that pfor vectorizes give a sparse segment
+# reduction segment ids and indices of different sizes (run-time error).
+PFOR_SEGMENT_COPIES = {"pfor": "pfor's copies of a sparse segment "
+                               "reduction fail at run time"}
+
+
+def sparse_segments(combiner, lookups=3):
+    """A `[V, D]` table through `tf.nn.embedding_lookup_sparse` (feature
+    columns' sparse path: the batch's unique ids gathered, then
+    SparseSegmentSum / Mean / SqrtN by example) on a sparse tensor with
+    `lookups` entries per example (ids repeat within an example and
+    across examples). A dense feature multiplies the pooled rows: the
+    segment ids carry the batch in their values, not on an axis, so the
+    batch sources are found from the dense inputs (as in wide & deep)."""
+    vocab = 5
+
+    def build(dtype, rng):
+        table = var(rng, [vocab, 3], dtype)
+
+        def loss(i, x):
+            where = tf.where(tf.ones_like(i, tf.bool))          # [B*L, 2]
+            sp = tf.SparseTensor(where, tf.gather_nd(i, where),
+                                 tf.shape(i, out_type=tf.int64))
+            pooled = tf.nn.embedding_lookup_sparse(table, sp, None,
+                                                   combiner=combiner)
+            # To the batch's shape, as feature columns do (a static B
+            # stays static for the loop reference).
+            return head(x * tf.tanh(tf.reshape(pooled, tf.shape(x))))
+        return Problem([table], [ids(vocab, lookups), floats(3)], loss)
+
+    return build
+
+
+def segments_of_table(dtype, rng, lookups=3):
+    """`tf.sparse.segment_mean` straight on a `[V, D]` table (no gather in
+    between): example b's `lookups` ids are its entries, segment b."""
+    vocab = 5
+    table = var(rng, [vocab, 3], dtype)
+
+    def loss(i, x):
+        batch = tf.shape(x)[0]
+        segment = tf.reshape(tf.tile(tf.range(batch)[:, None],
+                                     [1, lookups]), [-1])
+        pooled = tf.sparse.segment_mean(table, tf.reshape(i, [-1]), segment)
+        return head(x * tf.tanh(tf.reshape(pooled, tf.shape(x))))
+    return Problem([table], [ids(vocab, lookups), floats(3)], loss)
+
+
 def fused_batch_norm(training, data_format="NHWC"):
     """`tf.compat.v1.nn.fused_batch_norm` on a conv output, scale and offset
     as the parameters (inference mode: fixed mean and variance)."""
@@ -530,8 +584,7 @@ SPECS = (
     [Spec("matmul_read_" + r, "MatMul", matmul_read(r))
      for r in ("identity", "cast", "ref")] +
     [Spec("matmul_tensordot_folded_rows", "MatMul", tensordot_dense(False)),
-     Spec("matmul_tensordot_dynamic_T", "MatMul", tensordot_dense(True),
-          expect="pfor"),
+     Spec("matmul_tensordot_dynamic_T", "MatMul", tensordot_dense(True)),
      Spec("matmul_reshape_not_a_fold", "MatMul", folded_rows_not_a_fold,
           expect="pfor", rules_error="mixes examples")] +
     [Spec("dense_bias_add", "BiasAdd", dense_bias_add),
@@ -638,6 +691,14 @@ SPECS = (
           embedding_pooled("sum", 4, resource=False)),
      Spec("embedding_resource_mean_pooled_counts_by_sort", "ResourceGather",
           embedding_pooled("mean", 130)),
+     Spec("sparse_segment_sum", "SparseSegmentSum", sparse_segments("sum"),
+          limits=PFOR_RESOURCE_LIST),
+     Spec("sparse_segment_mean", "SparseSegmentMean",
+          sparse_segments("mean"), limits=PFOR_RESOURCE_LIST),
+     Spec("sparse_segment_sqrtn", "SparseSegmentSqrtN",
+          sparse_segments("sqrtn"), limits=PFOR_RESOURCE_LIST),
+     Spec("segment_mean_of_table", "SparseSegmentMean", segments_of_table,
+          limits=PFOR_SEGMENT_COPIES),
      Spec("fused_batch_norm_inference", "FusedBatchNormV3",
           fused_batch_norm(False), skip=BN_FLOAT64_SKIP),
      Spec("fused_batch_norm_inference_nchw", "FusedBatchNormV3",

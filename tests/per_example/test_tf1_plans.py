@@ -1,0 +1,57 @@
+"""Which forms other people's TF1 models (`benchmarks/tf1_models.py`) get
+from the static proof (issue 24): the plan alone, no run (the values are
+tests/per_example/test_tf1_models.py's). A variable listed here must be on
+the form given; a regression that sends it back to the certificate or an
+O(B^2) form shows here first.
+
+Still off the static proof, and why (so not listed): word2vec's NCE
+weights and biases (their gather mixes the examples' label rows with the
+shared sampled rows), the tagger's and the language model's projections
+(`tf.reshape(h, [-1, H])`, then a MatMul and a bias on the `[B*T]` rows
+before the reshape back: the MatMul and bias rules read a fold only when
+the unfold follows the MatMul at once), the language
+model's recurrent and output layers (its logits are reshaped to
+`[tf.shape(input_data)[0], -1, V]`: the input's B is another symbol than
+the RNN output's, and no run-time check equates them), and the in-batch
+negatives' document tower (truly coupled).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+
+from benchmarks import tf1_models
+
+ALL = "*"
+EXPECTED = {
+    "transformer": {ALL: "rules"},
+    "wide_deep": {ALL: "rules"},
+    "word2vec": {"embeddings:0": "rules"},
+    "bilstm_tagger": {
+        "words/_word_embeddings:0": "rules",
+        "bi-lstm/bidirectional_rnn/fw/lstm_cell/kernel:0": "loop-rules",
+        "bi-lstm/bidirectional_rnn/fw/lstm_cell/bias:0": "loop-rules",
+        "bi-lstm/bidirectional_rnn/bw/lstm_cell/kernel:0": "loop-rules",
+        "bi-lstm/bidirectional_rnn/bw/lstm_cell/bias:0": "loop-rules"},
+    "in_batch_negatives": {"query_tower/h/kernel:0": "rules",
+                           "query_tower/out/kernel:0": "rules"},
+}
+
+
+@pytest.mark.skipif(not tf1_models.has_tf1_layers(),
+                    reason="tf.compat.v1.layers and the v1 RNN cells need "
+                           "the tf-keras package on this TensorFlow")
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_static_proof_takes_the_model(name, graph):
+    dtype = tf.float32 if name in tf1_models.FLOAT32_ONLY else tf.float64
+    model = tf1_models.MODELS[name](dtype, np.random.default_rng(0))
+    plan = custagg.plan_per_example(model.loss, model.xs)
+    want = EXPECTED[name]
+    for x, form in zip(model.xs, plan.forms()):
+        expected = want.get(ALL, want.get(x.name))
+        if x.name in model.coupled:
+            assert form != "rules", str(plan)
+        elif expected is not None:
+            assert form == expected, "%s: %s\n%s" % (x.name, form, plan)
