@@ -141,6 +141,17 @@ LEFT_TO_SLOW = (
     # [while_rnn_add_bias]
     "tests/rules/test_rules.py::test_matches_loop[while_rnn_bias_add_"
     "unstacked-float64]",
+    # [test_certified.py's loop rules certified after the loop, rolled:
+    # the same coupling after a loop, its check failing]
+    "tests/per_example/test_loop_rules.py::test_coupling_after_the_loop_is_"
+    "certified_and_exact",
+    # [test_certified_rows.py's plan-time refusal; the unit test of
+    # forms/rows.py's non_example_rows]
+    "tests/per_example/test_certified.py::test_fixed_block_rows_are_refused_"
+    "at_plan_time*",
+    # [float64 at both (B, chunk) pairs; float32 with B=5 in chunks of 2]
+    "tests/rules/test_conv_chunks.py::test_chunked_norms_and_clipped_sums_"
+    "match_loop[*-float32-1-tensor]",
     # [sum pooling at every shape; mean and none at the first two]
 ) + tuple("tests/test_gather_norms.py::test_norms_match_loop[dtype%d-*-%s]"
           % (shape, pooling) for shape in range(2, 8)
