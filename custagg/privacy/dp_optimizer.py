@@ -328,19 +328,9 @@ def make_optimizer_class(cls):
             stddev = tf.cast(stddev, dtype)
             sums = [None if g is None else tf.convert_to_tensor(g)
                     for g in sums]
-            out = []
-            # Drawn once every sum exists: with a static shape folded to a
-            # constant, a draw would run when the step starts and stay live
-            # through the backward pass.
-            with tf.control_dependencies([g for g in sums if g is not None]):
-                for g in sums:
-                    if g is None:
-                        out.append(None)
-                        continue
-                    noise = tf.random.normal(tf.shape(g), stddev=stddev,
-                                             dtype=g.dtype)
-                    out.append((g + noise) / tf.cast(num_units, g.dtype))
-            return out
+            return [None if g is None else
+                    (g + noise) / tf.cast(num_units, g.dtype)
+                    for g, noise in zip(sums, _opt.noise_after(sums, stddev))]
 
         def _query_gradients(self, loss, var_list):
             """Any DPQuery: per-microbatch records, one accumulate_record

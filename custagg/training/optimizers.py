@@ -716,9 +716,7 @@ class DPOptimizer(PerExampleOptimizer):
         `(seed, step)` has always given."""
         present = [g for g in grads if g is not None]
         if self._seed is None:
-            with tf.control_dependencies(present):
-                return [None if g is None else tf.random.normal(
-                    tf.shape(g), stddev=stddev, dtype=g.dtype) for g in grads]
+            return noise_after(grads, stddev)
         # The counter variable is made outside the control dependencies (its
         # initializer must not wait for a step's gradients).
         counter = self._noise_counter(var_list[0])
@@ -768,6 +766,17 @@ class DPOptimizer(PerExampleOptimizer):
                                    type(self).__name__,
                                    group_ids=self._group_ids)
         return grads, num_units
+
+
+def noise_after(sums, stddev):
+    """`N(0, stddev^2)` noise shaped as each present tensor of `sums` (None
+    where it is None), each its own draw, drawn once every sum exists: with
+    a static shape folded to a constant, a draw would otherwise run when
+    the step starts and stay live through the backward pass."""
+    present = [g for g in sums if g is not None]
+    with tf.control_dependencies(present):
+        return [None if g is None else tf.random.normal(
+            tf.shape(g), stddev=stddev, dtype=g.dtype) for g in sums]
 
 
 def check_group_ids(group_ids, num_microbatches, owner):
