@@ -497,25 +497,18 @@ class _Hook(object):
         # (a MatMul into a BiasAdd: one [T, B, ...] tensor, not two).
         owner = [_gradient_owner(tap, self.taps, self.ops)
                  for tap in self.taps]
-        roots = []
-        for i in range(len(self.taps)):
-            seen = {i}
-            while owner[i] is not None and owner[i] not in seen:
-                seen.add(owner[i])
+
+        def root(i):
+            while owner[i] is not None:    # the body is acyclic: chains end
                 i = owner[i]
-            roots.append(i)
-        self.slot = {}
-        self.eps = []
-        for i, tap in enumerate(self.taps):
-            if roots[i] != i:
-                continue
-            self.slot[i] = len(self.eps)
-            dtype = tap.op.outputs[0].dtype
-            self.eps.append(tf.zeros(tf.stack([steps, batch] + tap.rest),
-                                     dtype))
-        for i in range(len(self.taps)):
-            self.slot[i] = self.slot[roots[i]]
-        self.owners = {i for i in range(len(self.taps)) if roots[i] == i}
+            return i
+
+        roots = [root(i) for i in range(len(self.taps))]
+        self.owners = sorted(set(roots))   # the taps that add their own eps
+        self.eps = [tf.zeros(tf.stack([steps, batch] + self.taps[i].rest),
+                             self.taps[i].op.outputs[0].dtype)
+                    for i in self.owners]
+        self.slot = [self.owners.index(r) for r in roots]
         self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
             tensor=e, element_shape=_element_shape(e[0])) for e in self.eps]
         # One extra loop variable per (tap, other input): the pushed rows.
