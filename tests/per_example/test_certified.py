@@ -654,3 +654,45 @@ def test_time_major_fold_stays_refused(graph):
     for b, values in _run(graph, x, y, loss, xs, DEFAULT_BATCHES,
                           feed_fn=_fold_feed(x, y)).items():
         _check_exact(values, "time-major fold B=%d" % b)
+
+
+def test_fold_rows_group_quantities_are_exact(graph, monkeypatch):
+    """The other quantities of rules on fold rows (`engine.FoldedRows`):
+    microbatch norms (M=3 at B=6), norms of users' sums (fed group ids) and
+    the elementwise second moments, against the loop reference; the exact
+    form replaced by a wrong one (its check passes: the rules' values)."""
+    x, y, loss, xs = _fold_model()
+    monkeypatch.setattr(
+        engine_lib.Engine, "exact",
+        lambda self, group: [tf.fill(tf.concat([tf.shape(self.loss)[:1],
+                                                tf.shape(a.x)], 0),
+                                     tf.constant(1e3, tf.float64))
+                             for a in group])
+    users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
+    fetches = {
+        "ref": testing.loop_per_example(loss, xs, 6, rows=True),
+        "micro": custagg.per_example_norms(loss, xs, num_microbatches=3),
+        "users": custagg.per_example_norms(loss, xs, group_ids=users),
+        "moments": custagg.gradient_second_moments(loss, xs),
+    }
+    rng = np.random.default_rng(4)
+    feed = _fold_feed(x, y)(rng, 6)
+    feed[users] = np.array([2, 0, 2, 1, 0, 2])
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = sess.run(fetches, feed)
+    ref = [np.stack(col) for col in zip(*values["ref"])]
+
+    def sq_norms(sums):
+        return sum(np.sum(np.reshape(s, [len(s), -1]) ** 2, 1) for s in sums)
+    micro = [g.reshape((3, 2) + g.shape[1:]).sum(1) for g in ref]
+    testing.assert_close(values["micro"], sq_norms(micro) ** .5, RTOL,
+                         "microbatch norms")
+    # Users in their order of first appearance (`custagg.group_segments`).
+    by_user = [np.stack([g[feed[users] == u].sum(0) for u in (2, 0, 1)])
+               for g in ref]
+    testing.assert_close(values["users"], sq_norms(by_user) ** .5, RTOL,
+                         "user norms")
+    for j, g in enumerate(ref):
+        testing.assert_close(values["moments"][j], np.sum(g ** 2, 0), RTOL,
+                             "second moments[%d]" % j)

@@ -162,3 +162,45 @@ def test_planted_coupling_fools_the_split(graph, monkeypatch):
     values = _run(graph, inputs, labels, loss, xs, (7,))[7]
     gaps = _gaps(values)
     assert gaps[1] > 1e-3 and gaps[2] > 1e-3, gaps
+
+
+def test_split_group_quantities_are_exact(graph):
+    """The split's other quantities: microbatch norms (M=3 at B=6), norms
+    of users' sums (fed group ids), the elementwise second moments and a
+    weighted sum, against the loop reference (one run: one draw)."""
+    inputs, labels, loss, xs = _model("nce")
+    users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
+    weights = tf.compat.v1.placeholder(tf.float64, [None], name="weights")
+    fetches = {
+        "ref": testing.loop_per_example(loss, xs, 6, rows=True),
+        "micro": custagg.per_example_norms(loss, xs, num_microbatches=3),
+        "users": custagg.per_example_norms(loss, xs, group_ids=users),
+        "moments": custagg.gradient_second_moments(loss, xs),
+        "weighted": custagg.weighted_gradients(loss, xs, weights),
+    }
+    rng = np.random.default_rng(8)
+    feed = {inputs: rng.integers(0, VOCAB, [6]),
+            labels: rng.integers(0, 8, [6, 1]),
+            users: np.array([1, 1, 0, 2, 0, 1]),
+            weights: rng.uniform(0.5, 2.0, [6])}
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = sess.run(fetches, feed)
+    ref = [np.stack(col) for col in zip(*values["ref"])]
+
+    def sq_norms(sums):
+        return sum(np.sum(np.reshape(s, [len(s), -1]) ** 2, 1) for s in sums)
+    micro = [g.reshape((3, 2) + g.shape[1:]).sum(1) for g in ref]
+    testing.assert_close(values["micro"], sq_norms(micro) ** .5, RTOL,
+                         "microbatch norms")
+    # Users in their order of first appearance (`custagg.group_segments`).
+    by_user = [np.stack([g[feed[users] == u].sum(0) for u in (1, 0, 2)])
+               for g in ref]
+    testing.assert_close(values["users"], sq_norms(by_user) ** .5, RTOL,
+                         "user norms")
+    for j, g in enumerate(ref):
+        testing.assert_close(values["moments"][j], np.sum(g ** 2, 0), RTOL,
+                             "second moments[%d]" % j)
+        testing.assert_close(values["weighted"][j],
+                             np.tensordot(feed[weights], g, 1), RTOL,
+                             "weighted[%d]" % j)
