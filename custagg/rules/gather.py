@@ -328,9 +328,8 @@ def _entries_are(vec, rank, rest, first):
     entries = _entries(vec, rank)
     if entries is None or len(entries) != rank:
         return False
-    return first(entries[0]) and all(e == rest for e in entries[1:]
-                                     if isinstance(e, int)) and \
-        all(isinstance(e, int) for e in entries[1:])
+    return first(entries[0]) and all(isinstance(e, int) and e == rest
+                                     for e in entries[1:])
 
 
 def _is_value(e, v):
