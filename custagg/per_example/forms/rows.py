@@ -235,6 +235,9 @@ def _example_major(op, loss):
     desc = batch_axis.forward(op, 0, 0)
     if not (isinstance(desc, batch_axis.Folded) and desc.axis == 0):
         return False
+    lead, batch = _static_dim(op.inputs[0], 0), _static_dim(loss, 0)
+    if lead is not None and batch is not None and lead != batch:
+        return False        # axis 0 is not the batch's B examples
     found = batch_axis.infer(loss).axes
     if 0 in found.get(op.inputs[0].ref(), ()):
         return True
