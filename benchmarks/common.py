@@ -242,3 +242,20 @@ def write_results(name, rows, args, tf_version, table, how):
     with open(os.path.join(out, name + ".md"), "w") as f:
         f.write("%s\n\nTF %s, %s. %s\n" % (table.rstrip("\n"), tf_version, how,
                                           args.note))
+
+
+def adam_step_pair(loss, xs):
+    """{"step_orig": Adam on the mean loss, "step_dp": custagg's DPOptimizer
+    around Adam (clip 1.0, noise multiplier 1.1)}: the plain step and the
+    DP step the zoo and the conv memory profile compare, each in its own
+    variable scope (their Adam slots apart). `loss`: `[B]`."""
+    import tensorflow as tf
+    import custagg
+    with tf.compat.v1.variable_scope("orig"):
+        orig = tf.compat.v1.train.AdamOptimizer(1e-4).minimize(
+            tf.reduce_mean(loss), var_list=xs)
+    with tf.compat.v1.variable_scope("dp"):
+        dp = custagg.DPOptimizer(
+            tf.compat.v1.train.AdamOptimizer(1e-4), l2_norm_clip=1.0,
+            noise_multiplier=1.1).minimize(loss, var_list=xs)
+    return {"step_orig": orig, "step_dp": dp}

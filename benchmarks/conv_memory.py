@@ -80,7 +80,7 @@ def profile(name, batch_sizes, top=8, dp_step=True, times=False):
     {(batch, fetch name): peak bytes}."""
     import tensorflow as tf
     import custagg
-    from benchmarks import memory
+    from benchmarks import common, memory
     found = {}
     graph = tf.Graph()
     with graph.as_default():
@@ -91,13 +91,7 @@ def profile(name, batch_sizes, top=8, dp_step=True, times=False):
             "clip": custagg.clipped_gradients(loss, xs, 1.0),
         }
         if dp_step and name in ("mnist_deep", "cnn", "mlp"):
-            with tf.compat.v1.variable_scope("orig"):
-                fetches["step_orig"] = tf.compat.v1.train.AdamOptimizer(
-                    1e-4).minimize(tf.reduce_mean(loss), var_list=xs)
-            with tf.compat.v1.variable_scope("dp"):
-                fetches["step_dp"] = custagg.DPOptimizer(
-                    tf.compat.v1.train.AdamOptimizer(1e-4), l2_norm_clip=1.0,
-                    noise_multiplier=1.1).minimize(loss, var_list=xs)
+            fetches.update(common.adam_step_pair(loss, xs))
         config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                           inter_op_parallelism_threads=1)
         with tf.compat.v1.Session(graph=graph, config=config) as sess:

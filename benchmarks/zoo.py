@@ -45,7 +45,7 @@ def _time(sess, fetch, feed):
 def _bench_model(name, batch_sizes, repeats, threads):
     import tensorflow as tf
     import custagg
-    from benchmarks import memory, zoo_models
+    from benchmarks import common, memory, zoo_models
 
     rows = []
     graph = tf.Graph()
@@ -62,13 +62,7 @@ def _bench_model(name, batch_sizes, repeats, threads):
         }
         steps = {}
         if name == "mnist_deep":
-            with tf.compat.v1.variable_scope("orig"):
-                steps["step_orig"] = tf.compat.v1.train.AdamOptimizer(
-                    1e-4).minimize(tf.reduce_mean(loss), var_list=xs)
-            with tf.compat.v1.variable_scope("dp"):
-                steps["step_dp"] = custagg.DPOptimizer(
-                    tf.compat.v1.train.AdamOptimizer(1e-4), l2_norm_clip=1.0,
-                    noise_multiplier=1.1).minimize(loss, var_list=xs)
+            steps = common.adam_step_pair(loss, xs)
         config = tf.compat.v1.ConfigProto(
             intra_op_parallelism_threads=threads,
             inter_op_parallelism_threads=threads)

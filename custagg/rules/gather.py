@@ -44,6 +44,23 @@ def table_shape(p):
     return shape.as_list()
 
 
+def rows_by_example(values, keys, batch, rows, row_dims):
+    """`[B, rows, *row_dims]`: each of `values` (`[N, *row_dims]`) summed
+    into row `keys[n] = b * rows + r` (example b, table row r).
+
+    `batch`: B (an int64 scalar tensor); `rows`: a Python int or an int64
+    scalar tensor; `row_dims`: static ints.
+    """
+    rows64 = tf.cast(rows, tf.int64)
+    dense = tf.math.unsorted_segment_sum(values, keys, batch * rows64)
+    out = tf.reshape(dense, tf.concat(
+        [tf.stack([batch, rows64]), tf.constant(row_dims, tf.int64)], 0))
+    static = tf.get_static_value(rows64)
+    out.set_shape([None, None if static is None else int(static)] +
+                  list(row_dims))
+    return out
+
+
 class _Rows(object):
     """Example-keyed rows of the per-example table gradients."""
 
@@ -435,9 +452,8 @@ class GatherRule(registry.Rule):
     def per_example(self, ctx):
         ctx = self._lookups(ctx)
         rows = _Rows(ctx)
-        dense = tf.math.unsorted_segment_sum(rows.values, rows.keys,
-                                             rows.batch * rows.vocab)
-        return tf.reshape(dense, [-1, rows.vocab] + rows.row_dims)
+        return rows_by_example(rows.values, rows.keys, rows.batch,
+                               rows.vocab, rows.row_dims)
 
     def squared_norms(self, ctx):
         ctx = self._lookups(ctx)

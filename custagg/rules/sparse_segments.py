@@ -136,11 +136,8 @@ class SparseSegmentRule(registry.Rule):
 
     def per_example(self, ctx):
         e = _Entries(ctx)
-        dense = tf.math.unsorted_segment_sum(e.values, e.keys,
-                                             e.batch * e.rows)
-        return tf.reshape(dense, tf.concat(
-            [tf.stack([e.batch, e.rows]), tf.constant(e.row_dims, tf.int64)],
-            0))
+        return gather_rules.rows_by_example(e.values, e.keys, e.batch,
+                                            e.rows, e.row_dims)
 
     def squared_norms(self, ctx):
         e = _Entries(ctx)

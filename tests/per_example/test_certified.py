@@ -107,6 +107,14 @@ def _feed(x, y, rng, b):
             y: rng.integers(0, CLASSES, size=[b])}
 
 
+def _checks(graph, oks, x, y, batches, seed):
+    """{b: the certificates `oks` run on a random feed of b examples}."""
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        rng = np.random.default_rng(seed)
+        return {b: sess.run(oks, _feed(x, y, rng, b)) for b in batches}
+
+
 def _run(graph, x, y, loss, xs, batches, extra=None, feed_fn=None,
          per_example=True):
     """Runs custagg's per-example gradients (unless not `per_example`),
@@ -168,12 +176,8 @@ def test_innocent_op_hidden_takes_certified_and_is_exact(
     for b, values in results.items():
         _check_exact(values, "hidden Tanh B=%d" % b)
     # The check passes on truly separable rows (so the rules' values ran).
-    with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        rng = np.random.default_rng(0)
-        for b in batches:
-            feed = _feed(x, y, rng, b)
-            assert all(sess.run(certs, feed)), b
+    for b, oks in _checks(graph, certs, x, y, batches, seed=0).items():
+        assert all(oks), b
 
 
 @pytest.mark.parametrize("batches", BATCHES)
@@ -294,15 +298,12 @@ def test_only_the_coupled_group_takes_the_exact_form(
     results = _run(graph, x, y, loss, xs, batches)
     for b, values in results.items():
         _check_exact(values, "two branches B=%d" % b)
-    with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        rng = np.random.default_rng(2)
-        for b in batches:
-            ok_apart, ok_coupled = sess.run(oks, _feed(x, y, rng, b))
-            # wa keeps its rules; only wb (at B > 1, where the roll mixes)
-            # takes the exact form.
-            assert ok_apart, b
-            assert ok_coupled == (b == 1), b
+    for b, (ok_apart, ok_coupled) in _checks(graph, oks, x, y, batches,
+                                             seed=2).items():
+        # wa keeps its rules; only wb (at B > 1, where the roll mixes)
+        # takes the exact form.
+        assert ok_apart, b
+        assert ok_coupled == (b == 1), b
 
 
 def test_a_group_builds_one_exact_form(graph, monkeypatch):
