@@ -107,12 +107,14 @@ def _feed(x, y, rng, b):
             y: rng.integers(0, CLASSES, size=[b])}
 
 
-def _checks(graph, oks, x, y, batches, seed):
-    """{b: the certificates `oks` run on a random feed of b examples}."""
+def _checks(graph, oks, x, y, batches, seed, feed_fn=None):
+    """{b: the certificates `oks` run on a random feed of b examples}
+    (`feed_fn(rng, b)`, default `_model`'s)."""
+    feed_fn = feed_fn or (lambda rng, b: _feed(x, y, rng, b))
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         rng = np.random.default_rng(seed)
-        return {b: sess.run(oks, _feed(x, y, rng, b)) for b in batches}
+        return {b: sess.run(oks, feed_fn(rng, b)) for b in batches}
 
 
 def _run(graph, x, y, loss, xs, batches, extra=None, feed_fn=None,
@@ -571,6 +573,20 @@ def _fold_model(roll=False, time_major=False):
     return x, y, tf.reduce_sum(losses, 1), [w, b]
 
 
+def _wrong_exact_form(monkeypatch):
+    """The exact form (per-example gradients, and the weighted pass of the
+    clipped sum) gives 1e3 everywhere: a step that took it shows."""
+    def fill(self, a, lead):
+        return tf.fill(tf.concat([lead, tf.shape(a.x)], 0),
+                       tf.constant(1e3, tf.float64))
+    monkeypatch.setattr(
+        engine_lib.Engine, "exact", lambda self, group: [
+            fill(self, a, tf.shape(self.loss)[:1]) for a in group])
+    monkeypatch.setattr(
+        engine_lib.Engine, "weighted_pass", lambda self, group, weights: [
+            fill(self, a, tf.zeros([0], tf.int32)) for a in group])
+
+
 def _fold_feed(x, y):
     def feed(rng, b):
         # A shorter T at the first B: a T frozen at the first run shows.
@@ -594,26 +610,16 @@ def test_fold_rows_are_certified_and_the_rules_run(
     fold = rows_lib.fold_of(rows, 0, loss)
     assert fold is not None and fold.source.shape.rank == 3, fold
 
-    def wrong(self, group):
-        return [tf.fill(tf.concat([tf.shape(self.loss)[:1],
-                                   tf.shape(a.x)], 0),
-                        tf.constant(1e3, tf.float64)) for a in group]
-    monkeypatch.setattr(engine_lib.Engine, "exact", wrong)
-    monkeypatch.setattr(
-        engine_lib.Engine, "weighted_pass",
-        lambda self, group, weights: [tf.fill(tf.shape(a.x), tf.constant(
-            1e3, tf.float64)) for a in group])
+    _wrong_exact_form(monkeypatch)
     feed = _fold_feed(x, y)
     for b, values in _run(graph, x, y, loss, xs, batches,
                           feed_fn=feed).items():
         _check_exact(values, "fold B=%d" % b)
     certs = _certificates(graph)
     assert certs, "no certified tf.cond in the graph"
-    with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        rng = np.random.default_rng(2)
-        for b in batches:
-            assert all(sess.run(certs, feed(rng, b))), b
+    for b, oks in _checks(graph, certs, x, y, batches, seed=2,
+                          feed_fn=feed).items():
+        assert all(oks), b
 
 
 @pytest.mark.parametrize("batches", BATCHES)
@@ -632,11 +638,9 @@ def test_coupling_across_fold_rows_is_caught(batches, graph, monkeypatch):
         _check_exact(values, "fold roll B=%d" % b)
     certs = _certificates(graph)
     assert certs
-    with tf.compat.v1.Session(graph=graph) as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        rng = np.random.default_rng(3)
-        for b in batches:
-            assert all(sess.run(certs, feed(rng, b))) == (b == 1), b
+    for b, oks in _checks(graph, certs, x, y, batches, seed=3,
+                          feed_fn=feed).items():
+        assert all(oks) == (b == 1), b
 
 
 def test_time_major_fold_stays_refused(graph):
@@ -663,12 +667,7 @@ def test_fold_rows_group_quantities_are_exact(graph, monkeypatch):
     the elementwise second moments, against the loop reference; the exact
     form replaced by a wrong one (its check passes: the rules' values)."""
     x, y, loss, xs = _fold_model()
-    monkeypatch.setattr(
-        engine_lib.Engine, "exact",
-        lambda self, group: [tf.fill(tf.concat([tf.shape(self.loss)[:1],
-                                                tf.shape(a.x)], 0),
-                                     tf.constant(1e3, tf.float64))
-                             for a in group])
+    _wrong_exact_form(monkeypatch)
     users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
     fetches = {
         "ref": testing.loop_per_example(loss, xs, 6, rows=True),
