@@ -33,6 +33,7 @@ from custagg.per_example.forms import FORMS
 from custagg.per_example.forms import REFUSAL_TYPES
 from custagg.per_example.forms import is_refusal
 from custagg.per_example.forms import loop_rules
+from custagg.per_example.forms import rows as rows_lib
 from custagg.per_example.forms import rules as rules_form
 from custagg.rules import registry as registry_lib
 from custagg.rules import outer as outer_lib
@@ -51,6 +52,7 @@ class SharedPass(object):
         # caches for that branch only, so a tensor a rule caches there is
         # never read from outside it (`Engine._branch`).
         self.branch_caches = None
+        self._folds = {}
 
     def _build(self):
         self._contexts = {}
@@ -64,17 +66,31 @@ class SharedPass(object):
         # at the loops' outputs: the same backward pass.
         targets = loop_rules.cotangent_targets(uses)
         batch = self.plan.batch_size
+        # Rules that read the gradient at other tensors too (nce_loss's
+        # gather: the sampled logits) get it from the same pass.
+        extras = [list(c.rule.extra_targets(registry_lib.RuleContext(
+            c.op, c.index, None, batch))) for c in consumers]
+        flat = [t for ts in extras for t in ts]
         with tf.name_scope("per_example_rules"):
-            grads = gradients(self.plan.loss, outs + targets) \
+            grads = gradients(self.plan.loss, outs + targets + flat) \
                 if outs or targets else []
-        for c, g in zip(consumers, grads):
+        extra_grads = grads[len(outs) + len(targets):]
+        for c, g, ts in zip(consumers, grads, extras):
+            cache = {}
+            if ts:
+                got, extra_grads = extra_grads[:len(ts)], \
+                    extra_grads[len(ts):]
+                cache["extra"] = [tf.zeros_like(t) if e is None
+                                  else sparse.dense(e)
+                                  for t, e in zip(ts, got)]
             ctx = None if g is None else registry_lib.RuleContext(
-                c.op, c.index, sparse.dense(g), batch, {})
+                c.op, c.index, sparse.dense(g), batch, cache)
             self._contexts[(c.op, c.index)] = ctx
         if uses:
             seeds = {t.ref(): g if g is None or t.dtype == tf.variant
                      else sparse.dense(g)
-                     for t, g in zip(targets, grads[len(outs):])}
+                     for t, g in zip(targets,
+                                     grads[len(outs):len(outs) + len(targets)])}
             outers = loop_rules.build(uses, seeds, batch)
             for u in uses:
                 outer, dense = outers[(u.op, u.index)]
@@ -112,8 +128,24 @@ class SharedPass(object):
                 continue
             rule = loop_rules.RULE if isinstance(c, loop_rules.LoopUse) \
                 else c.rule
+            if a.form == "certified" and self.fold(c) is not None:
+                rule = FoldedRows(rule)
             out.append((rule, ctx))
         return out
+
+    def fold(self, c):
+        """The `rows.RowFold` of a rule consumer's rows (a certified rule
+        on `[B*T, ...]` rows of a proved fold), or None."""
+        key = (c.op, c.index)
+        if key not in self._folds:
+            fold = None
+            if isinstance(c, rules_form.Consumer):
+                start, axis = c.rule.coupling_start(registry_lib.RuleContext(
+                    c.op, c.index, None, None))
+                if start is c.op.outputs[0] and isinstance(axis, int):
+                    fold = rows_lib.fold_of(start, axis, self.plan.loss)
+            self._folds[key] = fold
+        return self._folds[key]
 
 
 def x_shape(a):
@@ -631,7 +663,7 @@ class Certificate(object):
             if ctx is None:
                 continue    # no gradient reaches it: nothing to certify
             if out.ref() not in points:
-                axis, start = _rows(c)
+                axis, start = _rows(c, engine.shared.fold(c))
                 points[out.ref()] = [out, ctx.grad, axis, start]
             by_consumer[key].append(out.ref())
         self._ok = {}
@@ -667,12 +699,18 @@ class Certificate(object):
         return tf.reduce_all(tf.stack(oks)) if len(oks) > 1 else oks[0]
 
 
-def _rows(c):
+def _rows(c, fold=None):
     """(axis, start): the axis of the rule op's output z whose index is the
     example's, and the tensor whose batch axis must hold B examples. For a
     fold read past the unfold (`[B*T, ...]` rows of a dense layer on
     `[B, T, D]`), the rows are example-major: z reshaped to `[B, -1]` has
-    one row per example, and `start` (the unfolded `[B, T, K]`) says B."""
+    one row per example, and `start` (the unfolded `[B, T, K]`) says B.
+    The same for a proved fold before the rule (`fold`, a `rows.RowFold`:
+    the rules sum rows by r // T, `FoldedRows`): `start` is the folded
+    `[B, T..., D]`, whose axis 0 must hold B, so that z's `B*T` rows
+    reshaped to `[B, -1]` put row r at example r // T."""
+    if fold is not None:
+        return 0, fold.source
     ctx = registry_lib.RuleContext(c.op, c.index, None, None)
     start, axis = c.rule.coupling_start(ctx)
     if start is not c.op.outputs[0]:
@@ -703,6 +741,79 @@ def _agree(g1, gc, seed, axis, batch):
         tf.concat([scale, tf.zeros([1], scale.dtype)], 0))
     rtol = CERTIFICATE_RTOL.get(g1.dtype.base_dtype, 1e-4)
     return tf.reduce_all(gap <= rtol * (scale + floor))
+
+
+class FoldedRows(registry_lib.Rule):
+    """A rule on `R = B*T` rows of an example-major fold (`rows.RowFold`),
+    read per example: the wrapped rule takes each row for an example, and
+    example b's gradient is the sum of rows bT ... bT + T - 1 (the map
+    r // T the certificate checks), so each per-example quantity is the
+    wrapped rule's quantity of B consecutive groups of rows (the microbatch
+    identities `group_squared_norms`, `Outer.grouped`), and a weighted sum
+    weights row r by c_{r // T}. Only built inside the certified branch,
+    where the certificate has checked that the fold's axis 0 holds B.
+    """
+
+    def __init__(self, rule):
+        self.rule = rule
+        self.reads_other_inputs = rule.reads_other_inputs
+        self.passes_gradient_to = rule.passes_gradient_to
+
+    @staticmethod
+    def _inner(ctx):
+        # The wrapped rule's row-level cache apart from this one's
+        # (both would use the key "per_example").
+        if ctx.cache is None:
+            return ctx
+        return ctx._replace(cache=ctx.cache.setdefault("rows", {}))
+
+    @staticmethod
+    def _batch(ctx):
+        b = tf.get_static_value(ctx.batch_size)
+        return int(b) if b is not None else ctx.batch_size
+
+    def unsupported(self, ctx):
+        return self.rule.unsupported(ctx)
+
+    def output_batch_axis(self, ctx):
+        return 0
+
+    def per_example(self, ctx):
+        return registry_lib.group_sum(
+            self.rule.per_example(self._inner(ctx)), self._batch(ctx))
+
+    def squared_norms(self, ctx):
+        outer = self.outer(ctx)
+        if outer is not None:
+            return outer.squared_norms()
+        return self.rule.group_squared_norms(self._inner(ctx),
+                                             self._batch(ctx))
+
+    def group_squared_norms(self, ctx, num_groups):
+        # M groups of B/M examples are M groups of R/M consecutive rows.
+        return self.rule.group_squared_norms(self._inner(ctx), num_groups)
+
+    def weighted_sum(self, ctx, weights):
+        rows = tf.shape(ctx.grad)[0]
+        per_row = tf.repeat(weights, rows // tf.shape(weights)[0])
+        return self.rule.weighted_sum(self._inner(ctx), per_row)
+
+    def outer(self, ctx):
+        outer = self.rule.outer(self._inner(ctx))
+        if outer is None:
+            return None
+        batch = self._batch(ctx)
+        if isinstance(batch, int):
+            return outer.grouped(batch)
+        d, k = outer.a.shape[2], outer.g.shape[2]
+        grouped = outer_lib.Outer(
+            tf.reshape(outer.a, [batch, -1, tf.compat.dimension_value(d)
+                                 or tf.shape(outer.a)[2]]),
+            tf.reshape(outer.g, [batch, -1, tf.compat.dimension_value(k)
+                                 or tf.shape(outer.g)[2]]),
+            outer.to_param)
+        grouped._choose_at_run_time = True
+        return grouped
 
 
 def _gathered(x_tensor):

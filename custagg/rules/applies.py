@@ -38,11 +38,11 @@ def rule_reason(op, k, registry, batch_size, loss, loss_ancestors):
                 op.type, op.name, why), op)
     if loss is None:
         return None
-    start, axis = rule.coupling_start(ctx)
-    coupled = batch_axis.coupling(start, axis, loss, loss_ancestors)
-    if coupled:
-        return batch_axis.Reason(
-            "batch coupling between op '%s' and the loss: %s; "
-            "per-example rules assume examples do not interact"
-            % (op.name, coupled), getattr(coupled, "op", None))
+    for start, axis in rule.coupling_starts(ctx):
+        coupled = batch_axis.coupling(start, axis, loss, loss_ancestors)
+        if coupled:
+            return batch_axis.Reason(
+                "batch coupling between op '%s' and the loss: %s; "
+                "per-example rules assume examples do not interact"
+                % (op.name, coupled), getattr(coupled, "op", None))
     return None

@@ -15,7 +15,10 @@ stay `IndexedSlices` like TF's own embedding gradients. Only `per_example` (aske
 builds the dense `[B, V, *D]`.
 """
 
+import collections
+
 import tensorflow as tf
+from custagg import _tf_compat
 from custagg.rules import registry
 from custagg._tf_compat import resource_variable_ops
 from custagg._tf_compat import tensor_util
@@ -216,9 +219,219 @@ def _sorted_squared_norms(ids, rows):
         tf.reduce_sum(tf.square(merged), axis=1), example, batch)
 
 
+class NceSplit(collections.namedtuple("NceSplit", [
+        "true_ids", "sampled_ids", "true_rows", "use", "use_index",
+        "use_rule"])):
+    """A gather at `concat([true_ids, sampled_ids])` (what nce_loss and
+    sampled_softmax_loss gather, weights and biases alike), whose output is
+    split by two `Slice`s into the first `n = len(true_ids)` rows
+    (`true_rows`) and the rest, the sampled rows; those feed one op `use`
+    (at input `use_index`) that has a rule of its own with them as its
+    parameter: the sampled logits `inputs @ sampled_w^T` (`[B, S]`, a
+    MatMul) or their bias `+ sampled_b` (an AddV2).
+
+    Why the split is exact: a sampled row s is shared by every example,
+    and its summed gradient `sum_b dlogits[b, s] x_b` mixes them; but row b
+    of the sampled logits is example b's alone (the static proof from the
+    `use` op's output says so), so example b's gradient w.r.t. the sampled
+    rows is the `use` rule's per-example gradient for b (`dlogits[b, s] x_b`
+    for the weights, `dlogits[b, s]` for the biases), read from the
+    gradient at `use`'s output (`Rule.extra_targets`, the same backward
+    pass). The true rows are per example as any gather's (row r of example
+    r // num_true, proved from `true_rows`). Example b's table gradient is
+    then a lookup of `num_true + S` rows: its true ids and every sampled id,
+    so the gather rule's norms and sums apply unchanged (an id both true and
+    sampled, an accidental hit, adds up like a repeated id)."""
+
+
+def nce_split(op):
+    """The `NceSplit` of a gather op, or None."""
+    if op.type not in ("ResourceGather", "GatherV2"):
+        return None
+    ids = op.inputs[1]
+    if ids.op.type != "ConcatV2" or ids.op.get_attr("N") != 2:
+        return None
+    axis = tensor_util.constant_value(ids.op.inputs[2])
+    true_ids, sampled = ids.op.inputs[0], ids.op.inputs[1]
+    if axis is None or int(axis) != 0 or true_ids.shape.rank != 1 or \
+            sampled.shape.rank != 1:
+        return None
+    out = op.outputs[0]
+    while True:
+        consumers = _tf_compat.forward_consumers(out)
+        if len(consumers) == 1 and consumers[0].type == "Identity":
+            out = consumers[0].outputs[0]
+            continue
+        break
+    if len(consumers) != 2 or any(c.type != "Slice" or c.inputs[0] is not out
+                                  for c in consumers):
+        return None
+    rank = out.shape.rank
+    if rank is None:
+        return None
+    true_rows = sampled_rows = None
+    for c in consumers:
+        begin, size = c.inputs[1], c.inputs[2]
+        if _entries_are(begin, rank, 0, lambda e: _is_value(e, 0)) and \
+                _entries_are(size, rank, -1,
+                             lambda e: _counts_rows(e, true_ids)):
+            true_rows = c.outputs[0]
+        elif _entries_are(begin, rank, 0,
+                          lambda e: _counts_rows(e, true_ids)) and \
+                _entries_are(size, rank, -1, lambda e: _is_value(e, -1)):
+            sampled_rows = c.outputs[0]
+    if true_rows is None or sampled_rows is None:
+        return None
+    uses = [(c, k) for c in _tf_compat.forward_consumers(sampled_rows)
+            for k, t in enumerate(c.inputs) if t is sampled_rows]
+    if len(uses) != 1:
+        return None
+    use, k = uses[0]
+    table = table_shape(op.inputs[0])
+    count = tf.compat.dimension_value(sampled.shape[0])
+    if table is None or count is None:
+        return None
+    # The sampled rows' static shape is `[S, *D]` (S sampled ids of the
+    # table's rows), which TF's Slice does not infer: the use's rule reads
+    # it through a stand-in parameter (rules read only a parameter's shape
+    # and dtype, never its value).
+    use = _UseOp(use, k, _StaticParam(
+        tf.TensorShape([count] + table[1:]), sampled_rows.dtype,
+        sampled_rows.name))
+    rule = registry.default_registry().lookup(use.type)
+    if rule is None or rule.unsupported(
+            registry.RuleContext(use, k, None, None)) is not None:
+        return None
+    return NceSplit(true_ids, sampled, true_rows, use, k, rule)
+
+
+class _StaticParam(collections.namedtuple("_StaticParam",
+                                          ["shape", "dtype", "name"])):
+    """A parameter's static shape and dtype (`nce_split`)."""
+
+
+class _UseOp(object):
+    """An op with input `index` replaced by `param` (`nce_split`); every
+    other attribute is the op's."""
+
+    def __init__(self, op, index, param):
+        self._op = op
+        self.inputs = list(op.inputs)
+        self.inputs[index] = param
+
+    def __getattr__(self, name):
+        return getattr(self._op, name)
+
+
+def _entries(vec, rank):
+    """The entries of a `[rank]` int vector: ints where constant, the
+    tensors `Pack` stacked, or ("shape", t) for `tf.shape(t)` of a rank-1
+    t; None where unknown."""
+    value = tensor_util.constant_value(vec)
+    if value is not None:
+        return [int(v) for v in value]
+    if vec.op.type == "Pack" and len(vec.op.inputs) == rank:
+        return [int(v) if v is not None else t for t, v in zip(
+            vec.op.inputs, (tensor_util.constant_value(t)
+                            for t in vec.op.inputs))]
+    if vec.op.type == "Shape" and rank == 1:
+        return [("shape", vec.op.inputs[0])]
+    return None
+
+
+def _entries_are(vec, rank, rest, first):
+    """Whether entry 0 of `vec` passes `first` and the others equal
+    `rest`."""
+    entries = _entries(vec, rank)
+    if entries is None or len(entries) != rank:
+        return False
+    return first(entries[0]) and all(isinstance(e, int) and e == rest
+                                     for e in entries[1:])
+
+
+def _is_value(e, v):
+    return isinstance(e, int) and e == v
+
+
+def _counts_rows(e, ids):
+    """Whether entry `e` is the length of rank-1 `ids`: `tf.shape(ids)`,
+    `tf.shape(ids)[0]`, or the static length."""
+    if isinstance(e, int):
+        n = tf.compat.dimension_value(ids.shape[0])
+        return n is not None and n == e
+    if isinstance(e, tuple):
+        return e[1] is ids
+    if e.op.type == "StridedSlice" and e.op.inputs[0].op.type == "Shape" \
+            and e.op.inputs[0].op.inputs[0] is ids and \
+            e.op.get_attr("shrink_axis_mask") == 1:
+        begin, end, strides = (tensor_util.constant_value(t)
+                               for t in e.op.inputs[1:])
+        return begin is not None and end is not None and \
+            strides is not None and list(begin) == [0] and \
+            list(end) == [1] and list(strides) == [1]
+    return False
+
+
+class _Op(collections.namedtuple("_Op", ["inputs", "type", "name"])):
+    """What the gather rule reads of an op (its table and ids), for the
+    lookup an `NceSplit` makes per example."""
+
+
 @registry.register_rule("ResourceGather", "GatherV2")
 class GatherRule(registry.Rule):
-    """Per-example gradient of a gathered table: `[B, V, *D]` (dense only here)."""
+    """Per-example gradient of a gathered table: `[B, V, *D]` (dense only
+    here). A gather split as nce_loss's (`NceSplit`) reads each example's
+    true rows and its own gradient w.r.t. the shared sampled rows."""
+
+    def coupling_start(self, ctx):
+        split = nce_split(ctx.op)
+        if split is not None:
+            return split.true_rows, 0
+        return super(GatherRule, self).coupling_start(ctx)
+
+    def coupling_starts(self, ctx):
+        split = nce_split(ctx.op)
+        if split is None:
+            return super(GatherRule, self).coupling_starts(ctx)
+        use_ctx = registry.RuleContext(split.use, split.use_index, None,
+                                       ctx.batch_size)
+        return [(split.true_rows, 0),
+                split.use_rule.coupling_start(use_ctx)]
+
+    def extra_targets(self, ctx):
+        split = nce_split(ctx.op)
+        return () if split is None else (split.use.outputs[0],)
+
+    def _lookups(self, ctx):
+        """`ctx` itself, or for an `NceSplit` the per-example lookup of
+        `num_true + S` rows: ids `[B, num_true + S]` and their gradient
+        `[B, num_true + S, *D]` (see `NceSplit`)."""
+        if isinstance(ctx.op, _Op):
+            return ctx
+        split = nce_split(ctx.op)
+        if split is None:
+            return ctx
+        if "nce" in (ctx.cache or {}):
+            return ctx.cache["nce"]
+        use_ctx = registry.RuleContext(split.use, split.use_index,
+                                       ctx.cache["extra"][0], ctx.batch_size)
+        sampled = split.use_rule.per_example(use_ctx)       # [B, S, *D]
+        batch = tf.shape(sampled)[0]
+        n = tf.shape(split.true_ids)[0]
+        row_dims = _table_shape(ctx)[1:]
+        true_grad = tf.reshape(ctx.grad[:n], tf.concat(
+            [[batch, -1], tf.shape(ctx.grad)[1:]], 0))       # [B, nt, *D]
+        ids = tf.concat([
+            tf.reshape(tf.cast(split.true_ids, tf.int64), [batch, -1]),
+            tf.tile(tf.cast(split.sampled_ids, tf.int64)[None], [batch, 1])],
+            1)
+        grad = tf.concat([true_grad, tf.cast(sampled, true_grad.dtype)], 1)
+        grad.set_shape([None, None] + row_dims)
+        out = ctx._replace(op=_Op([ctx.param, ids], ctx.op.type,
+                                  ctx.op.name), input_index=0, grad=grad)
+        if ctx.cache is not None:
+            ctx.cache["nce"] = out
+        return out
 
     def unsupported(self, ctx):
         op = ctx.op
@@ -237,11 +450,13 @@ class GatherRule(registry.Rule):
         return None
 
     def per_example(self, ctx):
+        ctx = self._lookups(ctx)
         rows = _Rows(ctx)
         return rows_by_example(rows.values, rows.keys, rows.batch,
                                rows.vocab, rows.row_dims)
 
     def squared_norms(self, ctx):
+        ctx = self._lookups(ctx)
         ids = ctx.op.inputs[1]
         pooled = _broadcast_row(ctx.grad) if ids.shape.rank == 2 else None
         if pooled is None:
@@ -277,6 +492,7 @@ class GatherRule(registry.Rule):
         return _sorted_squared_norms(ids, values)
 
     def group_squared_norms(self, ctx, num_groups):
+        ctx = self._lookups(ctx)
         # A microbatch's lookups side by side ([M, (B/M) T]): repeats of an
         # id across its examples merge like repeats within one example.
         _, values = _Rows(ctx).per_example_rows()
@@ -285,6 +501,7 @@ class GatherRule(registry.Rule):
             tf.reshape(values, [num_groups, -1, values.shape[-1]]))
 
     def segment_squared_norms(self, ctx, segments):
+        ctx = self._lookups(ctx)
         # Rows keyed by (user, id): repeats of an id across one user's
         # examples merge like repeats within one example; never dense.
         rows = _Rows(ctx)
@@ -298,6 +515,7 @@ class GatherRule(registry.Rule):
             tf.cast(segments.count, tf.int64))
 
     def weighted_sum(self, ctx, weights):
+        ctx = self._lookups(ctx)
         rows = _Rows(ctx)
         pooled = _broadcast_row(ctx.grad)
         if pooled is not None and pooled[2].type == "BroadcastTo":
@@ -319,6 +537,7 @@ class GatherRule(registry.Rule):
             rows.ids, tf.constant([rows.vocab] + rows.row_dims, tf.int64))
 
     def squared_sum(self, ctx):
+        ctx = self._lookups(ctx)
         rows = _Rows(ctx)
         unique, merged = rows.merged()
         table = tf.math.unsorted_segment_sum(tf.square(merged),

@@ -25,6 +25,8 @@ A `Rule` computes, from the op's inputs and `dz` alone (one backward pass),
     outer(ctx)              -> outer.Outer/None  g_i as sum_t a_it (x) g_it (cross terms)
     output_batch_axis(ctx)  -> int                axis of op.outputs[0] that is the batch
     coupling_start(ctx)     -> (tensor, axis)     where the batch-coupling check starts
+    coupling_starts(ctx)    -> [(tensor, axis)]   all of them (default: the one)
+    extra_targets(ctx)      -> [tensor]           more gradients from the shared pass
     unsupported(ctx)        -> None or a reason   (attributes the rule does not handle)
 
 Only `per_example` is required; the defaults of the others reduce it, and a
@@ -109,6 +111,21 @@ class Rule(object):
         past a reshape folding the batch into rows starts after the unfold.
         """
         return ctx.op.outputs[0], self.output_batch_axis(ctx)
+
+    def coupling_starts(self, ctx):
+        """Every (tensor, batch axis) from which examples must stay apart to
+        the loss: `[coupling_start(ctx)]`, or more for a rule whose
+        per-example gradient reads rows of several tensors (nce_loss's
+        gather: its true rows and the sampled logits, `gather.NceSplit`).
+        Only rules with one start can be certified at run time."""
+        return [self.coupling_start(ctx)]
+
+    def extra_targets(self, ctx):
+        """Tensors besides `op.outputs[0]` at which the rule reads the
+        summed loss's gradient, computed in the same shared backward pass
+        (`ctx.cache["extra"]`, a list aligned with these). Default: none."""
+        del ctx
+        return ()
 
     def per_example(self, ctx):
         raise NotImplementedError

@@ -22,11 +22,19 @@ after the test):
   rules while the coupled one takes the exact form; xs stopped at the same
   op share one exact form;
 * rule rows that cannot be examples (a concat with a fixed-size block as
-  nce_loss gathers, sampled ids, Unique's ids, an unread fold) are refused
-  at plan time (`forms/rows.py`), with the reason in the plan;
+  nce_loss gathers, when the gather rule does not read the split; sampled
+  ids, Unique's ids, an unread fold) are refused at plan time
+  (`forms/rows.py`), with the reason in the plan; the block sliced as
+  nce_loss slices it is on rules (`gather.NceSplit`);
 * loop rules proved apart inside a dynamic_rnn but not after it (a hidden
   Softplus) are certified at the loop's stacked outputs: a roll after the
-  loop fails the check at B > 1 and the exact form runs.
+  loop fails the check at B > 1 and the exact form runs;
+* a projection on `tf.reshape(rnn_out, [-1, H])` (rules on `[B*T]` rows of
+  a fold whose example-major order is proved) is certified, its check
+  passes and the rules' values are returned (the exact form replaced by a
+  wrong one shows it never ran); a roll of those rows by one row fails
+  the check at B > 1 and the exact form runs; a time-major fold stays
+  refused.
 """
 
 import numpy as np
@@ -99,12 +107,14 @@ def _feed(x, y, rng, b):
             y: rng.integers(0, CLASSES, size=[b])}
 
 
-def _checks(graph, oks, x, y, batches, seed):
-    """{b: the certificates `oks` run on a random feed of b examples}."""
+def _checks(graph, oks, x, y, batches, seed, feed_fn=None):
+    """{b: the certificates `oks` run on a random feed of b examples}
+    (`feed_fn(rng, b)`, default `_model`'s)."""
+    feed_fn = feed_fn or (lambda rng, b: _feed(x, y, rng, b))
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         rng = np.random.default_rng(seed)
-        return {b: sess.run(oks, _feed(x, y, rng, b)) for b in batches}
+        return {b: sess.run(oks, feed_fn(rng, b)) for b in batches}
 
 
 def _run(graph, x, y, loss, xs, batches, extra=None, feed_fn=None,
@@ -361,11 +371,14 @@ def test_coupled_embedding_is_exact_either_way(graph):
 VOCAB, BLOCK = 9, (0, 3, 5)
 
 
-def _fixed_block_model():
+def _fixed_block_model(split=False):
     """A table gathered by `concat([labels, (0, 3, 5)])`, as nce_loss
     gathers its true and sampled rows: the first B rows are the examples'
     own (a dot with x), the last 3 a block every example meets (logits
-    against x). Float64, dynamic batch."""
+    against x). Float64, dynamic batch. With `split`, the rows are sliced
+    at `tf.shape(labels)[0]` as nce_loss slices them (the gather rule reads
+    the split, `gather.NceSplit`); else at `tf.size(labels)`, which it does
+    not read."""
     x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
     y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
     init = tf.compat.v1.random_normal_initializer(seed=7, dtype=tf.float64)
@@ -374,7 +387,7 @@ def _fixed_block_model():
     w = tf.compat.v1.get_variable("w", [D_IN, 1], tf.float64, init)
     ids = tf.concat([y, tf.constant(BLOCK, tf.int32)], 0)
     rows = tf.nn.embedding_lookup(table, ids)           # [B + 3, D]
-    batch = tf.shape(y)[0]
+    batch = tf.shape(y)[0] if split else tf.size(y)
     own = tf.slice(rows, [0, 0], tf.stack([batch, -1]))
     block = tf.slice(rows, tf.stack([batch, 0]), [-1, -1])
     logits = tf.matmul(x, block, transpose_b=True)      # [B, 3]
@@ -401,6 +414,23 @@ def test_fixed_block_rows_are_refused_at_plan_time(batches, graph):
     for b, values in _run(graph, x, y, loss, xs, batches,
                           feed_fn=feed).items():
         _check_exact(values, "fixed block B=%d" % b)
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_fixed_block_split_as_nce_is_on_rules(batches, graph):
+    """The same rows sliced as nce_loss slices them: the gather rule splits
+    the examples' rows from the shared block (each example's gradient on
+    the block its own row of the logits' gradient), exact on rules."""
+    x, y, loss, xs = _fixed_block_model(split=True)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["rules", "rules"], str(plan)
+
+    def feed(rng, b):
+        return {x: rng.normal(size=[b, D_IN]),
+                y: rng.integers(0, VOCAB, size=[b])}
+    for b, values in _run(graph, x, y, loss, xs, batches,
+                          feed_fn=feed).items():
+        _check_exact(values, "split block B=%d" % b)
 
 
 def _rows_of(t):
@@ -500,3 +530,169 @@ def test_loop_rules_are_certified_after_the_loop(
         for b in batches:
             got = sess.run(oks, feed(rng, b))
             assert all(got) == (not roll or b == 1), (b, got)
+
+
+# --------------------------------------------------------------------------
+# Rules on the rows of a fold: a projection on `tf.reshape(rnn_out, [-1, H])`.
+
+FOLD_STEPS = 4
+
+
+def _fold_model(roll=False, time_major=False):
+    """A tagger's head: dynamic_rnn (a tanh cell) on `[B, T, D]` (dynamic B
+    and T), its outputs reshaped to `[B*T, H]` rows, a projection
+    `rows @ W + b`, reshaped back to `[B, T, C]` by `tf.shape(h)[1]` (the
+    static proof stops there), a per-token softmax cross-entropy summed per
+    sequence. With `roll`, the `[B*T, C]` rows are rolled by one row
+    before the reshape back: the last token of example b feeds example
+    b+1's first (a coupling across the examples' rows of one fold; at B=1
+    it stays inside the one example). With `time_major`, the outputs are
+    transposed to `[T, B, H]` before the fold: row r is example r mod B,
+    an order the fold's proof does not read. Float64; xs are W and b."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, None, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None, None], name="y")
+    cell = tf.compat.v1.nn.rnn_cell.BasicRNNCell(HIDDEN, dtype=tf.float64)
+    h, _ = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float64)
+    init = tf.compat.v1.random_normal_initializer(seed=5, dtype=tf.float64)
+    w = tf.compat.v1.get_variable("proj_w", [HIDDEN, CLASSES], tf.float64,
+                                  init)
+    b = tf.compat.v1.get_variable("proj_b", [CLASSES], tf.float64, init)
+    steps = tf.shape(h)[1]
+    if time_major:
+        h = tf.transpose(h, [1, 0, 2])
+    pred = tf.matmul(tf.reshape(h, [-1, HIDDEN]), w) + b
+    if roll:
+        pred = tf.roll(pred, shift=1, axis=0)
+    if time_major:
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.transpose(y),
+            logits=tf.reshape(pred, [steps, -1, CLASSES]))      # [T, B]
+        return x, y, tf.reduce_sum(losses, 0), [w, b]
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.reshape(pred, [-1, steps, CLASSES]))
+    return x, y, tf.reduce_sum(losses, 1), [w, b]
+
+
+def _wrong_exact_form(monkeypatch):
+    """The exact form (per-example gradients, and the weighted pass of the
+    clipped sum) gives 1e3 everywhere: a step that took it shows."""
+    def fill(self, a, lead):
+        return tf.fill(tf.concat([lead, tf.shape(a.x)], 0),
+                       tf.constant(1e3, tf.float64))
+    monkeypatch.setattr(
+        engine_lib.Engine, "exact", lambda self, group: [
+            fill(self, a, tf.shape(self.loss)[:1]) for a in group])
+    monkeypatch.setattr(
+        engine_lib.Engine, "weighted_pass", lambda self, group, weights: [
+            fill(self, a, tf.zeros([0], tf.int32)) for a in group])
+
+
+def _fold_feed(x, y):
+    def feed(rng, b):
+        # A shorter T at the first B: a T frozen at the first run shows.
+        t = FOLD_STEPS - 1 if b == 1 else FOLD_STEPS
+        return {x: rng.normal(size=[b, t, D_IN]),
+                y: rng.integers(0, CLASSES, size=[b, t])}
+    return feed
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_fold_rows_are_certified_and_the_rules_run(
+        batches, graph, monkeypatch):
+    """W and b on `[B*T]` rows: certified (the fold's order is proved), the
+    check passes at every B, and the values are the rules': the exact form
+    is replaced by a wrong one here, so a step that took it would show."""
+    x, y, loss, xs = _fold_model()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["certified", "certified"], str(plan)
+    rows = [op for op in graph.get_operations() if op.type == "MatMul"
+            and op.inputs[1].op.inputs[0] is xs[0].handle][0].outputs[0]
+    fold = rows_lib.fold_of(rows, 0, loss)
+    assert fold is not None and fold.source.shape.rank == 3, fold
+
+    _wrong_exact_form(monkeypatch)
+    feed = _fold_feed(x, y)
+    for b, values in _run(graph, x, y, loss, xs, batches,
+                          feed_fn=feed).items():
+        _check_exact(values, "fold B=%d" % b)
+    certs = _certificates(graph)
+    assert certs, "no certified tf.cond in the graph"
+    for b, oks in _checks(graph, certs, x, y, batches, seed=2,
+                          feed_fn=feed).items():
+        assert all(oks), b
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_coupling_across_fold_rows_is_caught(batches, graph, monkeypatch):
+    """A roll of the `[B*T]` rows by one row (told to keep rows apart, so
+    only the certificate stands between it and a wrong value): the check
+    fails at B > 1 (passes at B=1, where the roll stays inside the one
+    example) and every value is exact."""
+    _tell_apart(monkeypatch, "Roll")
+    x, y, loss, xs = _fold_model(roll=True)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["certified", "certified"], str(plan)
+    feed = _fold_feed(x, y)
+    for b, values in _run(graph, x, y, loss, xs, batches,
+                          feed_fn=feed).items():
+        _check_exact(values, "fold roll B=%d" % b)
+    certs = _certificates(graph)
+    assert certs
+    for b, oks in _checks(graph, certs, x, y, batches, seed=3,
+                          feed_fn=feed).items():
+        assert all(oks) == (b == 1), b
+
+
+def test_time_major_fold_stays_refused(graph):
+    """Rows of `[T, B, H]` reshaped to `[T*B, H]` (example r mod B): the
+    fold's proof reads example-major folds only, so the rows are refused
+    (`rows.non_example_rows`), the plan is not certified, and the values
+    are exact (another form)."""
+    x, y, loss, xs = _fold_model(time_major=True)
+    rows = [op for op in graph.get_operations() if op.type == "MatMul"
+            and op.inputs[1].op.inputs[0] is xs[0].handle][0].outputs[0]
+    assert rows_lib.fold_of(rows, 0, loss) is None
+    why = rows_lib.non_example_rows(rows, 0, loss)
+    assert why is not None and "fold the batch" in why, why
+    plan = custagg.plan_per_example(loss, xs)
+    assert "certified" not in plan.forms(), str(plan)
+    for b, values in _run(graph, x, y, loss, xs, DEFAULT_BATCHES,
+                          feed_fn=_fold_feed(x, y)).items():
+        _check_exact(values, "time-major fold B=%d" % b)
+
+
+def test_fold_rows_group_quantities_are_exact(graph, monkeypatch):
+    """The other quantities of rules on fold rows (`engine.FoldedRows`):
+    microbatch norms (M=3 at B=6), norms of users' sums (fed group ids) and
+    the elementwise second moments, against the loop reference; the exact
+    form replaced by a wrong one (its check passes: the rules' values)."""
+    x, y, loss, xs = _fold_model()
+    _wrong_exact_form(monkeypatch)
+    users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
+    fetches = {
+        "ref": testing.loop_per_example(loss, xs, 6, rows=True),
+        "micro": custagg.per_example_norms(loss, xs, num_microbatches=3),
+        "users": custagg.per_example_norms(loss, xs, group_ids=users),
+        "moments": custagg.gradient_second_moments(loss, xs),
+    }
+    rng = np.random.default_rng(4)
+    feed = _fold_feed(x, y)(rng, 6)
+    feed[users] = np.array([2, 0, 2, 1, 0, 2])
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = sess.run(fetches, feed)
+    ref = [np.stack(col) for col in zip(*values["ref"])]
+
+    def sq_norms(sums):
+        return sum(np.sum(np.reshape(s, [len(s), -1]) ** 2, 1) for s in sums)
+    micro = [g.reshape((3, 2) + g.shape[1:]).sum(1) for g in ref]
+    testing.assert_close(values["micro"], sq_norms(micro) ** .5, RTOL,
+                         "microbatch norms")
+    # Users in their order of first appearance (`custagg.group_segments`).
+    by_user = [np.stack([g[feed[users] == u].sum(0) for u in (2, 0, 1)])
+               for g in ref]
+    testing.assert_close(values["users"], sq_norms(by_user) ** .5, RTOL,
+                         "user norms")
+    for j, g in enumerate(ref):
+        testing.assert_close(values["moments"][j], np.sum(g ** 2, 0), RTOL,
+                             "second moments[%d]" % j)

@@ -12,7 +12,18 @@ rows that no run-time check can map to examples, at any step:
   block shared by the batch), or made by `Unique` (the distinct ids of a sparse lookup: one row per id, not per
   example);
 * rows that fold the batch with another axis the rule did not unfold
-  (`[B*T, D]` read as `[B, D]`): R = B * T.
+  (`[B*T, D]` read as `[B, D]`), when the order of the fold is not proved:
+  R = B * T.
+
+A fold whose order is proved is read instead (`fold_of`): the rows of a
+reshape `[B, T..., D] -> [-1, D]` of a tensor x whose axis 0 holds the
+batch (the batch-axis inference from the loss says so: x on axis 0, or the
+reshape's output as `Folded(T, 0)`), followed to the rule through ops that
+keep rows one to one (a projection `tf.reshape(rnn_out, [-1, H]) @ W + b`),
+are example-major: row r is example r // T (row-major order). The
+certificate checks `gc_r = c_{r // T} g1_r` there and the rules sum rows
+by that map (`engine.FoldedRows`). A time-major fold (`[T, B, H]`, row r of
+example r mod B) is not proved that way and stays refused.
 
 Their run-time check fails on every step, so certifying them would pay the
 seeded pass and the exact form every step. `non_example_rows` finds them by
@@ -24,6 +35,8 @@ refuses on what it can read from the graph; anything else stays certified
 """
 
 from __future__ import annotations
+
+import collections
 
 import tensorflow as tf
 
@@ -51,22 +64,41 @@ LearnedUnigramCandidateSampler AllCandidateSampler
 _MAX_DEPTH = 32
 
 
+class RowFold(collections.namedtuple("RowFold", ["source", "op"])):
+    """Rows that fold the batch example-major: `source` `[B, T..., D]`
+    (axis 0 the batch) reshaped by `op` into rows; row r is example
+    r // T, T = rows / B."""
+
+
 def non_example_rows(start, axis, loss):
     """A `batch_axis.Reason` when the rows of `start` along `axis` cannot
-    be the batch's examples (see the module), else None.
+    be the batch's examples (see the module), else None (also for a fold
+    whose order is proved: `fold_of`).
 
     Args:
       start: the rule's start tensor (`Rule.coupling_start`).
       axis: its row axis (an int).
       loss: the `[B]` per-example loss.
     """
+    found = _walk(start, axis, start, 0, loss=loss)
+    if isinstance(found, RowFold):
+        return None
     rows = _static_dim(start, axis)
     batch = _static_dim(loss, 0)
     if rows is not None and batch is not None and rows != batch:
         return batch_axis.Reason(
             "the %d rows of '%s' (axis %d) are not the batch's %d examples"
             % (rows, start.name, axis, batch), start.op)
-    return _walk(start, axis, start, 0)
+    return found
+
+
+def fold_of(start, axis, loss):
+    """The `RowFold` whose rows are `start`'s along `axis` (axis 0 only),
+    when the fold's order is proved (see the module), else None."""
+    if axis != 0:
+        return None
+    found = _walk(start, axis, start, 0, loss=loss)
+    return found if isinstance(found, RowFold) else None
 
 
 def _static_dim(t, axis):
@@ -75,7 +107,7 @@ def _static_dim(t, axis):
     return tf.compat.dimension_value(t.shape[axis])
 
 
-def _walk(t, axis, start, depth, cols=None):
+def _walk(t, axis, start, depth, cols=None, loss=None):
     """`cols`: what is known of t's axes after the rows (a MatMul's
     contraction size, which a reshape's static shape may not say)."""
     if depth > _MAX_DEPTH:
@@ -93,9 +125,9 @@ def _walk(t, axis, start, depth, cols=None):
             "%s are the distinct ids made by op '%s' (type Unique): one "
             "row per id, not per example" % (where, op.name), op)
     if op.type == "ConcatV2" and axis == 0:
-        return _concat(op, where, start, depth)
+        return _concat(op, where, start, depth, loss)
     if op.type in _SAME_ROWS and op.inputs:
-        return _walk(op.inputs[0], axis, start, depth + 1)
+        return _walk(op.inputs[0], axis, start, depth + 1, loss=loss)
     if op.type in ("GatherV2", "ResourceGather", "Gather") and axis == 0:
         ids = op.inputs[1]
         gather_axis = 0 if op.type != "GatherV2" else \
@@ -103,7 +135,7 @@ def _walk(t, axis, start, depth, cols=None):
         if gather_axis is not None and int(gather_axis) == 0 and \
                 ids.shape.rank is not None and ids.shape.rank >= 1:
             # Output rows (axis 0) are the ids' rows.
-            return _walk(ids, 0, start, depth + 1)
+            return _walk(ids, 0, start, depth + 1, loss=loss)
         return None
     if op.type == "MatMul" and axis == 0 and t.value_index == 0:
         if op.get_attr("transpose_a"):
@@ -113,16 +145,16 @@ def _walk(t, axis, start, depth, cols=None):
         inner = _static_dim(w, 1 if op.get_attr("transpose_b") else 0)
         return _walk(op.inputs[0], 0, start, depth + 1,
                      None if inner is None else
-                     [symbolic_shapes.Dim.of(inner)])
+                     [symbolic_shapes.Dim.of(inner)], loss=loss)
     if op.type == "Reshape" and axis == 0:
-        return _reshape(op, where, start, depth, cols)
+        return _reshape(op, where, start, depth, cols, loss)
     if op.type == "Transpose" and t.value_index == 0:
         perm = tensor_util.constant_value(op.inputs[1])
         if perm is not None and int(perm[axis]) == axis:
-            return _walk(op.inputs[0], axis, start, depth + 1)
+            return _walk(op.inputs[0], axis, start, depth + 1, loss=loss)
         return None
     if op.type == "BiasAdd" and axis == 0:
-        return _walk(op.inputs[0], 0, start, depth + 1)
+        return _walk(op.inputs[0], 0, start, depth + 1, loss=loss)
     if op.type in _BROADCASTING and axis == 0:
         # The rows come from the one input of the output's rank whose
         # axis 0 is not a broadcast 1 (a bias or a scale has no rows).
@@ -130,11 +162,11 @@ def _walk(t, axis, start, depth, cols=None):
         full = [x for x in op.inputs if x.shape.rank == rank and
                 _static_dim(x, 0) != 1]
         if rank and len(full) == 1:
-            return _walk(full[0], 0, start, depth + 1)
+            return _walk(full[0], 0, start, depth + 1, loss=loss)
     return None
 
 
-def _concat(op, where, start, depth):
+def _concat(op, where, start, depth, loss=None):
     """Rows concatenated along axis 0: a block of fixed size is no
     example's; a sampled block neither."""
     n = op.get_attr("N")
@@ -142,7 +174,12 @@ def _concat(op, where, start, depth):
     if concat_axis is None or int(concat_axis) != 0 or n < 2:
         return None
     for inp in op.inputs[:n]:
-        inner = _walk(inp, 0, start, depth + 1)
+        inner = _walk(inp, 0, start, depth + 1, loss=loss)
+        if isinstance(inner, RowFold):
+            # A fold next to other rows: row r is no longer r // T.
+            return batch_axis.Reason(
+                "%s are concatenated by op '%s' with rows of a fold ('%s')"
+                % (where, op.name, inner.op.name), op)
         if inner is not None:
             return inner
     for inp in op.inputs[:n]:
@@ -156,7 +193,7 @@ def _concat(op, where, start, depth):
     return None
 
 
-def _reshape(op, where, start, depth, cols=None):
+def _reshape(op, where, start, depth, cols=None, loss=None):
     """A reshape whose output axis 0 takes input axes 0..k (the output's
     other axes hold exactly the input's axes after k, as symbolic shapes
     read them): the rows are the input's when the axes 1..k are all 1, a
@@ -178,9 +215,31 @@ def _reshape(op, where, start, depth, cols=None):
             continue
         merged = symbolic_shapes.product(xs[1:k + 1])
         if merged == symbolic_shapes.ONE:
-            return _walk(x, 0, start, depth + 1)
+            return _walk(x, 0, start, depth + 1, loss=loss)
+        if _example_major(op, loss):
+            return RowFold(x, op)
         return batch_axis.Reason(
             "%s fold the batch with axes %s of '%s' (shape %s; op '%s' "
             "reshapes it to rows): the rule reads each row as an example" % (
                 where, list(range(1, k + 1)), x.name, x.shape, op.name), op)
     return None
+
+
+def _example_major(op, loss):
+    """Whether reshape `op` folds its input's batch axis 0 with the next
+    axes into rows, example-major: the table reads the reshape of a batch
+    on axis 0 as `Folded(T, 0)`, and the batch-axis inference from the loss
+    found the batch on the input's axis 0 or the output as that fold."""
+    if loss is None or loss.shape.rank is None or loss.shape.rank < 1:
+        return False
+    desc = batch_axis.forward(op, 0, 0)
+    if not (isinstance(desc, batch_axis.Folded) and desc.axis == 0):
+        return False
+    lead, batch = _static_dim(op.inputs[0], 0), _static_dim(loss, 0)
+    if lead is not None and batch is not None and lead != batch:
+        return False        # axis 0 is not the batch's B examples
+    found = batch_axis.infer(loss).axes
+    if 0 in found.get(op.inputs[0].ref(), ()):
+        return True
+    return any(isinstance(d, batch_axis.Folded) and d.axis == 0
+               for d in found.get(op.outputs[0].ref(), ()))

@@ -229,8 +229,15 @@ class CertifiedForm(RulesForm):
             if isinstance(c, loop_rules.LoopUse):
                 # Its rows were read when its checks were found.
                 continue
-            start, axis = c.rule.coupling_start(registry_lib.RuleContext(
-                c.op, c.index, None, ctx.batch_size))
+            rule_ctx = registry_lib.RuleContext(c.op, c.index, None,
+                                                ctx.batch_size)
+            if len(c.rule.coupling_starts(rule_ctx)) > 1:
+                # The row check reads one tensor's rows.
+                raise base.Refused(batch_axis.Reason(
+                    "op '%s': the %s rule reads rows of several tensors, "
+                    "which one row check cannot certify" % (
+                        c.op.name, c.op.type), c.op))
+            start, axis = c.rule.coupling_start(rule_ctx)
             if not isinstance(axis, int):
                 # The row check reads one batch axis of the rule's output.
                 raise base.Refused(batch_axis.Reason(

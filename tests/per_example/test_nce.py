@@ -1,0 +1,206 @@
+"""nce_loss's and sampled_softmax_loss's gathers on rules (issue 24).
+
+Both losses gather the weights and biases at `concat([labels, sampled])`:
+the first B*num_true rows are the examples' own, the S sampled rows are
+shared by the batch. The gather rule splits them (`gather.NceSplit`):
+example b's gradient w.r.t. the sampled rows is its own row of the sampled
+logits' gradient against the shared rows. Checked here against the loop
+reference (`custagg.testing`, one `tf.compat.v1.gradients(loss[i])` per
+example), float64 (the sampler's float32 expected counts are cast and
+passed as `sampled_values`), with a dynamic batch fed at B=1 and B=7
+(`-m slow`: 32 and 33): per-example gradients, norms and the clipped sum,
+all fetched in one `Session.run` with the reference (the sampler draws
+once per run). A loss that couples the examples after the NCE (a roll of
+the loss vector, told to keep rows apart) fools the plain rules (the
+control) and is caught by the static proof when the table is right.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import testing
+from custagg.batch_axis import table as table_lib
+from custagg.rules import gather
+
+RTOL = 1e-9
+DEFAULT_BATCHES = (1, 7)
+SLOW_BATCHES = (32, 33)
+BATCHES = [pytest.param(DEFAULT_BATCHES, id="B1,7"),
+           pytest.param(SLOW_BATCHES, id="B32,33", marks=pytest.mark.slow)]
+
+VOCAB, DIM, SAMPLED = 30, 4, 6
+
+
+def _model(loss_fn="nce", num_true=1, roll=False):
+    """Skip-gram on a dynamic batch, float64: an embedding, then `loss_fn`
+    ("nce" or "sampled_softmax") with its own weights and biases."""
+    inputs = tf.compat.v1.placeholder(tf.int32, [None], name="inputs")
+    labels = tf.compat.v1.placeholder(tf.int64, [None, num_true],
+                                      name="labels")
+    init = tf.compat.v1.random_normal_initializer(seed=7, dtype=tf.float64)
+    emb = tf.compat.v1.get_variable("emb", [VOCAB, DIM], tf.float64, init)
+    w = tf.compat.v1.get_variable("nce_w", [VOCAB, DIM], tf.float64, init)
+    b = tf.compat.v1.get_variable("nce_b", [VOCAB], tf.float64, init)
+    sampled, true_expected, sampled_expected = \
+        tf.random.log_uniform_candidate_sampler(
+            labels, num_true, SAMPLED, True, VOCAB, seed=3)
+    values = (sampled, tf.cast(true_expected, tf.float64),
+              tf.cast(sampled_expected, tf.float64))
+    x = tf.nn.embedding_lookup(emb, inputs)
+    fn = tf.compat.v1.nn.nce_loss if loss_fn == "nce" else \
+        tf.compat.v1.nn.sampled_softmax_loss
+    loss = fn(weights=w, biases=b, labels=labels, inputs=x,
+              num_sampled=SAMPLED, num_classes=VOCAB, num_true=num_true,
+              sampled_values=values)
+    if roll:
+        loss = loss + 0.5 * tf.roll(loss, shift=1, axis=0)
+    return inputs, labels, loss, [emb, w, b]
+
+
+def _run(graph, inputs, labels, loss, xs, batches, num_true=1):
+    clip = tf.compat.v1.placeholder(tf.float64, [])
+    fetches = {
+        "ref": testing.loop_per_example(loss, xs, max(batches), rows=True),
+        "per_example": custagg.per_example_gradients(loss, xs),
+        "clipped": custagg.clipped_gradients(loss, xs, clip,
+                                             return_norms=True),
+    }
+    rng = np.random.default_rng(sum(batches) + num_true)
+    out = {}
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b in batches:
+            # Repeated labels, and labels among the sampled ids (the
+            # sampler favours small ids): accidental hits and repeats.
+            feed = {inputs: rng.integers(0, VOCAB, [b]),
+                    labels: rng.integers(0, 8, [b, num_true]), clip: 1.0}
+            run = dict(fetches, ref=fetches["ref"][:b])
+            values = sess.run(run, feed)
+            ref = [np.stack(col) for col in zip(*values["ref"])]
+            feed[clip] = float(np.median(testing.numpy_norms(ref))) or 1.0
+            # The sampler draws again: reference and custagg from one run.
+            values = sess.run(run, feed)
+            values["reference"] = [np.stack(col) for col in
+                                   zip(*values["ref"])]
+            values["clip"] = feed[clip]
+            out[b] = values
+    return out
+
+
+def _gaps(values):
+    """The largest relative gap of each quantity to the reference."""
+    ref = values["reference"]
+    gaps = []
+    for j, g in enumerate(ref):
+        got = values["per_example"][j]
+        got = got if isinstance(got, np.ndarray) else np.asarray(got)
+        gaps.append(np.max(np.abs(got - g)) / max(np.max(np.abs(g)), 1e-300))
+    return gaps
+
+
+def _check_exact(values, label):
+    ref = values["reference"]
+    for j, g in enumerate(ref):
+        testing.assert_close(values["per_example"][j], g, RTOL,
+                             "%s per_example[%d]" % (label, j))
+    sums, _ = testing.numpy_clipped(ref, values["clip"])
+    clipped, norms = values["clipped"]
+    testing.assert_close(norms, testing.numpy_norms(ref), RTOL,
+                         label + " norms")
+    for j, s in enumerate(sums):
+        testing.assert_close(clipped[j], s, RTOL,
+                             "%s clipped[%d]" % (label, j))
+
+
+@pytest.mark.parametrize("loss_fn", ["nce", "sampled_softmax"])
+@pytest.mark.parametrize("batches", BATCHES)
+def test_sampled_gathers_on_rules_are_exact(loss_fn, batches, graph):
+    inputs, labels, loss, xs = _model(loss_fn)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["rules"] * 3, str(plan)
+    split = [op for op in graph.get_operations()
+             if gather.nce_split(op) is not None]
+    assert len(split) == 2, split     # the weights' gather, the biases'
+    for b, values in _run(graph, inputs, labels, loss, xs,
+                          batches).items():
+        _check_exact(values, "%s B=%d" % (loss_fn, b))
+
+
+def test_several_true_labels_are_exact(graph):
+    """num_true=2: the true rows are `[B*2]` (a fold the proof from the
+    true rows does not read): exact whichever form the plan takes."""
+    inputs, labels, loss, xs = _model("nce", num_true=2)
+    custagg.plan_per_example(loss, xs)
+    for b, values in _run(graph, inputs, labels, loss, xs, DEFAULT_BATCHES,
+                          num_true=2).items():
+        _check_exact(values, "num_true=2 B=%d" % b)
+
+
+def test_coupling_after_the_loss_is_not_on_rules(graph):
+    """A roll of the loss vector couples the examples after the NCE: the
+    static proof (from the true rows and from the sampled logits) refuses
+    the plain rules, and the values are exact."""
+    inputs, labels, loss, xs = _model("nce", roll=True)
+    plan = custagg.plan_per_example(loss, xs)
+    assert "rules" not in plan.forms()[1:], str(plan)
+    for b, values in _run(graph, inputs, labels, loss, xs,
+                          DEFAULT_BATCHES).items():
+        _check_exact(values, "rolled B=%d" % b)
+
+
+def test_planted_coupling_fools_the_split(graph, monkeypatch):
+    """The control: told that Roll keeps rows apart, the static proof
+    passes, the split's rules run, and at B=7 they are wrong (so the tests
+    above can fail)."""
+    monkeypatch.setitem(table_lib._TABLE, "Roll",
+                        table_lib.Entry(lambda op, index, axis: axis))
+    inputs, labels, loss, xs = _model("nce", roll=True)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["rules"] * 3, str(plan)
+    values = _run(graph, inputs, labels, loss, xs, (7,))[7]
+    gaps = _gaps(values)
+    assert gaps[1] > 1e-3 and gaps[2] > 1e-3, gaps
+
+
+def test_split_group_quantities_are_exact(graph):
+    """The split's other quantities: microbatch norms (M=3 at B=6), norms
+    of users' sums (fed group ids), the elementwise second moments and a
+    weighted sum, against the loop reference (one run: one draw)."""
+    inputs, labels, loss, xs = _model("nce")
+    users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
+    weights = tf.compat.v1.placeholder(tf.float64, [None], name="weights")
+    fetches = {
+        "ref": testing.loop_per_example(loss, xs, 6, rows=True),
+        "micro": custagg.per_example_norms(loss, xs, num_microbatches=3),
+        "users": custagg.per_example_norms(loss, xs, group_ids=users),
+        "moments": custagg.gradient_second_moments(loss, xs),
+        "weighted": custagg.weighted_gradients(loss, xs, weights),
+    }
+    rng = np.random.default_rng(8)
+    feed = {inputs: rng.integers(0, VOCAB, [6]),
+            labels: rng.integers(0, 8, [6, 1]),
+            users: np.array([1, 1, 0, 2, 0, 1]),
+            weights: rng.uniform(0.5, 2.0, [6])}
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = sess.run(fetches, feed)
+    ref = [np.stack(col) for col in zip(*values["ref"])]
+
+    def sq_norms(sums):
+        return sum(np.sum(np.reshape(s, [len(s), -1]) ** 2, 1) for s in sums)
+    micro = [g.reshape((3, 2) + g.shape[1:]).sum(1) for g in ref]
+    testing.assert_close(values["micro"], sq_norms(micro) ** .5, RTOL,
+                         "microbatch norms")
+    # Users in their order of first appearance (`custagg.group_segments`).
+    by_user = [np.stack([g[feed[users] == u].sum(0) for u in (1, 0, 2)])
+               for g in ref]
+    testing.assert_close(values["users"], sq_norms(by_user) ** .5, RTOL,
+                         "user norms")
+    for j, g in enumerate(ref):
+        testing.assert_close(values["moments"][j], np.sum(g ** 2, 0), RTOL,
+                             "second moments[%d]" % j)
+        testing.assert_close(values["weighted"][j],
+                             np.tensordot(feed[weights], g, 1), RTOL,
+                             "weighted[%d]" % j)
