@@ -13,7 +13,12 @@ with `None` exactly where `tf.compat.v1.gradients` gives `None`:
 5. `strategy="pfor"` on a Conv2D with explicit padding (TF's pfor converter
    of Conv2DBackpropFilter drops `explicit_paddings`), both pfor forms;
 6. a `Reshape` of an embedding table before `tf.gather`: results describe
-   the variable's shape (TF's Reshape gradient is dense), not the table's.
+   the variable's shape (TF's Reshape gradient is dense), not the table's;
+7. a convolution with explicit padding that sees no batch data (one image
+   held in a variable, broadcast over the batch): its filter and image get
+   their per-example gradients through the conv's own gradient under pfor
+   (a chain), which must not meet TF's pfor fallback that drops
+   `explicit_paddings` (fresh randomized seed 440733).
 """
 
 import numpy as np
@@ -169,6 +174,25 @@ def test_pfor_on_conv2d_with_explicit_padding(graph, rng, coupled):
     assert form == ("whole-pass" if coupled else "boundary")
     _check(graph, loss, [w], {x: _batch(rng, [3, 5, 5, 2])},
            strategies=("auto", "pfor", "loop") if coupled else ALL)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_chain_through_conv2d_with_explicit_padding(graph, rng, batch):
+    image = tf.compat.v1.Variable(_batch(rng, [1, 4, 4, 2]), name="image",
+                                  use_resource=True)
+    w = _var("w", [2, 2, 2, 2])
+    shared = tf.reshape(tf.nn.conv2d(
+        image, w, strides=1, padding=[[0, 0], [1, 0], [0, 2], [0, 0]]),
+        [1, -1])                                          # [1, 40]
+    table = _var("table", [6, 40], seed=1)
+    ids = tf.compat.v1.placeholder(tf.int32, [None, 2])
+    h = shared + tf.reduce_sum(tf.gather(table, ids), 1)   # [B, 40]
+    loss = tf.reduce_sum(tf.square(h), 1)
+    plan = custagg.plan_per_example(loss, [w, image])
+    assert "through Conv2D" in str(plan), str(plan)
+    _check(graph, loss, [w, image, table],
+           {ids: rng.integers(0, 6, size=(batch, 2))},
+           strategies=("rules", "auto"))
 
 
 def test_reshaped_table_before_gather(graph, rng):

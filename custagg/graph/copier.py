@@ -110,9 +110,7 @@ class Copier(object):
         node_def = _tf_compat.node_def(op)
         attrs = {k: node_def.attr[k] for k in node_def.attr
                  if k not in _DROP_ATTRS}
-        if op.type in _EXPLICIT_PADDING_OPS and \
-                node_def.attr["padding"].s == b"EXPLICIT" and \
-                "_gradient_op_type" not in node_def.attr:
+        if pads_explicitly(op):
             # The same convolution as an explicit tf.pad and VALID padding:
             # pfor runs the copies' Conv2DBackpropFilter through its
             # while-loop fallback, which drops `explicit_paddings` (TF 2.21:
@@ -385,6 +383,17 @@ _INLINE_CONSTANTS = 1024
 
 # TensorList makers and the index of their element_shape input.
 _LIST_MAKERS = {"TensorListReserve": 0, "EmptyTensorList": 0}
+
+
+def pads_explicitly(op):
+    """Whether `op` is a convolution with EXPLICIT padding and TF's own
+    gradient (no override), which `Copier.copy_op` writes as a tf.pad and
+    VALID padding."""
+    if op.type not in _EXPLICIT_PADDING_OPS:
+        return False
+    node_def = _tf_compat.node_def(op)
+    return node_def.attr["padding"].s == b"EXPLICIT" and \
+        "_gradient_op_type" not in node_def.attr
 
 
 def _is_batch_dim(d):

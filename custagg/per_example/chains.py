@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from custagg import sparse
 from custagg.traversal.gradients import gradients
+from custagg.graph import copier
 from custagg.graph import pfor as pfor_lib
 
 
@@ -27,6 +28,13 @@ def vjp(engine, chain, cotangents, a, batched):
     op = chain.op
     ys = [inner.tensor for inner in chain.inner]
     wrt = [op.inputs[k] for k in chain.indices]
+    if batched and copier.pads_explicitly(op):
+        # pfor runs a convolution's filter gradient through its while-loop
+        # fallback, which drops `explicit_paddings`: differentiate a copy
+        # that pads with tf.pad and slides a VALID window (the same
+        # function of the same inputs).
+        outs = copier.Copier(one_row=False).copy_op(op, {})
+        ys = [outs[inner.tensor.value_index] for inner in chain.inner]
     others = [t for k, t in enumerate(op.inputs) if k not in chain.indices]
 
     def one_vjp(seeds):
