@@ -17,6 +17,7 @@ builds the dense `[B, V, *D]`.
 
 import collections
 
+import numpy as np
 import tensorflow as tf
 from custagg import _tf_compat
 from custagg.rules import registry
@@ -450,6 +451,58 @@ class _SampledLookup(object):
         dots = tf.reduce_sum(rows * self.vec[:, None, :], axis=2)      # [B, nt]
         return true + sampled + 2.0 * tf.reduce_sum(hit_coef * dots, axis=1)
 
+    def group_squared_norms(self, num_groups):
+        """`[M]` squared norms of the M microbatch sums (groups of n = B/M
+        consecutive examples). A group's gradient w.r.t. sampled row s,
+        `sum_{b in m} coef_bs vec_b`, is no longer rank one: either it is
+        formed, `[M, S, Dp]`, and merged with the group's true rows by id
+        (`_sorted_squared_norms`), or, for small groups, its norm terms come
+        from Grams over the group's examples (`_group_gram_norms`), which
+        hold `B n` and `B nt n` numbers instead of `M S Dp`."""
+        width = int(np.prod(self.row_dims)) if self.row_dims else 1
+        count = tf.compat.dimension_value(self.sampled_ids.shape[0])
+        per_group = tf.shape(self.coef)[0] // num_groups
+        static = tf.get_static_value(per_group)
+        if static is not None:
+            return self._group_gram_norms(num_groups) \
+                if static * static <= count * width else \
+                self._group_rows_norms(num_groups)
+        return tf.cond(per_group * per_group <= count * width,
+                       lambda: self._group_gram_norms(num_groups),
+                       lambda: self._group_rows_norms(num_groups))
+
+    def _group_rows_norms(self, m):
+        width = self.true_rows.shape[-1]
+        coef = tf.reshape(self.coef, [m, -1, tf.shape(self.coef)[1]])
+        vec = tf.reshape(self.vec, [m, -1, tf.shape(self.vec)[1]])
+        sampled = tf.matmul(coef, vec, transpose_a=True)             # [M, S, Dp]
+        ids = tf.concat([tf.reshape(self.true_ids, [m, -1]),
+                         tf.tile(self.sampled_ids[None], [m, 1])], 1)
+        rows = tf.concat([tf.reshape(self.true_rows3, [m, -1, width]),
+                          sampled], 1)
+        return _sorted_squared_norms(ids, rows)
+
+    def _group_gram_norms(self, m):
+        """The docstring's three terms summed over a group's examples b, b'
+        (`K = vec vec^T`, `[M, n, n]`; rows and ids `[M, L = n nt, ...]`)."""
+        width = self.true_rows.shape[-1]
+        rows = tf.reshape(self.true_rows3, [m, -1, width])           # [M, L, Dp]
+        ids = tf.reshape(self.true_ids, [m, -1])                      # [M, L]
+        coef = tf.reshape(self.coef, [m, -1, tf.shape(self.coef)[1]])  # [M, n, S]
+        vec = tf.reshape(self.vec, [m, -1, tf.shape(self.vec)[1]])     # [M, n, Dp]
+        true = _sorted_squared_norms(ids, rows)
+        sid = self.sampled_ids
+        same = tf.cast(tf.equal(sid[:, None], sid[None, :]), rows.dtype)
+        gram_vec = tf.matmul(vec, vec, transpose_b=True)             # [M, n, n]
+        gram_coef = tf.matmul(tf.tensordot(coef, same, 1), coef,
+                              transpose_b=True)                      # [M, n, n]
+        hits = tf.cast(tf.equal(ids[:, :, None], sid[None, None, :]),
+                       rows.dtype)                                   # [M, L, S]
+        hit_coef = tf.matmul(hits, coef, transpose_b=True)           # [M, L, n]
+        dots = tf.matmul(rows, vec, transpose_b=True)                # [M, L, n]
+        return true + tf.reduce_sum(gram_vec * gram_coef, axis=[1, 2]) + \
+            2.0 * tf.reduce_sum(hit_coef * dots, axis=[1, 2])
+
     def weighted_sum(self, weights):
         """`sum_b c_b g_b` as IndexedSlices of `B nt + S` rows."""
         c = tf.cast(weights, self.true_rows.dtype)
@@ -634,6 +687,9 @@ class GatherRule(registry.Rule):
         return _sorted_squared_norms(ids, values)
 
     def group_squared_norms(self, ctx, num_groups):
+        sampled = self._sampled(ctx)
+        if sampled is not None and sampled.coef is not None:
+            return sampled.group_squared_norms(num_groups)
         ctx = self._lookups(ctx)
         # A microbatch's lookups side by side ([M, (B/M) T]): repeats of an
         # id across its examples merge like repeats within one example.
