@@ -381,9 +381,8 @@ class _SampledLookup(object):
     gradient w.r.t. sampled row s is rank one, `coef[b, s] * vec[b]`: for
     the sampled logits `x @ w_s^T` (a MatMul, `transpose_b`) `dlogits[b, s]
     x_b`; for a bias (rows of no dims) the use rule's `[B, S]` gradient
-    times 1. `coef` and `vec` are None for other use ops: their norms then
-    read the materialized rows (`GatherRule._lookups`), their weighted sum
-    is the use rule's own.
+    times 1. `coef` and `vec` are None for other use ops, whose quantities
+    then read the materialized rows (`GatherRule._lookups`).
 
     Squared norms add up rows that land on one table row before squaring,
     exactly, whatever the ids (a sampler drawn without `unique`, a label
@@ -426,8 +425,11 @@ class _SampledLookup(object):
                                                self.row_dims)
         batch = tf.shape(self.coef)[0] if self.coef is not None else \
             tf.shape(self.use_ctx.grad)[0]
-        self.true_ids = tf.reshape(self.true_flat_ids, [batch, -1])
-        self.true_rows3 = tf.reshape(self.true_rows, [batch, -1, width])
+        # With num_true static the reshape says so (and would fail, never
+        # mislead, on a step whose true rows were not B * num_true).
+        per = -1 if self.num_true is None else self.num_true
+        self.true_ids = tf.reshape(self.true_flat_ids, [batch, per])
+        self.true_rows3 = tf.reshape(self.true_rows, [batch, per, width])
         if self.coef is not None:
             self.coef = tf.cast(self.coef, dtype)
             self.vec = tf.cast(self.vec, dtype)
@@ -435,7 +437,7 @@ class _SampledLookup(object):
     def squared_norms(self):
         """`[B]` squared norms (the docstring's identity)."""
         rows, ids = self.true_rows3, self.true_ids
-        if self.num_true == 1:
+        if self.num_true == 1:      # (rows [B, 1, Dp]: nothing to merge)
             true = tf.reduce_sum(tf.square(rows), axis=[1, 2])
         else:
             true = _masked_gram_squared_norms(ids, rows)
@@ -507,14 +509,10 @@ class _SampledLookup(object):
         """`sum_b c_b g_b` as IndexedSlices of `B nt + S` rows."""
         c = tf.cast(weights, self.true_rows.dtype)
         true = self.true_rows3 * c[:, None, None]
-        if self.coef is not None:
-            sampled = tf.matmul(self.coef * c[:, None], self.vec,
-                                transpose_a=True)                    # [S, Dp]
-        else:
-            sampled = self.use_rule.weighted_sum(self.use_ctx, weights)
-        values = tf.concat([
-            tf.reshape(true, [-1] + self.row_dims),
-            tf.reshape(tf.cast(sampled, true.dtype), [-1] + self.row_dims)], 0)
+        sampled = tf.matmul(self.coef * c[:, None], self.vec,
+                            transpose_a=True)                        # [S, Dp]
+        values = tf.concat([tf.reshape(true, [-1] + self.row_dims),
+                            tf.reshape(sampled, [-1] + self.row_dims)], 0)
         return tf.IndexedSlices(
             values, tf.concat([self.true_flat_ids, self.sampled_ids], 0),
             tf.constant([self.vocab] + self.row_dims, tf.int64))
@@ -714,7 +712,7 @@ class GatherRule(registry.Rule):
 
     def weighted_sum(self, ctx, weights):
         sampled = self._sampled(ctx)
-        if sampled is not None:
+        if sampled is not None and sampled.coef is not None:
             return sampled.weighted_sum(weights)
         ctx = self._lookups(ctx)
         rows = _Rows(ctx)
