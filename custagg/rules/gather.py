@@ -505,6 +505,38 @@ class _SampledLookup(object):
         return true + tf.reduce_sum(gram_vec * gram_coef, axis=[1, 2]) + \
             2.0 * tf.reduce_sum(hit_coef * dots, axis=[1, 2])
 
+    def segment_squared_norms(self, segments):
+        """`[U]` squared norms of the users' sums (`segments.Segments`).
+        The docstring's three terms over pairs of one user's examples b, b'
+        (masks `[B, B]` and `[B nt, B]`); the true rows merged by (user,
+        id) as any gather's. Holds `B (1 + nt) B` numbers where the rows
+        would hold `B (nt + S) Dp`: used for rows of several numbers."""
+        dtype = self.true_rows.dtype
+        user = tf.cast(segments.ids, tf.int64)                         # [B]
+        count = tf.cast(segments.count, tf.int64)
+        row_user = tf.reshape(tf.broadcast_to(
+            user[:, None], tf.shape(self.true_ids)), [-1])          # [B nt]
+        ids, rows = self.true_flat_ids, self.true_rows
+        unique, idx = tf.unique(row_user * self.vocab + ids, out_idx=tf.int64)
+        merged = tf.math.unsorted_segment_sum(
+            rows, idx, tf.size(unique, out_type=tf.int64))
+        true = tf.math.unsorted_segment_sum(
+            tf.reduce_sum(tf.square(merged), axis=1), unique // self.vocab,
+            count)
+        sid = self.sampled_ids
+        same = tf.cast(tf.equal(sid[:, None], sid[None, :]), dtype)
+        gram = tf.matmul(self.vec, self.vec, transpose_b=True) * tf.matmul(
+            tf.matmul(self.coef, same), self.coef, transpose_b=True)  # [B, B]
+        sampled = tf.reduce_sum(
+            segments.same(user, user, dtype) * gram, axis=1)
+        hits = tf.cast(tf.equal(ids[:, None], sid[None, :]), dtype)  # [B nt, S]
+        cross = tf.matmul(hits, self.coef, transpose_b=True) * tf.matmul(
+            rows, self.vec, transpose_b=True)                      # [B nt, B]
+        cross = tf.reduce_sum(segments.same(row_user, user, dtype) * cross,
+                              axis=1)
+        return true + tf.math.unsorted_segment_sum(sampled, user, count) + \
+            2.0 * tf.math.unsorted_segment_sum(cross, row_user, count)
+
     def weighted_sum(self, weights):
         """`sum_b c_b g_b` as IndexedSlices of `B nt + S` rows."""
         c = tf.cast(weights, self.true_rows.dtype)
@@ -697,6 +729,10 @@ class GatherRule(registry.Rule):
             tf.reshape(values, [num_groups, -1, values.shape[-1]]))
 
     def segment_squared_norms(self, ctx, segments):
+        sampled = self._sampled(ctx)
+        if sampled is not None and sampled.coef is not None and \
+                sampled.row_dims:
+            return sampled.segment_squared_norms(segments)
         ctx = self._lookups(ctx)
         # Rows keyed by (user, id): repeats of an id across one user's
         # examples merge like repeats within one example; never dense.

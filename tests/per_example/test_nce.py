@@ -149,22 +149,27 @@ def test_colliding_ids_are_exact(loss_fn, num_true, remove_hits, batches,
 
 @pytest.mark.parametrize("num_true", [1, 2])
 @pytest.mark.parametrize("loss_fn", ["nce", "sampled_softmax"])
-def test_colliding_ids_microbatch_norms_are_exact(loss_fn, num_true, graph):
+def test_colliding_ids_group_norms_are_exact(loss_fn, num_true, graph):
     """Microbatch norms (M = 1, 2, 3, 6 at B=6: groups of 6, 3, 2 and 1
     examples, so both of `_SampledLookup.group_squared_norms`'s forms run
-    for the weights (S Dp = 24) and the biases (S = 6)) with colliding ids,
-    against the loop's group sums (one run: one draw)."""
+    for the weights (S Dp = 24) and the biases (S = 6)) and users' norms
+    (fed group ids) with colliding ids, against the loop's group sums (one
+    run: one draw)."""
     inputs, labels, sampled, loss, xs = _colliding_model(loss_fn, num_true,
                                                          False)
+    users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
     groups = (1, 2, 3, 6)
     fetches = {"ref": testing.loop_per_example(loss, xs, 6, rows=True),
                "sampled": sampled,
                "micro": [custagg.per_example_norms(loss, xs,
                                                    num_microbatches=m)
-                         for m in groups]}
+                         for m in groups],
+               "users": custagg.per_example_norms(loss, xs,
+                                                  group_ids=users)}
     rng = np.random.default_rng(20 + num_true)
     feed = {inputs: rng.integers(0, 3, [6]),
-            labels: rng.choice(COLLIDING_IDS + (1, 9), [6, num_true])}
+            labels: rng.choice(COLLIDING_IDS + (1, 9), [6, num_true]),
+            users: np.array([4, 4, 0, 2, 0, 4])}
     feed[labels][0] = COLLIDING_IDS[:num_true]
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -176,6 +181,11 @@ def test_colliding_ids_microbatch_norms_are_exact(loss_fn, num_true, graph):
         sums = [g.reshape((m, 6 // m) + g.shape[1:]).sum(1) for g in ref]
         testing.assert_close(got, testing.numpy_norms(sums), RTOL,
                              "%s num_true=%d M=%d" % (loss_fn, num_true, m))
+    # Users in their order of first appearance (`custagg.group_segments`).
+    by_user = [np.stack([g[feed[users] == u].sum(0) for u in (4, 0, 2)])
+               for g in ref]
+    testing.assert_close(values["users"], testing.numpy_norms(by_user), RTOL,
+                         "%s num_true=%d users" % (loss_fn, num_true))
 
 
 def _run(graph, inputs, labels, loss, xs, batches, num_true=1):
