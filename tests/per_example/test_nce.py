@@ -22,6 +22,7 @@ import tensorflow as tf
 import custagg
 from custagg import testing
 from custagg.batch_axis import table as table_lib
+from custagg.rules import bilinear
 from custagg.rules import gather
 
 RTOL = 1e-9
@@ -57,6 +58,134 @@ def _model(loss_fn="nce", num_true=1, roll=False):
     if roll:
         loss = loss + 0.5 * tf.roll(loss, shift=1, axis=0)
     return inputs, labels, loss, [emb, w, b]
+
+
+# The ids the colliding model's sampler draws from (equally likely, all
+# but surely): six draws from three ids repeat one.
+COLLIDING_IDS = (0, 3, 5)
+
+
+def _colliding_model(loss_fn, num_true, remove_hits):
+    """`_model` with candidates that collide: a sampler drawing `SAMPLED`
+    ids with replacement (`unique=False`) from `COLLIDING_IDS`."""
+    inputs = tf.compat.v1.placeholder(tf.int32, [None], name="inputs")
+    labels = tf.compat.v1.placeholder(tf.int64, [None, num_true],
+                                      name="labels")
+    # (Other ids keep a tiny weight: a label's expected count is never 0.)
+    unigrams = [1.0 if i in COLLIDING_IDS else 1e-9 for i in range(VOCAB)]
+    sampled, true_q, sampled_q = tf.random.fixed_unigram_candidate_sampler(
+        labels, num_true, SAMPLED, False, VOCAB, unigrams=unigrams, seed=5)
+    init = tf.compat.v1.random_normal_initializer(seed=7, dtype=tf.float64)
+    emb = tf.compat.v1.get_variable("emb", [VOCAB, DIM], tf.float64, init)
+    w = tf.compat.v1.get_variable("nce_w", [VOCAB, DIM], tf.float64, init)
+    b = tf.compat.v1.get_variable("nce_b", [VOCAB], tf.float64, init)
+    fn = tf.compat.v1.nn.nce_loss if loss_fn == "nce" else \
+        tf.compat.v1.nn.sampled_softmax_loss
+    loss = fn(weights=w, biases=b, labels=labels,
+              inputs=tf.nn.embedding_lookup(emb, inputs),
+              num_sampled=SAMPLED, num_classes=VOCAB, num_true=num_true,
+              sampled_values=(sampled, tf.cast(true_q, tf.float64),
+                              tf.cast(sampled_q, tf.float64)),
+              remove_accidental_hits=remove_hits)
+    return inputs, labels, sampled, loss, [emb, w, b]
+
+
+@pytest.mark.parametrize("remove_hits", [False, True], ids=["hits", "removed"])
+@pytest.mark.parametrize("num_true", [1, 2])
+@pytest.mark.parametrize("loss_fn", ["nce", "sampled_softmax"])
+@pytest.mark.parametrize("batches", BATCHES)
+def test_colliding_ids_are_exact(loss_fn, num_true, remove_hits, batches,
+                                 graph, monkeypatch):
+    """Sampled ids repeated, labels equal to sampled ids (accidental hits,
+    kept or removed), labels repeated within an example (num_true=2) and
+    across examples, inputs repeated: norms and the clipped sum exact
+    against the loop, and built without the `[B, S, D]` per-example rows
+    of the sampled weights (the sampled logits' MatMul rule is never asked
+    for them)."""
+    inputs, labels, sampled, loss, xs = _colliding_model(
+        loss_fn, num_true, remove_hits)
+    plan = custagg.plan_per_example(loss, xs)
+    if num_true == 1:
+        assert plan.forms() == ["rules"] * 3, str(plan)
+    clip = tf.compat.v1.placeholder(tf.float64, [])
+    ref = testing.loop_per_example(loss, xs, max(batches), rows=True)
+
+    def refuse(self, ctx):
+        raise AssertionError("the [B, S, D] rows were built")
+    with monkeypatch.context() as m:
+        m.setattr(bilinear.MatMulRule, "per_example", refuse)
+        clipped = custagg.clipped_gradients(loss, xs, clip, return_norms=True)
+    fetches = {"clipped": clipped, "sampled": sampled,
+               "per_example": custagg.per_example_gradients(loss, xs)}
+    rng = np.random.default_rng(sum(batches) + 10 * num_true)
+    hits = 0
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b in batches:
+            feed = {inputs: rng.integers(0, 3, [b]),
+                    labels: rng.choice(COLLIDING_IDS + (1, 9),
+                                       [b, num_true]),
+                    clip: 1.0}
+            feed[labels][0] = COLLIDING_IDS[:num_true]
+            run = dict(fetches, ref=ref[:b])
+            values = sess.run(run, feed)
+            values["reference"] = [np.stack(col) for col in
+                                   zip(*values["ref"])]
+            values["clip"] = float(np.median(testing.numpy_norms(
+                values["reference"])))
+            feed[clip] = values["clip"]
+            # One run for the reference and custagg: the sampler draws on
+            # every run.
+            values = sess.run(run, feed)
+            values["reference"] = [np.stack(col) for col in
+                                   zip(*values["ref"])]
+            values["clip"] = feed[clip]
+            assert len(set(values["sampled"])) < SAMPLED
+            hits += np.isin(feed[labels], values["sampled"]).sum()
+            _check_exact(values, "%s num_true=%d remove=%s B=%d" % (
+                loss_fn, num_true, remove_hits, b))
+    assert hits > 0
+
+
+@pytest.mark.parametrize("num_true", [1, 2])
+@pytest.mark.parametrize("loss_fn", ["nce", "sampled_softmax"])
+def test_colliding_ids_group_norms_are_exact(loss_fn, num_true, graph):
+    """Microbatch norms (M = 1, 2, 3, 6 at B=6: groups of 6, 3, 2 and 1
+    examples, so both of `_SampledLookup.group_squared_norms`'s forms run
+    for the weights (S Dp = 24) and the biases (S = 6)) and users' norms
+    (fed group ids) with colliding ids, against the loop's group sums (one
+    run: one draw)."""
+    inputs, labels, sampled, loss, xs = _colliding_model(loss_fn, num_true,
+                                                         False)
+    users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
+    groups = (1, 2, 3, 6)
+    fetches = {"ref": testing.loop_per_example(loss, xs, 6, rows=True),
+               "sampled": sampled,
+               "micro": [custagg.per_example_norms(loss, xs,
+                                                   num_microbatches=m)
+                         for m in groups],
+               "users": custagg.per_example_norms(loss, xs,
+                                                  group_ids=users)}
+    rng = np.random.default_rng(20 + num_true)
+    feed = {inputs: rng.integers(0, 3, [6]),
+            labels: rng.choice(COLLIDING_IDS + (1, 9), [6, num_true]),
+            users: np.array([4, 4, 0, 2, 0, 4])}
+    feed[labels][0] = COLLIDING_IDS[:num_true]
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        values = sess.run(fetches, feed)
+    assert len(set(values["sampled"])) < SAMPLED
+    assert np.isin(feed[labels], values["sampled"]).any()
+    ref = [np.stack(col) for col in zip(*values["ref"])]
+    for m, got in zip(groups, values["micro"]):
+        sums = [g.reshape((m, 6 // m) + g.shape[1:]).sum(1) for g in ref]
+        testing.assert_close(got, testing.numpy_norms(sums), RTOL,
+                             "%s num_true=%d M=%d" % (loss_fn, num_true, m))
+    # Users in their order of first appearance (`custagg.group_segments`).
+    by_user = [np.stack([g[feed[users] == u].sum(0) for u in (4, 0, 2)])
+               for g in ref]
+    testing.assert_close(values["users"], testing.numpy_norms(by_user), RTOL,
+                         "%s num_true=%d users" % (loss_fn, num_true))
 
 
 def _run(graph, inputs, labels, loss, xs, batches, num_true=1):
