@@ -343,16 +343,12 @@ Const VarHandleOp VariableV2 Variable HashTableV2 HashTable
 MutableHashTableV2 MutableHashTableOfTensorsV2 MutableDenseHashTableV2
 """.split())
 
-# Stateful ops that only read a variable through its handle (their other
-# inputs, a gather's ids, carry whatever data they hold as usual).
+# Stateful ops that only read a variable through its handle: whatever
+# makes the handle (a VarHandleOp, a handle captured by a `tf.function`), the
+# value read is a variable's. Their other inputs (a gather's ids) carry
+# whatever data they hold as usual.
 _VARIABLE_READS = frozenset(["ReadVariableOp", "ResourceGather",
                              "ResourceGatherNd"])
-
-
-def _handle_producer(t):
-    while t.op.type == "Identity" and t.op.inputs:
-        t = t.op.inputs[0]
-    return t.op
 
 
 def brings_data(op):
@@ -369,8 +365,7 @@ def brings_data(op):
     if op.type in _FEED_POINTS or not op.inputs:
         return True
     if op.type in _VARIABLE_READS:
-        return any(_handle_producer(t).type not in _SHARED_LEAVES
-                   for t in op.inputs if t.dtype == tf.resource)
+        return False
     return bool(getattr(op.op_def, "is_stateful", True))
 
 
