@@ -11,8 +11,9 @@ same for both. Checked for "auto", "rules", "pfor" and "loop":
 (one backward pass, no strategy). float64 to rtol 1e-9, float32 to 1e-4.
 
 The plan is checked too: every variable that is not truly coupled gets
-"rules"; a coupled one (batch statistics) does not, and strategy="rules"
-on it raises an error naming the op.
+"rules"; a coupled one (batch statistics) is not on the statically proved
+rules (at most on the certified ones, whose run-time check fails), and
+strategy="rules" on it raises an error naming the op.
 """
 
 import numpy as np
@@ -107,11 +108,16 @@ def test_zoo_matches_loop(name, dtype, strategies, batches):
         loss, xs = model.loss, model.xs
         assert loss.shape.as_list() == [None], loss.shape
 
-        # The plan: rules for every variable that is not truly coupled.
+        # The plan: rules for every variable that is not truly coupled; a
+        # coupled one is never on the statically proved rules (it may be
+        # on the rules certified at run time, whose check then fails and
+        # takes the exact form: the conv before a fused batch norm, whose
+        # input the walk from the loss stops short of).
         plan = custagg.plan_per_example(loss, xs)
-        for x, strategy in zip(xs, plan.strategies()):
+        for x, strategy, form in zip(xs, plan.strategies(), plan.forms()):
             if x.name in model.coupled:
-                assert strategy != "rules", (x.name, str(plan))
+                assert form not in ("rules", "loop-rules"), (x.name,
+                                                             str(plan))
             else:
                 assert strategy == "rules", str(plan)
         free = [x for x in xs if x.name not in model.coupled]

@@ -9,7 +9,8 @@
   a tensor to the loss; `walk_body` inside loop bodies; `propagate`: the
   table plus v2 loops).
 * `sources`: the batch sources, inferred backward from axis 0 of the loss
-  (`infer`, `batch_region`).
+  (`infer`, `batch_region`); the ops that may read fed data at all, found
+  forward from the feeds (`data_region`).
 * `rowwise`: the proof that the forward pass is row-wise (for the
   per-example copies).
 * `symbolic_shapes`: dimensions as products of symbols, for reshapes.
@@ -28,6 +29,8 @@ from custagg.batch_axis.separation import step
 from custagg.batch_axis.separation import walk_body
 from custagg.batch_axis.sources import BatchAxes
 from custagg.batch_axis.sources import batch_region
+from custagg.batch_axis.sources import brings_data
+from custagg.batch_axis.sources import data_region
 from custagg.batch_axis.sources import infer
 from custagg.batch_axis.sources import inverse
 from custagg.batch_axis.sources import is_leaf
@@ -47,7 +50,8 @@ from custagg.batch_axis.table import normalize
 
 __all__ = [
     "NotProved", "Unexplained", "untraced", "prove_rowwise", "LOOP_TYPES", "coupling", "propagate",
-    "step", "walk_body", "BatchAxes", "batch_region", "infer", "inverse",
+    "step", "walk_body", "BatchAxes", "batch_region", "brings_data",
+    "data_region", "infer", "inverse",
     "is_leaf", "no_sources_reason", "ELEMENTWISE", "MIXES", "NO_BATCH",
     "RANDOM", "Folded", "ListOf", "Reason", "Stacked", "forward", "known", "normalize",
 ]

@@ -335,6 +335,63 @@ def batch_region(loss, loss_ancestors=None, batch_axes=None):
         [t for op in ops for t in op.outputs], within=loss_ancestors)
 
 
+# Leaves whose value no feed or input pipeline changes: constants and
+# variables (a variable's value is a parameter, the same whichever examples
+# are fed), and the lookup tables an initializer fills.
+_SHARED_LEAVES = frozenset("""
+Const VarHandleOp VariableV2 Variable HashTableV2 HashTable
+MutableHashTableV2 MutableHashTableOfTensorsV2 MutableDenseHashTableV2
+""".split())
+
+# Stateful ops that only read a variable through its handle: whatever
+# makes the handle (a VarHandleOp, a handle captured by a `tf.function`), the
+# value read is a variable's. Their other inputs (a gather's ids) carry
+# whatever data they hold as usual.
+_VARIABLE_READS = frozenset(["ReadVariableOp", "ResourceGather",
+                             "ResourceGatherNd"])
+
+
+def brings_data(op):
+    """Whether `op` may bring data into the graph that no input of it
+    holds: a feed (a placeholder that is not a scalar), an input pipeline
+    (an iterator's or a queue's outputs), or any stateful op other than a
+    read of a variable (a random draw, a `py_function`). Constants,
+    variables and scalars fed as hyperparameters (`keep_prob`, a learning
+    rate: one value for the whole batch) bring none."""
+    if op.type in _SHARED_LEAVES:
+        return False
+    if all(_handle_or_scalar(t) for t in op.outputs):
+        return False
+    if op.type in _FEED_POINTS or not op.inputs:
+        return True
+    if op.type in _VARIABLE_READS:
+        return False
+    return bool(getattr(op.op_def, "is_stateful", True))
+
+
+def data_region(loss_ancestors):
+    """Ops among `loss_ancestors` whose outputs may depend on data fed to
+    the graph (`brings_data`), found forward from every such op whether or
+    not the walk from the loss reached it.
+
+    `batch_region` holds only what the walk back from the loss reached (and
+    what its sources compute): behind an op that stops the walk (a reshape
+    by another tensor's `tf.shape`, an op the table does not know) the
+    batch's own inputs are not sources, so an op outside `batch_region` is
+    not thereby free of examples' data. An op outside this set is: every
+    input it has is computed from constants, variables and scalars alone.
+
+    Args:
+      loss_ancestors: `graph.ancestors(loss)`.
+
+    Returns:
+      A set of ops.
+    """
+    origins = [op for op in loss_ancestors if brings_data(op)]
+    return set(origins) | graph.downstream(
+        [t for op in origins for t in op.outputs], within=loss_ancestors)
+
+
 def no_sources_reason(batch_axes):
     """A sentence saying why no source was found (for errors)."""
     found = ("walking back from axis 0 of the loss '%s' reached no "

@@ -183,6 +183,7 @@ class PlanContext(object):
         self.ancestors = graph_lib.ancestors(loss)
         self.live = shortcuts.live_ops(loss)
         self._region = None
+        self._data = None
         self._forward = None
         self._varying = {}
 
@@ -192,6 +193,15 @@ class PlanContext(object):
         if self._region is None:
             self._region = batch_axis.batch_region(self.loss, self.ancestors)
         return self._region
+
+    def data_region(self):
+        """The ops whose outputs may depend on fed data
+        (`batch_axis.data_region`: found forward from the feeds and input
+        pipelines, where `region` is what the walk back from the loss
+        reached). An op in neither is proved free of examples' data."""
+        if self._data is None:
+            self._data = batch_axis.data_region(self.ancestors)
+        return self._data
 
     def forward(self):
         """The forward pass to copy (`copies.Forward`), or the

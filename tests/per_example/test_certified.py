@@ -34,7 +34,16 @@ after the test):
   passes and the rules' values are returned (the exact form replaced by a
   wrong one shows it never ran); a roll of those rows by one row fails
   the check at B > 1 and the exact form runs; a time-major fold stays
-  refused.
+  refused;
+* an embedding gather of fed ids that the walk back from the loss never
+  reached (ptb_lm's shape: gather -> while loop -> a reshape by the ids'
+  own B -> loss; by hand and the benchmark's model itself) is a rule
+  consumer, not a batch-free chain, and is certified: its check passes
+  and the rules' values are returned (the exact form replaced by a wrong
+  one); rolled along the batch before the loop, its check fails at B > 1
+  and the exact form runs; gathered rows that are not the loss's B at a
+  step fail the check (no run-time error); ops on constants, variables
+  and scalar feeds still chain.
 """
 
 import numpy as np
@@ -46,6 +55,8 @@ from custagg import testing
 from custagg.batch_axis import table as table_lib
 from custagg.per_example import engine as engine_lib
 from custagg.per_example.forms import rows as rows_lib
+
+from benchmarks import tf1_models
 
 RTOL = 1e-9
 DEFAULT_BATCHES = (1, 7)
@@ -696,3 +707,222 @@ def test_fold_rows_group_quantities_are_exact(graph, monkeypatch):
     for j, g in enumerate(ref):
         testing.assert_close(values["moments"][j], np.sum(g ** 2, 0), RTOL,
                              "second moments[%d]" % j)
+
+
+# --------------------------------------------------------------------------
+# An embedding behind a loop, outside the batch region (ptb_lm's shape of
+# problem): the gather of fed ids is a rule consumer, never a chain.
+
+EMB_VOCAB, EMB_DIM, EMB_STEPS = 11, 4, 4
+
+
+def _embedding_loop_model(roll=False):
+    """ptb_lm's shape of problem, written by hand: ids `[B, T]` (dynamic B
+    and T) gathered from a table, a weight-free recurrence over time in a
+    `tf.while_loop` (`h_t = tanh(e_t + 0.5 h_{t-1})`), its outputs folded
+    to `[B*T, D]` rows and projected, reshaped back by `tf.shape(ids)[0]`
+    (the ids' B: another symbol than the loop output's, so the walk back
+    from the loss stops at that reshape and the gather lies outside the
+    batch region), a per-token softmax cross-entropy summed per sequence.
+    With `roll`, the gathered rows are rolled along the batch before the
+    loop (`e + 0.5 roll(e, 1, axis=0)`): example b's loss reads example
+    b-1's ids. Float64; xs are the table, W and b."""
+    ids = tf.compat.v1.placeholder(tf.int32, [None, None], name="ids")
+    y = tf.compat.v1.placeholder(tf.int32, [None, None], name="y")
+    init = tf.compat.v1.random_normal_initializer(seed=13, dtype=tf.float64)
+    table = tf.compat.v1.get_variable("table", [EMB_VOCAB, EMB_DIM],
+                                      tf.float64, init)
+    w = tf.compat.v1.get_variable("proj_w", [EMB_DIM, CLASSES], tf.float64,
+                                  init)
+    b = tf.compat.v1.get_variable("proj_b", [CLASSES], tf.float64, init)
+    e = tf.nn.embedding_lookup(table, ids)                   # [B, T, D]
+    if roll:
+        e = e + 0.5 * tf.roll(e, shift=1, axis=0)
+    steps = tf.shape(ids)[1]
+    inputs = tf.TensorArray(tf.float64, size=steps).unstack(
+        tf.transpose(e, [1, 0, 2]))
+
+    def body(t, h, outs):
+        h = tf.tanh(inputs.read(t) + 0.5 * h)
+        return t + 1, h, outs.write(t, h)
+    _, _, outs = tf.compat.v1.while_loop(
+        lambda t, h, outs: t < steps, body,
+        [0, tf.zeros_like(e[:, 0]), tf.TensorArray(tf.float64, size=steps)])
+    h = tf.transpose(outs.stack(), [1, 0, 2])                # [B, T, D]
+    logits = tf.matmul(tf.reshape(h, [-1, EMB_DIM]), w) + b
+    logits = tf.reshape(logits, [tf.shape(ids)[0], -1, CLASSES])
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                            logits=logits)
+    return ids, y, tf.reduce_sum(losses, 1), [table, w, b]
+
+
+def _ids_feed(ids, y, vocab, steps):
+    def feed(rng, b):
+        # A shorter T at B=1: a T frozen at the first run shows.
+        t = steps - 1 if b == 1 else steps
+        text = rng.integers(0, vocab, size=[b, t + 1])
+        # Repeated ids inside an example and across examples.
+        text[:, 1] = text[:, 0]
+        return {ids: text[:, :-1], y: text[:, 1:] % CLASSES}
+    return feed
+
+
+def test_gather_of_fed_ids_outside_the_region_is_no_chain(graph):
+    """The gather reads fed ids the walk from the loss did not reach: it is
+    outside `batch_region` yet inside `data_region`, so the rules form
+    asks its rule's static proof (which fails at the reshape) instead of
+    chaining through it; the certified form takes it."""
+    from custagg import batch_axis
+    from custagg import graph as graph_lib
+    ids, _, loss, xs = _embedding_loop_model()
+    gather = [op for op in graph.get_operations()
+              if op.type == "ResourceGather"][0]
+    ancestors = graph_lib.ancestors(loss)
+    assert gather not in batch_axis.batch_region(loss, ancestors)
+    assert gather in batch_axis.data_region(ancestors)
+    assert ids.op in batch_axis.data_region(ancestors)
+    # The table's own read and the weights are no data.
+    assert not any(batch_axis.brings_data(op) for op in ancestors
+                   if op.type in ("ReadVariableOp", "VarHandleOp", "Const"))
+    with pytest.raises(ValueError) as info:
+        custagg.plan_per_example(loss, xs[:1], strategy="rules")
+    assert "embedding_lookup" in str(info.value), str(info.value)
+    assert "coupling" in str(info.value), str(info.value)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["certified"] * 3, str(plan)
+    line = str(plan).splitlines()[1]
+    assert "via ResourceGather" in line and "Reshape" in line, str(plan)
+    assert "(through" not in line, str(plan)
+
+
+def test_batch_free_ops_still_chain(graph):
+    """Ops whose other inputs are constants, variables or a scalar feed (a
+    `keep_prob`) are still chains: `l2_loss(w)` and `w * keep_prob`."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
+    keep = tf.compat.v1.placeholder(tf.float64, [], name="keep_prob")
+    init = tf.compat.v1.random_normal_initializer(seed=15, dtype=tf.float64)
+    w = tf.compat.v1.get_variable("w", [D_IN, CLASSES], tf.float64, init)
+    loss = (tf.reduce_sum(tf.tanh(tf.matmul(x, w * keep)), 1) +
+            0.1 * tf.nn.l2_loss(w))
+    plan = custagg.plan_per_example(loss, [w], strategy="rules")
+    assert plan.forms() == ["rules"], str(plan)
+    kinds = sorted(c.op.type for c in plan.assignments[0].consumers)
+    assert kinds == ["L2Loss", "Mul"], str(plan)
+    ref = testing.loop_per_example(loss, [w], 3)
+    got = custagg.per_example_gradients(loss, [w], strategy="rules")
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        feed = {x: np.random.default_rng(5).normal(size=[3, D_IN]),
+                keep: 0.7}
+        g, r = sess.run([got, ref], feed)
+    testing.assert_close(g[0], r[0], RTOL, "chained w")
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_embedding_behind_a_loop_is_certified_and_the_rules_run(
+        batches, graph, monkeypatch):
+    """The hand-written graph: table, W and b certified; the checks pass at
+    every B and the values are the rules' (the exact form replaced by a
+    wrong one: a step that took it would show)."""
+    ids, y, loss, xs = _embedding_loop_model()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["certified"] * 3, str(plan)
+    _wrong_exact_form(monkeypatch)
+    feed = _ids_feed(ids, y, EMB_VOCAB, EMB_STEPS)
+    for b, values in _run(graph, ids, y, loss, xs, batches,
+                          feed_fn=feed).items():
+        _check_exact(values, "embedding behind a loop B=%d" % b)
+    certs = _certificates(graph)
+    assert certs, "no certified tf.cond in the graph"
+    for b, oks in _checks(graph, certs, ids, y, batches, seed=7,
+                          feed_fn=feed).items():
+        assert all(oks), b
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_rolled_embedding_behind_a_loop_is_caught(batches, graph):
+    """The negative control: the gathered rows rolled along the batch
+    before the loop. The gather is outside the region just the same (no
+    chain, certified); its check fails at B > 1 (at B=1 the roll is the
+    identity) and the exact form's values are returned."""
+    ids, y, loss, xs = _embedding_loop_model(roll=True)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[0] == "certified", str(plan)
+    engine = engine_lib.Engine(plan, 32)
+    ok = engine.certificate(plan.assignments[0])
+    feed = _ids_feed(ids, y, EMB_VOCAB, EMB_STEPS)
+    for b, values in _run(graph, ids, y, loss, xs, batches, feed_fn=feed,
+                          per_example=False).items():
+        _check_exact(values, "rolled embedding B=%d" % b)
+    for b, got in _checks(graph, [ok], ids, y, batches, seed=8,
+                          feed_fn=feed).items():
+        assert got[0] == (b == 1), b
+
+
+def test_gathered_rows_not_the_losses_b_fail_the_check(graph):
+    """The gather rule reads B from its ids' rows; the certificate first
+    checks those rows against the loss's B. Ids fed with B' rows pooled
+    into one vector every example reads (`u = sum of the rows`, `loss_i =
+    tanh(x_i . u)`): at B' != B the check fails without reshaping
+    mismatched rows (no run-time error) and the values are exact."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, EMB_DIM], name="x")
+    ids = tf.compat.v1.placeholder(tf.int32, [None, 2], name="ids")
+    init = tf.compat.v1.random_normal_initializer(seed=17, dtype=tf.float64)
+    table = tf.compat.v1.get_variable("table", [EMB_VOCAB, EMB_DIM],
+                                      tf.float64, init)
+    u = tf.reduce_sum(tf.nn.embedding_lookup(table, ids), [0, 1])  # [D]
+    loss = tf.tanh(tf.reduce_sum(x * u, 1))
+    plan = custagg.plan_per_example(loss, [table])
+    assert plan.forms() == ["certified"], str(plan)
+    ok = engine_lib.Engine(plan, 32).certificate(plan.assignments[0])
+    clip = 0.3
+    clipped = custagg.clipped_gradients(loss, [table], clip,
+                                        return_norms=True)
+    ref = testing.loop_per_example(loss, [table], 4, rows=True)
+    rng = np.random.default_rng(9)
+    with tf.compat.v1.Session(graph=graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b, b_ids in ((1, 1), (3, 4), (4, 3)):
+            feed = {x: rng.normal(size=[b, EMB_DIM]),
+                    ids: rng.integers(0, EMB_VOCAB, size=[b_ids, 2])}
+            got_ok, (sums, norms), rows = sess.run([ok, clipped, ref[:b]],
+                                                   feed)
+            assert got_ok == (b == 1), (b, b_ids)
+            want = [np.stack(col) for col in zip(*rows)]
+            testing.assert_close(norms, testing.numpy_norms(want), RTOL,
+                                 "norms B=%d B'=%d" % (b, b_ids))
+            want_sums, _ = testing.numpy_clipped(want, clip)
+            testing.assert_close(sums[0], want_sums[0], RTOL,
+                                 "clipped B=%d B'=%d" % (b, b_ids))
+
+
+@pytest.mark.skipif(not tf1_models.has_tf1_layers(),
+                    reason="the v1 RNN cells need the tf-keras package on "
+                           "this TensorFlow")
+@pytest.mark.parametrize("batches", BATCHES)
+def test_ptb_embedding_is_certified_and_the_rules_run(
+        batches, graph, monkeypatch):
+    """benchmarks/tf1_models.py's PTB language model (small sizes, float64,
+    dynamic B and T): every variable certified, the embedding through its
+    ResourceGather rule (no chain, no O(B^2) form); the checks pass and the
+    values are the rules' (the exact form replaced by a wrong one), against
+    the loop reference. (tests/per_example/test_tf1_models.py runs the
+    model with the real exact form built, under `-m slow`.)"""
+    rng = np.random.default_rng(24)
+    model = tf1_models.ptb_lm(tf.float64, rng)
+    plan = custagg.plan_per_example(model.loss, model.xs)
+    assert plan.forms() == ["certified"] * len(model.xs), str(plan)
+    assert model.xs[0].name == "Model/embedding:0"
+    assert "via ResourceGather" in str(plan).splitlines()[1], str(plan)
+    _wrong_exact_form(monkeypatch)
+
+    def feed(rng, b):
+        return model.feed(rng, b, 3 if b == min(batches) else None)
+    for b, values in _run(graph, None, None, model.loss, model.xs, batches,
+                          feed_fn=feed).items():
+        _check_exact(values, "ptb B=%d" % b)
+    certs = _certificates(graph)
+    assert certs, "no certified tf.cond in the graph"
+    for b, oks in _checks(graph, certs, None, None, batches, seed=9,
+                          feed_fn=feed).items():
+        assert all(oks), b

@@ -15,11 +15,17 @@ word2vec's NCE weights and biases are on rules: their gather at
 shared sampled rows, each example's gradient on those its own row of the
 sampled logits' gradient (`rules/gather.py`: `NceSplit`).
 
+The language model's embedding is certified too: its logits are reshaped
+to `[tf.shape(input_data)[0], -1, V]` (the input's B is another symbol
+than the RNN output's, and no run-time check equates them), so the walk
+back from the loss stops there and the embedding's gather of the fed ids
+lies outside the batch region. It reads fed data all the same
+(`batch_axis.data_region`), so it is no batch-free chain: a rule consumer
+whose rows (`[B, T, H]`, row b of example b) the certificate checks.
+
 Still off the static proof, and why (so not listed): the language
-model's recurrent layers (certified, in their loop: its logits are reshaped to
-`[tf.shape(input_data)[0], -1, V]`: the input's B is another symbol than
-the RNN output's, and no run-time check equates them), and the in-batch
-negatives' document tower (truly coupled).
+model's recurrent layers (certified, in their loop, for the same reshape),
+and the in-batch negatives' document tower (truly coupled).
 """
 
 import numpy as np
@@ -43,7 +49,8 @@ EXPECTED = {
         "bi-lstm/bidirectional_rnn/bw/lstm_cell/bias:0": "loop-rules",
         "proj/W:0": "certified",
         "proj/b:0": "certified"},
-    "ptb_lm": {"Model/softmax_w:0": "certified",
+    "ptb_lm": {"Model/embedding:0": "certified",
+               "Model/softmax_w:0": "certified",
                "Model/softmax_b:0": "certified"},
     "in_batch_negatives": {"query_tower/h/kernel:0": "rules",
                            "query_tower/out/kernel:0": "rules"},

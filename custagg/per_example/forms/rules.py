@@ -5,7 +5,12 @@ the ops `custagg.rules.shortcuts` lets the rules see through) and asks the
 registry for a rule; each rule op must keep examples apart down to the loss
 (`batch_axis.coupling`). An op that sees no batch data (`l2_loss(w)`) is a
 `Chain`: x's gradient through it is that op's own gradient applied to the
-per-example gradients of its outputs, which the rules give. A loop that x
+per-example gradients of its outputs, which the rules give. "Sees no batch
+data" is proved, not assumed: outside the batch region and with every
+input other than x computed from constants and variables alone
+(`_sees_no_data`); an op that reads fed data the walk from the loss did
+not reach is a rule consumer, certified at run time where its static proof
+fails. A loop that x
 enters is read by the loop rules (`loop_rules.find`), which ask the same
 registry for the body's ops.
 
@@ -137,7 +142,8 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
             raise base.Refused(batch_axis.Reason(
                 "op '%s' (type %s) is inside a v1 while loop" % (
                     op.name, op.type), op))
-        if op not in region and depth < MAX_CHAIN:
+        if op not in region and depth < MAX_CHAIN and \
+                _sees_no_data(op, x_tensor, ctx):
             if op in chained:
                 continue
             chained.add(op)
@@ -157,6 +163,31 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
         raise base.Refused(
             "x reaches the loss through no op with a batch input")
     return consumers
+
+
+def _sees_no_data(op, x_tensor, ctx):
+    """Whether `op` (outside the batch region) is proved to see no batch
+    data, so that it may be a `Chain`: each input is x (or x read through
+    ops the rules see through) or computed from constants, variables and
+    scalars alone (`PlanContext.data_region`).
+
+    The batch region is only what the walk back from the loss reached: an
+    op the walk could not pass (a reshape by another tensor's `tf.shape`,
+    an op the table does not know) hides the batch's own inputs behind it,
+    so the ops that read them, an embedding gather of fed ids, lie outside
+    the region while holding rows of examples. Chaining through such an op
+    would take its output for a parameter shared by the batch; instead it
+    is a rule consumer like any op in the region: its rule's static proof
+    of separation is asked for, and where that fails the certified form
+    checks its rows at run time (or the plan refuses them,
+    `forms/rows.py`).
+    """
+    data = ctx.data_region()
+    if op not in data:
+        return True
+    reached = _reached_refs(x_tensor, ctx.ancestors, ctx.live)
+    return all(inp.ref() in reached or inp.op not in data
+               for inp in op.inputs)
 
 
 def _chain(op, x_tensor, ctx, depth, unproven=None):
