@@ -206,3 +206,36 @@ def test_fetching_the_loss_too(graph):
         both = sess.run(fetches + [loss], fd)
     for a, b in zip(alone, both):
         np.testing.assert_array_equal(a, b)
+
+
+def _float_condition():
+    """A loop whose condition reads a float loop variable (a step count kept
+    as a float): counting its iterations would need the loop itself."""
+    x, y = test_loops._inputs()  # pylint: disable=protected-access
+    rng = np.random.default_rng(4)
+    w = tf.compat.v1.Variable(
+        0.5 * rng.normal(size=(test_loops.D + test_loops.H, test_loops.H)),
+        use_resource=True, name="cell_w")
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], test_loops.H]), tf.float64)
+
+    def body(t, s, h):
+        h = tf.tanh(tf.matmul(tf.concat([x[:, t, :], h], 1), w))
+        return t + 1, s + 1.0, h
+
+    _, _, h = tf.compat.v1.while_loop(
+        lambda t, s, h: s < test_loops.T - 0.5, body,
+        [0, tf.constant(0.0, tf.float64), h0])
+    loss, head = test_loops._head(h, y)  # pylint: disable=protected-access
+    return loss, [w] + head, test_loops._feed(x, y)  # pylint: disable=W0212
+
+
+def test_a_condition_on_float_state_keeps_two_passes(graph):
+    loss, xs, feed = _float_condition()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[0] == "loop-rules", str(plan)
+    before = set(_loops(graph))
+    built = test_loop_rules._check_all(  # pylint: disable=protected-access
+        loss, xs, feed, batches=BATCHES)
+    fetches = [tf.convert_to_tensor(t) for t in
+               built["per_example_gradients"] if t is not None]
+    assert _reached(fetches, before)[0]

@@ -17,15 +17,30 @@ Dense layer on a sequence (Gram form, `A^T diag(c) G`). A rule without an
 TF's gradient of the loop sums over the batch inside the gradient loop,
 where no one can reach it. So the loop is **rebuilt once on the whole
 batch** (`graph.copier`'s `Copier`, the batch kept whole) with each
-tapped op's output perturbed by a zero tensor, `z_t + eps[t]`, with `eps`
-`[T, B, *z.shape[1:]]` read from a TensorList, and each of the op's other
-inputs pushed to an extra TensorList. One backward pass of the rebuilt
-loop, seeded with the loss's gradient at the original loop's outputs (from
-the rules' shared backward pass), gives `d/d eps = dz` `[T, B, ...]`: row b
-of it is `d loss_b / d z_bt` because examples stay apart downstream of every
-tap. The rule then runs once, outside the loop, on a copy of the op whose
-inputs are the stacked `[T*B, ...]` rows (row t*B + b is example b at step
-t), and its result is folded back to `[B, ...]`.
+tapped op's output perturbed by zeros, `z_t + eps_t`, and each of the op's
+other inputs pushed to an extra TensorList. `d/d eps = dz` `[T, B, ...]`:
+row b of it is `d loss_b / d z_bt` because examples stay apart downstream
+of every tap. The rule then runs once, outside the loop, on a copy of the
+op whose inputs are the stacked `[T*B, ...]` rows (row t*B + b is example b
+at step t), and its result is folded back to `[B, ...]`.
+
+Where `dz` comes from (issue 26):
+
+* `one_pass` (v2 loops): `eps` is a TensorList reserved for T items whose
+  unset items read as zeros of the tap's output shape; the ops between the
+  loops and the loss are copied onto the rebuilt loops' outputs, and the
+  rules' one backward pass (`engine.SharedPass`) differentiates that
+  recomputed loss to the taps' lists and to the rule ops' outputs (their
+  copies after the loops). The original loop then never runs unless the
+  user fetches the loss: one forward and one backward pass of the loop.
+  T, needed before the tapped loop starts, comes from a copy of the loop
+  that runs only the variables its condition reads (no float state).
+* `build` (the fallback: v1 frames, the certified loop rules, random or
+  stateful ops after the loop, a condition on the loop's state): `eps`
+  `[T, B, ...]` zeros with T from the original loop's counter, and one
+  backward pass of the rebuilt loop seeded with the loss's gradient at
+  the original loop's outputs (from the rules' shared backward pass): the
+  loop runs twice.
 
 That last condition is checked statically, never assumed: from each tap's
 output, through the rest of the body, into the next iterations (loop
