@@ -64,11 +64,10 @@ class SharedPass(object):
         consumers = [c for c in found if isinstance(c, rules_form.Consumer)]
         uses = [c for c in found if isinstance(c, loop_rules.LoopUse)]
         one = None
-        if uses and not any(a.form == "certified"
-                            for a in self.plan.assignments):
+        if uses:
             # The tapped loops and the loss recomputed from them: one
-            # forward and one backward pass of each loop. (The certificate
-            # checks rows of the original graph: today's two passes.)
+            # forward and one backward pass of each loop (the certificate
+            # checks rows of the same recomputed graph: `tensor_of`).
             with tf.name_scope("per_example_rules"):
                 one, why = loop_rules.one_pass(uses, self.plan.loss)
             if one is None:
@@ -133,6 +132,21 @@ class SharedPass(object):
         if self._contexts is None:
             self._build()
         return self._one
+
+    def loss(self):
+        """The `[B]` loss the shared pass differentiates: the plan's, or
+        where the loops were rebuilt (`one_pass`) the loss recomputed from
+        them."""
+        if self._contexts is None:
+            self._build()
+        return self._loss
+
+    def tensor_of(self, t):
+        """`t` in the graph of `loss()`: its copy where it lies after a
+        rebuilt loop, else `t`."""
+        if self._contexts is None:
+            self._build()
+        return t if self._one is None else self._one.tensor_of(t)
 
     def rows(self):
         """B as a scalar tensor, from the loss the shared pass
@@ -568,8 +582,11 @@ class Engine(object):
     def weighted_pass(self, group, weights):
         """`sum_b weights[b] g_b` of each x of `group` by one backward pass
         weighted per example: exact whatever the graph (the weights are
-        constants: d/dx sum_b w_b l_b)."""
-        return gradients(self.loss, [a.tensor for a in group],
+        constants: d/dx sum_b w_b l_b). Of the loss the shared pass
+        differentiates: where the loop rules rebuilt the loops it is the
+        loss recomputed from them (the same values), so a weighted pass
+        does not run the original loops again."""
+        return gradients(self.shared.loss(), [a.tensor for a in group],
                          aggregation_method=AggregationMethod.CUSTOM,
                          gradient_factors=weights)
 
@@ -681,7 +698,12 @@ class Certificate(object):
     """
 
     def __init__(self, engine, consumers):
-        loss = engine.loss
+        # The loss the shared pass differentiates, and the rule ops' and
+        # loop outputs' copies in its graph where the loops were rebuilt:
+        # the check reads the rows the rules read, and the original loops
+        # do not run.
+        shared = engine.shared
+        loss = shared.loss()
         batch = tf.shape(loss)[0]
         # Per consumer, the tensors its check reads: (tensor, g1 or None,
         # axis, start). A rule op: its output, with g1 from the shared
@@ -700,15 +722,17 @@ class Certificate(object):
             ctx = engine.shared.context(c)
             if isinstance(c, loop_rules.LoopUse):
                 for t, axis in c.checks or ():
+                    t = shared.tensor_of(t)
                     points.setdefault(t.ref(), [t, None, axis, t])
                     by_consumer[key].append(t.ref())
                 continue
-            out = c.op.outputs[0]
             if ctx is None:
                 continue    # no gradient reaches it: nothing to certify
+            out = ctx.op.outputs[0]
             if out.ref() not in points:
-                axis, start = _rows(c, engine.shared.fold(c))
-                points[out.ref()] = [out, ctx.grad, axis, start]
+                axis, start = _rows(c, shared.fold(c))
+                points[out.ref()] = [out, ctx.grad, axis,
+                                     shared.tensor_of(start)]
             by_consumer[key].append(out.ref())
         self._ok = {}
         if not points:

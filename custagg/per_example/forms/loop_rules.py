@@ -660,6 +660,11 @@ _NOT_COPIED = frozenset(["If", "StatelessIf", "Case", "StatelessCase",
                          "SymbolicGradient"])
 
 
+# Stateful ops after a loop that a copy may run again: checks (a shape
+# assertion of a loss) act only by failing, as the original would.
+_CHECKS = frozenset(["Assert"])
+
+
 class OnePass(object):
     """The v2 loops of `uses` rebuilt once on the whole batch, tapped, and
     the loss computed again from them (every op between the loops and the
@@ -748,7 +753,7 @@ def one_pass(uses, loss):
                 below.add(c)
                 stack.extend(c.outputs)
     for op in below:
-        if op in by_loop:
+        if op in by_loop or op.type in _CHECKS:
             continue
         if op.type in batch_axis.RANDOM or op.type in LOOP_TYPES or \
                 op.type in _NOT_COPIED or (
