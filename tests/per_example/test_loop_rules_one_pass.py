@@ -7,9 +7,10 @@ one backward pass differentiates that loss. So when only per-example
 quantities are fetched the original loop never runs: the graph behind the
 fetches holds, per loop, the tapped rebuild, its gradient loop and a loop
 of the iteration counter only (no float state). What cannot be copied
-after the loop (dropout: a copy would draw other numbers), the certified
-loop rules and v1 frames keep the two-pass build, whose values are
-checked here too. Values: the loop reference (one tf.gradients per
+after the loop (dropout: a copy would draw other numbers), a condition on
+the loop's float state and v1 frames keep the two-pass build, whose values
+are checked here too; certified xs next to the loop rules (bilstm_tagger's
+projection on folded rows) take the one pass, checked on its graph. Values: the loop reference (one tf.gradients per
 example), float64, B in {1, 7} (`-m slow`: {32, 33}).
 """
 
@@ -23,6 +24,8 @@ from custagg.graph import walks
 
 import test_loop_rules
 import test_loops
+from benchmarks import tf1_models
+from custagg.per_example import engine as engine_lib
 
 BATCHES = (1, 7)
 LARGE_BATCHES = (32, 33)
@@ -239,3 +242,20 @@ def test_a_condition_on_float_state_keeps_two_passes(graph):
     fetches = [tf.convert_to_tensor(t) for t in
                built["per_example_gradients"] if t is not None]
     assert _reached(fetches, before)[0]
+
+
+@pytest.mark.skipif(not tf1_models.has_tf1_layers(),
+                    reason="the v1 RNN cells need the tf-keras package")
+def test_certified_xs_next_to_the_loop_rules_take_one_pass(graph):
+    """bilstm_tagger (small, float64): an embedding below two loops, a
+    projection on `[B*T, 2H]` rows after them (certified at run time). The
+    certificate and the rules read the recomputed graph; values are the
+    loop reference's (B in {1, 7})."""
+    model = tf1_models.bilstm_tagger(tf.float64, np.random.default_rng(0))
+    plan = custagg.plan_per_example(model.loss, model.xs)
+    assert "certified" in plan.forms() and "loop-rules" in plan.forms(), \
+        str(plan)
+    assert engine_lib.Engine(plan, 32).shared.one_pass() is not None
+    test_loop_rules._check_all(  # pylint: disable=protected-access
+        model.loss, model.xs, lambda b, r: model.feed(r, b),
+        batches=BATCHES)

@@ -35,8 +35,8 @@ Where `dz` comes from (issue 26):
   user fetches the loss: one forward and one backward pass of the loop.
   T, needed before the tapped loop starts, comes from a copy of the loop
   that runs only the variables its condition reads (no float state).
-* `build` (the fallback: v1 frames, the certified loop rules, random or
-  stateful ops after the loop, a condition on the loop's state): `eps`
+* `build` (the fallback: v1 frames, random or stateful ops after the
+  loop, a condition on the loop's state): `eps`
   `[T, B, ...]` zeros with T from the original loop's counter, and one
   backward pass of the rebuilt loop seeded with the loss's gradient at
   the original loop's outputs (from the rules' shared backward pass): the
