@@ -493,6 +493,17 @@ def _live_v1(switches, merges, nexts, pred, wanted, exits):
         roots = [nexts[j].inputs[0] for j in fresh]
 
 
+def live_loop_variables(op, used):
+    """The positions of While `op`'s own loop variables (loop invariants
+    apart) that a rebuild reading outputs `used` runs: those the `used`
+    outputs and the condition depend on, through the body."""
+    body, cond = func_graph(op, "body"), func_graph(op, "cond")
+    keep = functions.own_loop_variables(op, body)
+    through = [k for k in keep if body.outputs[k] is body.inputs[k]]
+    return _live_vars(body, cond, [k for k in keep if k not in through],
+                      set(used))
+
+
 def _live_vars(body, cond, var_idx, used):
     """The loop variables (indices) that the `used` outputs and the
     condition depend on; the others are dead and not rebuilt (an unused

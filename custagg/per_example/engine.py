@@ -48,6 +48,8 @@ class SharedPass(object):
     def __init__(self, plan):
         self.plan = plan
         self._contexts = None
+        self._one = None
+        self._loss = plan.loss
         # Inside a `tf.cond` branch (the certified rules): the contexts'
         # caches for that branch only, so a tensor a rule caches there is
         # never read from outside it (`Engine._branch`).
@@ -61,21 +63,45 @@ class SharedPass(object):
             for c in x.consumers))
         consumers = [c for c in found if isinstance(c, rules_form.Consumer)]
         uses = [c for c in found if isinstance(c, loop_rules.LoopUse)]
-        outs = [c.op.outputs[0] for c in consumers]
-        # The loop rules' rebuilt loops are seeded with the loss's gradient
-        # at the loops' outputs: the same backward pass.
-        targets = loop_rules.cotangent_targets(uses)
-        batch = self.plan.batch_size
+        one = None
+        if uses:
+            # The tapped loops and the loss recomputed from them: one
+            # forward and one backward pass of each loop (the certificate
+            # checks rows of the same recomputed graph: `tensor_of`).
+            with tf.name_scope("per_example_rules"):
+                one, why = loop_rules.one_pass(uses, self.plan.loss)
+            if one is None:
+                _LOG.info("custagg: the loop rules run their loops twice: %s",
+                          first_line(why if isinstance(why, Exception)
+                                     else ValueError(str(why))))
+        self._one = one
+        if one is None:
+            loss, batch, op_of = self.plan.loss, self.plan.batch_size, \
+                (lambda op: op)
+        else:
+            # B from the recomputed loss: the original's shape would run
+            # the original loop.
+            loss, op_of = one.loss, one.op_of
+            batch = self.plan.batch_size if isinstance(
+                self.plan.batch_size, int) else tf.shape(loss)[0]
+        self._loss = loss
+        ops = [op_of(c.op) for c in consumers]
+        outs = [op.outputs[0] for op in ops]
+        # Today's path: the rebuilt loops are seeded with the loss's
+        # gradient at the loops' outputs, from the same backward pass.
+        targets = loop_rules.cotangent_targets(uses) if one is None else []
+        eps = [] if one is None else one.eps
         # Rules that read the gradient at other tensors too (nce_loss's
         # gather: the sampled logits) get it from the same pass.
         extras = [list(c.rule.extra_targets(registry_lib.RuleContext(
-            c.op, c.index, None, batch))) for c in consumers]
+            op, c.index, None, batch))) for c, op in zip(consumers, ops)]
         flat = [t for ts in extras for t in ts]
         with tf.name_scope("per_example_rules"):
-            grads = gradients(self.plan.loss, outs + targets + flat) \
-                if outs or targets else []
-        extra_grads = grads[len(outs) + len(targets):]
-        for c, g, ts in zip(consumers, grads, extras):
+            grads = gradients(loss, outs + targets + eps + flat) \
+                if outs or targets or eps else []
+        n = len(outs) + len(targets)
+        extra_grads = grads[n + len(eps):]
+        for c, op, g, ts in zip(consumers, ops, grads, extras):
             cache = {}
             if ts:
                 got, extra_grads = extra_grads[:len(ts)], \
@@ -84,19 +110,51 @@ class SharedPass(object):
                                   else sparse.dense(e)
                                   for t, e in zip(ts, got)]
             ctx = None if g is None else registry_lib.RuleContext(
-                c.op, c.index, sparse.dense(g), batch, cache)
+                op, c.index, sparse.dense(g), batch, cache)
             self._contexts[(c.op, c.index)] = ctx
         if uses:
-            seeds = {t.ref(): g if g is None or t.dtype == tf.variant
-                     else sparse.dense(g)
-                     for t, g in zip(targets,
-                                     grads[len(outs):len(outs) + len(targets)])}
-            outers = loop_rules.build(uses, seeds, batch)
+            if one is None:
+                seeds = {t.ref(): g if g is None or t.dtype == tf.variant
+                         else sparse.dense(g)
+                         for t, g in zip(targets, grads[len(outs):n])}
+                outers = loop_rules.build(uses, seeds, batch)
+            else:
+                outers = one.build(grads[n:n + len(eps)], batch)
             for u in uses:
                 outer, dense = outers[(u.op, u.index)]
                 self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
                     u.op, u.index, None, batch,
                     {"outer": outer, "dense": dense, "param": u.value})
+
+    def one_pass(self):
+        """The loop rules' `OnePass` (its loops the only ones run), or None
+        (no loop rules, or today's two passes)."""
+        if self._contexts is None:
+            self._build()
+        return self._one
+
+    def loss(self):
+        """The `[B]` loss the shared pass differentiates: the plan's, or
+        where the loops were rebuilt (`one_pass`) the loss recomputed from
+        them."""
+        if self._contexts is None:
+            self._build()
+        return self._loss
+
+    def tensor_of(self, t):
+        """`t` in the graph of `loss()`: its copy where it lies after a
+        rebuilt loop, else `t`."""
+        if self._contexts is None:
+            self._build()
+        return t if self._one is None else self._one.tensor_of(t)
+
+    def rows(self):
+        """B as a scalar tensor, from the loss the shared pass
+        differentiates (never the original's where the loops were rebuilt:
+        its shape would run the original loops)."""
+        if self._contexts is None:
+            self._build()
+        return tf.shape(self._loss)[0]
 
     def context(self, c):
         """The `RuleContext` of one rule consumer, or None when the loss's
@@ -410,7 +468,7 @@ class Engine(object):
                                                      hint))
             return t
         check = tf.debugging.assert_equal(
-            tf.shape(t)[0], tf.shape(self.loss)[0],
+            tf.shape(t)[0], self.shared.rows(),
             message="custagg: the rules gave %s of %s for another number of "
                     "rows than the batch's examples (%s)" % (what, name, hint))
         with tf.control_dependencies([check]):
@@ -524,8 +582,11 @@ class Engine(object):
     def weighted_pass(self, group, weights):
         """`sum_b weights[b] g_b` of each x of `group` by one backward pass
         weighted per example: exact whatever the graph (the weights are
-        constants: d/dx sum_b w_b l_b)."""
-        return gradients(self.loss, [a.tensor for a in group],
+        constants: d/dx sum_b w_b l_b). Of the loss the shared pass
+        differentiates: where the loop rules rebuilt the loops it is the
+        loss recomputed from them (the same values), so a weighted pass
+        does not run the original loops again."""
+        return gradients(self.shared.loss(), [a.tensor for a in group],
                          aggregation_method=AggregationMethod.CUSTOM,
                          gradient_factors=weights)
 
@@ -637,7 +698,12 @@ class Certificate(object):
     """
 
     def __init__(self, engine, consumers):
-        loss = engine.loss
+        # The loss the shared pass differentiates, and the rule ops' and
+        # loop outputs' copies in its graph where the loops were rebuilt:
+        # the check reads the rows the rules read, and the original loops
+        # do not run.
+        shared = engine.shared
+        loss = shared.loss()
         batch = tf.shape(loss)[0]
         # Per consumer, the tensors its check reads: (tensor, g1 or None,
         # axis, start). A rule op: its output, with g1 from the shared
@@ -656,15 +722,17 @@ class Certificate(object):
             ctx = engine.shared.context(c)
             if isinstance(c, loop_rules.LoopUse):
                 for t, axis in c.checks or ():
+                    t = shared.tensor_of(t)
                     points.setdefault(t.ref(), [t, None, axis, t])
                     by_consumer[key].append(t.ref())
                 continue
-            out = c.op.outputs[0]
             if ctx is None:
                 continue    # no gradient reaches it: nothing to certify
+            out = ctx.op.outputs[0]
             if out.ref() not in points:
-                axis, start = _rows(c, engine.shared.fold(c))
-                points[out.ref()] = [out, ctx.grad, axis, start]
+                axis, start = _rows(c, shared.fold(c))
+                points[out.ref()] = [out, ctx.grad, axis,
+                                     shared.tensor_of(start)]
             by_consumer[key].append(out.ref())
         self._ok = {}
         if not points:

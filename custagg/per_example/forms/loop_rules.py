@@ -17,15 +17,30 @@ Dense layer on a sequence (Gram form, `A^T diag(c) G`). A rule without an
 TF's gradient of the loop sums over the batch inside the gradient loop,
 where no one can reach it. So the loop is **rebuilt once on the whole
 batch** (`graph.copier`'s `Copier`, the batch kept whole) with each
-tapped op's output perturbed by a zero tensor, `z_t + eps[t]`, with `eps`
-`[T, B, *z.shape[1:]]` read from a TensorList, and each of the op's other
-inputs pushed to an extra TensorList. One backward pass of the rebuilt
-loop, seeded with the loss's gradient at the original loop's outputs (from
-the rules' shared backward pass), gives `d/d eps = dz` `[T, B, ...]`: row b
-of it is `d loss_b / d z_bt` because examples stay apart downstream of every
-tap. The rule then runs once, outside the loop, on a copy of the op whose
-inputs are the stacked `[T*B, ...]` rows (row t*B + b is example b at step
-t), and its result is folded back to `[B, ...]`.
+tapped op's output perturbed by zeros, `z_t + eps_t`, and each of the op's
+other inputs pushed to an extra TensorList. `d/d eps = dz` `[T, B, ...]`:
+row b of it is `d loss_b / d z_bt` because examples stay apart downstream
+of every tap. The rule then runs once, outside the loop, on a copy of the
+op whose inputs are the stacked `[T*B, ...]` rows (row t*B + b is example b
+at step t), and its result is folded back to `[B, ...]`.
+
+Where `dz` comes from (issue 26):
+
+* `one_pass` (v2 loops): `eps` is a TensorList reserved for T items whose
+  unset items read as zeros of the tap's output shape; the ops between the
+  loops and the loss are copied onto the rebuilt loops' outputs, and the
+  rules' one backward pass (`engine.SharedPass`) differentiates that
+  recomputed loss to the taps' lists and to the rule ops' outputs (their
+  copies after the loops). The original loop then never runs unless the
+  user fetches the loss: one forward and one backward pass of the loop.
+  T, needed before the tapped loop starts, comes from a copy of the loop
+  that runs only the variables its condition reads (no float state).
+* `build` (the fallback: v1 frames, random or stateful ops after the
+  loop, a condition on the loop's state): `eps`
+  `[T, B, ...]` zeros with T from the original loop's counter, and one
+  backward pass of the rebuilt loop seeded with the loss's gradient at
+  the original loop's outputs (from the rules' shared backward pass): the
+  loop runs twice.
 
 That last condition is checked statically, never assumed: from each tap's
 output, through the rest of the body, into the next iterations (loop
@@ -489,7 +504,12 @@ class _Hook(object):
     `eps[t]` to each tap's output and pushes the tap's other inputs."""
 
     def __init__(self, taps, steps, batch, v1=False):
+        """`batch` None: the eps lists are reserved for `steps` items of
+        unknown rows, each read as zeros of its tap's output shape (the
+        one-pass build, `OnePass`, which must not read B from the loss:
+        that would run the original loop); else `[T, B, ...]` zeros."""
         self.v1 = v1
+        self.lazy = batch is None
         self.taps = list(taps)
         self.ops = {tap.op: i for i, tap in enumerate(self.taps)}
         # slot[i]: which eps (and dz) tap i reads: its own, or that of the
@@ -505,12 +525,23 @@ class _Hook(object):
 
         roots = [root(i) for i in range(len(self.taps))]
         self.owners = sorted(set(roots))   # the taps that add their own eps
-        self.eps = [tf.zeros(tf.stack([steps, batch] + self.taps[i].rest),
-                             self.taps[i].op.outputs[0].dtype)
-                    for i in self.owners]
         self.slot = [self.owners.index(r) for r in roots]
-        self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
-            tensor=e, element_shape=_element_shape(e[0])) for e in self.eps]
+        if self.lazy:
+            # The lists themselves are what the gradient is taken to.
+            self.eps = [tf.raw_ops.TensorListReserve(
+                element_shape=_element_shape(self.taps[i].op.outputs[0]),
+                num_elements=steps,
+                element_dtype=self.taps[i].op.outputs[0].dtype)
+                for i in self.owners]
+            self._lists = list(self.eps)
+        else:
+            self.eps = [tf.zeros(tf.stack([steps, batch] +
+                                          self.taps[i].rest),
+                                 self.taps[i].op.outputs[0].dtype)
+                        for i in self.owners]
+            self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
+                tensor=e, element_shape=_element_shape(e[0]))
+                for e in self.eps]
         # One extra loop variable per (tap, other input): the pushed rows.
         self.pushed = [(i, k) for i, tap in enumerate(self.taps)
                        for k in tap.others]
@@ -560,6 +591,16 @@ class _Hook(object):
             # A v1 loop accumulates a captured tensor's gradient (here
             # IndexedSlices) itself; a variant list's it does not.
             item = tf.gather(self.eps[s], self.step)
+        elif self.lazy:
+            # An unset item of a reserved list reads as zeros of the shape
+            # asked for: the tap's output's, rows included.
+            owner = self.taps[self.owners[s]]
+            item = tf.raw_ops.TensorListGetItem(
+                input_handle=self._lists[s], index=self.step,
+                element_shape=tf.shape(outs[0]) if owner is tap else
+                tf.concat([tf.shape(outs[0])[:1],
+                           tf.constant(owner.rest, tf.int32)], 0),
+                element_dtype=owner.op.outputs[0].dtype)
         else:
             item = tf.raw_ops.TensorListGetItem(
                 input_handle=self._lists[s], index=self.step,
@@ -610,6 +651,153 @@ class _Hook(object):
             stacked.set_shape(tf.TensorShape([None, None]).concatenate(
                 t.shape[1:]))
             self.inputs[key] = stacked
+
+
+# Op types the one-pass build does not copy downstream of a loop: control
+# flow and function calls whose copies would need their own rebuild.
+_NOT_COPIED = frozenset(["If", "StatelessIf", "Case", "StatelessCase",
+                         "PartitionedCall", "StatefulPartitionedCall",
+                         "SymbolicGradient"])
+
+
+# Stateful ops after a loop that a copy may run again: checks (a shape
+# assertion of a loss) act only by failing, as the original would.
+_CHECKS = frozenset(["Assert"])
+
+
+class OnePass(object):
+    """The v2 loops of `uses` rebuilt once on the whole batch, tapped, and
+    the loss computed again from them (every op between the loops and the
+    loss copied, upstream ones kept): the only loops the per-example graph
+    runs, so the rules' one backward pass of this loss gives both the rule
+    ops' gradients and each tap's dz (`eps`), the loop's forward running
+    once and its backward once (issue 26). Built by `one_pass`.
+
+    Attributes:
+      loss: the `[B]` loss recomputed from the rebuilt loops.
+      eps: the taps' reserved lists, hook by hook (the gradient targets).
+    """
+
+    def __init__(self, loss, mapping, hooks, by_loop):
+        self.loss = loss
+        self._mapping = mapping
+        self._hooks = hooks
+        self._by_loop = by_loop
+        self.eps = [e for loop in by_loop for e in hooks[loop].eps]
+
+    def op_of(self, op):
+        """`op`'s copy when it is downstream of a rebuilt loop, else `op`."""
+        if not op.outputs:
+            return op
+        new = self._mapping.get(op.outputs[0].ref())
+        return op if new is None else new.op
+
+    def tensor_of(self, t):
+        """`t`'s copy when it is downstream of a rebuilt loop, else `t`."""
+        return self._mapping.get(t.ref(), t)
+
+    def build(self, eps_grads, batch):
+        """Each use's per-example gradients as `build` gives them, from the
+        gradients at `eps` (aligned with it; a variant list or None)."""
+        grads = iter(eps_grads)
+        result = {}
+        with tf.name_scope("loop_rules_form"):
+            for loop, group in self._by_loop.items():
+                hook = self._hooks[loop]
+                dz = []
+                for s, lst in enumerate(hook.eps):
+                    g = next(grads)
+                    tap = hook.taps[hook.owners[s]]
+                    dtype = tap.op.outputs[0].dtype
+                    # Fully defined at run time: unset items (no gradient at
+                    # a step) and an empty loop stack as zeros.
+                    shape = tf.concat([[batch], tf.constant(tap.rest,
+                                                            tf.int32)], 0)
+                    if g is None:
+                        d = tf.zeros(tf.concat([
+                            [tf.raw_ops.TensorListLength(input_handle=lst)],
+                            shape], 0), dtype)
+                    else:
+                        d = tf.raw_ops.TensorListStack(
+                            input_handle=g, element_shape=shape,
+                            element_dtype=dtype)
+                    d.set_shape(tf.TensorShape([None, None]).concatenate(
+                        tap.rest))
+                    dz.append(d)
+                for use in group:
+                    result[(use.op, use.index)] = _outer_of(use, hook, dz)
+        return result
+
+
+def one_pass(uses, loss):
+    """`(OnePass, None)`, or `(None, reason)` when the loops of `uses` are
+    read the way of `build` instead (their original loops run, and the
+    rebuilt ones once more): a v1 frame; a loop whose condition depends on
+    its floating state (its iteration count, needed before the tapped loop
+    runs, would cost a forward pass); between the loops and the loss an op
+    that draws random numbers or has side effects (its copy would draw or
+    act again: dropout after an RNN), another loop, a cond or a function
+    call."""
+    by_loop = collections.OrderedDict()
+    for use in uses:
+        by_loop.setdefault(use.loop, []).append(use)
+    for loop in by_loop:
+        if not isinstance(loop, tf.Operation):
+            return None, "v1 loop '%s'" % by_loop[loop][0].name
+    graph = loss.graph
+    ancestors = copier.ancestors_in([loss])
+    below, stack = set(), [o for loop in by_loop for o in loop.outputs]
+    while stack:
+        for c in stack.pop().consumers():
+            if c in ancestors and c not in below:
+                below.add(c)
+                stack.extend(c.outputs)
+    for op in below:
+        if op in by_loop or op.type in _CHECKS:
+            continue
+        if op.type in batch_axis.RANDOM or op.type in LOOP_TYPES or \
+                op.type in _NOT_COPIED or (
+                    _stateful(op) and op.type not in _STATEFUL_OK):
+            return None, ("op '%s' (type %s) between a loop and the loss "
+                          "would run again in a copy" % (op.name, op.type))
+    for loop in by_loop:
+        try:
+            counted = copier.live_loop_variables(loop, [0])
+        except copier.CannotCopy as e:
+            return None, str(e)
+        if any(loop.inputs[k].dtype.is_floating or
+               loop.inputs[k].dtype.is_complex for k in counted):
+            return None, ("the condition of loop '%s' depends on its state"
+                          % loop.name)
+    mapping, hooks = {}, {}
+    copies = copier.Copier(one_row=False)
+    with tf.name_scope("loop_rules_one_pass"):
+        for op in graph.get_operations():
+            if op not in ancestors:
+                continue
+            if op in by_loop:
+                taps = [tap for use in by_loop[op] for tap in use.taps]
+                # The iteration count first, from a loop of the variables
+                # the condition reads (no float state: checked above).
+                counts = copier.Copier(one_row=False).rebuild_while(
+                    op, dict(mapping), [0])
+                steps = counts[0] - copies.input(op.inputs[0], mapping)
+                hooks[op] = copies.hooks[op] = _Hook(taps, steps, None)
+                used = [k for k, o in enumerate(op.outputs)
+                        if any(c in ancestors for c in o.consumers())]
+                outs = copies.rebuild_while(op, mapping, used)
+            elif any(t.ref() in mapping for t in op.inputs):
+                outs = copies.copy_op(op, mapping)
+            else:
+                continue
+            for old, new in zip(op.outputs, outs):
+                if new is not None:
+                    mapping[old.ref()] = new
+    new_loss = mapping.get(loss.ref())
+    if new_loss is None:
+        raise ValueError("custagg: the loss does not depend on the loops "
+                         "the loop rules rebuilt; report this graph.")
+    return OnePass(new_loss, mapping, hooks, by_loop), None
 
 
 def cotangent_targets(uses):

@@ -1,0 +1,261 @@
+"""The loop rules in one forward and one backward pass of each loop
+(issue 26; per_example/forms/loop_rules.py, `OnePass`).
+
+The per-example graph rebuilds each v2 loop once on the whole batch with
+its taps and computes the loss again from the rebuilt loops; the rules'
+one backward pass differentiates that loss. So when only per-example
+quantities are fetched the original loop never runs: the graph behind the
+fetches holds, per loop, the tapped rebuild, its gradient loop and a loop
+of the iteration counter only (no float state). What cannot be copied
+after the loop (dropout: a copy would draw other numbers), a condition on
+the loop's float state and v1 frames keep the two-pass build, whose values
+are checked here too; certified xs next to the loop rules (bilstm_tagger's
+projection on folded rows) take the one pass, checked on its graph. Values: the loop reference (one tf.gradients per
+example), float64, B in {1, 7} (`-m slow`: {32, 33}).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import custagg
+from custagg import batch_axis
+from custagg.graph import walks
+
+import test_loop_rules
+import test_loops
+from benchmarks import tf1_models
+from custagg.per_example import engine as engine_lib
+
+BATCHES = (1, 7)
+LARGE_BATCHES = (32, 33)
+V2 = sorted(test_loops.MODELS)
+FLOATS = frozenset([tf.float16, tf.bfloat16, tf.float32, tf.float64])
+
+
+def _loops(graph):
+    return [op for op in graph.get_operations()
+            if op.type in batch_axis.LOOP_TYPES]
+
+
+def _carries_floats(loop):
+    return any(tf.as_dtype(d) in FLOATS for d in loop.get_attr("T"))
+
+
+def _clipped_fetches(loss, xs):
+    sums, norms = custagg.clipped_gradients(loss, xs, 0.5,
+                                            return_norms=True)
+    return [tf.convert_to_tensor(s) for s in sums if s is not None] + [norms]
+
+
+def _reached(fetches, before):
+    """(original loops the fetches run, new loops they run)."""
+    behind = walks.upstream(fetches, control=True)
+    loops = [op for op in behind if op.type in batch_axis.LOOP_TYPES]
+    return ([op for op in loops if op in before],
+            [op for op in loops if op not in before])
+
+
+@pytest.mark.parametrize("name", V2)
+def test_clipped_sums_run_one_forward_and_one_backward_loop(graph, name):
+    loss, xs, _ = test_loops.MODELS[name]()
+    before = set(_loops(graph))
+    originals, new = _reached(_clipped_fetches(loss, xs), before)
+    assert not originals, [op.name for op in originals]
+    # Per original loop: the tapped rebuild and its gradient carry floats;
+    # the loop that counts the iterations (needed before the tapped loop
+    # starts) carries none.
+    assert len(new) == 3 * len(before), [op.name for op in new]
+    with_floats = [op for op in new if _carries_floats(op)]
+    assert len(with_floats) == 2 * len(before), [op.name for op in new]
+
+
+def test_the_executed_step_runs_no_original_loop(graph):
+    """The same from the run's step stats: the nodes the executor ran."""
+    loss, xs, feed = test_loops.MODELS["keras_lstm_sequence"]()
+    before = _loops(graph)
+    fetches = _clipped_fetches(loss, xs)
+    meta = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(fetches, feed(3, np.random.default_rng(0)),
+                 options=tf.compat.v1.RunOptions(
+                     trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                 run_metadata=meta)
+    ran = {n.node_name for d in meta.step_stats.dev_stats
+           for n in d.node_stats}
+    # Grappler lowers each While to a frame: one LoopCond node per loop
+    # run, named under the While's name.
+    loops = {name.split("/LoopCond")[0] for name in ran
+             if "/LoopCond" in name}
+    assert len(before) == 1
+    assert before[0].name not in loops, loops
+    assert len(loops) == 3, loops
+
+
+@pytest.mark.parametrize("name,batches", [
+    pytest.param(n, b, marks=() if b == BATCHES else pytest.mark.slow,
+                 id="%s-%s" % (n, "large" if b == LARGE_BATCHES else "small"))
+    for n in ("hand_while_rnn", "keras_lstm_sequence", "stacked_lstm",
+              "dynamic_rnn_lstm_seqlen", "weight_inside_and_outside")
+    for b in (BATCHES, LARGE_BATCHES)])
+def test_one_pass_matches_the_loop(graph, name, batches):
+    loss, xs, feed = test_loops.MODELS[name]()
+    before = set(_loops(graph))
+    built = test_loop_rules._check_all(  # pylint: disable=protected-access
+        loss, xs, feed, batches=batches)
+    fetches = [tf.convert_to_tensor(t) for t in
+               built["per_example_gradients"] if t is not None]
+    assert not _reached(fetches, before)[0]
+
+
+def _embedded_rnn():
+    """An embedding below the loop: its rule's gradient comes back through
+    the rebuilt loop (bilstm_tagger's layout, small)."""
+    ids = tf.compat.v1.placeholder(tf.int32, [None, test_loops.T], "ids")
+    y = tf.compat.v1.placeholder(tf.int32, [None], "y")
+    rng = np.random.default_rng(5)
+    table = tf.compat.v1.Variable(rng.normal(size=(6, test_loops.D)),
+                                  use_resource=True, name="table")
+    x = tf.nn.embedding_lookup(table, ids)
+    layer = tf.keras.layers.GRU(test_loops.H, dtype=tf.float64)
+    loss, head = test_loops._head(  # pylint: disable=protected-access
+        layer(x), y)
+
+    def feed(b, r):
+        return {ids: r.integers(0, 6, size=(b, test_loops.T)),
+                y: r.integers(0, 2, size=b)}
+    return loss, [table] + layer.trainable_weights + head, feed
+
+
+@pytest.mark.parametrize("batches", [
+    BATCHES, pytest.param(LARGE_BATCHES, marks=pytest.mark.slow)])
+def test_rules_below_the_loop_take_the_rebuilt_loops_gradient(graph,
+                                                              batches):
+    loss, xs, feed = _embedded_rnn()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[:4] == ["rules"] + ["loop-rules"] * 3, str(plan)
+    before = set(_loops(graph))
+    built = test_loop_rules._check_all(  # pylint: disable=protected-access
+        loss, xs, feed, batches=batches)
+    fetches = [tf.convert_to_tensor(t) for t in
+               built["per_example_gradients"] if t is not None]
+    originals, new = _reached(fetches, before)
+    assert not originals
+    assert len(new) == 3, [op.name for op in new]
+
+
+def _dropout_after_loop():
+    def prep(h):
+        return h
+    x, y = test_loops._inputs()  # pylint: disable=protected-access
+    rng = np.random.default_rng(3)
+    w = tf.compat.v1.Variable(
+        0.5 * rng.normal(size=(test_loops.D + test_loops.H, test_loops.H)),
+        use_resource=True, name="cell_w")
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], test_loops.H]), tf.float64)
+
+    def body(t, h):
+        return t + 1, tf.tanh(tf.matmul(tf.concat([x[:, t, :], h], 1), w))
+
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < test_loops.T, body,
+                                   [0, h0])
+    h = tf.nn.dropout(prep(h), rate=0.4, seed=7)
+    loss, head = test_loops._head(h, y)  # pylint: disable=protected-access
+    return loss, [w] + head, test_loops._feed(x, y)  # pylint: disable=W0212
+
+
+def test_dropout_after_the_loop_keeps_two_passes_and_is_exact(graph):
+    """A copy of the dropout would draw another mask than the loss's: the
+    original loop runs (two passes) and the values are the reference's,
+    fetched in the same run (one mask)."""
+    loss, xs, feed = _dropout_after_loop()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[0] == "loop-rules", str(plan)
+    before = set(_loops(graph))
+    sums, norms = custagg.clipped_gradients(loss, xs, 0.3,
+                                            return_norms=True)
+    per_example = custagg.per_example_gradients(loss, xs)
+    originals, _ = _reached([norms] + list(sums), before)
+    assert originals, "the dropout was copied"
+    refs = {b: test_loops.loop_reference(loss, xs, b) for b in BATCHES}
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for b in BATCHES:
+            got_sums, got_norms, got_pe, want = sess.run(
+                [sums, norms, per_example, refs[b]],
+                feed(b, np.random.default_rng(b)))
+            for g, w in zip(got_pe, want):
+                np.testing.assert_allclose(g, w, rtol=1e-7, atol=1e-12)
+            want_norms = np.sqrt(sum(np.sum(np.square(w.reshape(b, -1)), 1)
+                                     for w in want))
+            np.testing.assert_allclose(got_norms, want_norms, rtol=1e-7)
+            factors = 0.3 / np.maximum(want_norms, 0.3)
+            for g, w in zip(got_sums, want):
+                np.testing.assert_allclose(
+                    g, np.tensordot(factors, w, axes=1), rtol=1e-7,
+                    atol=1e-12)
+
+
+def test_fetching_the_loss_too(graph):
+    """The user's loss next to the clipped sums: the original forward runs
+    for the loss (fine), the sums are unchanged."""
+    loss, xs, feed = test_loops.MODELS["hand_while_rnn"]()
+    fetches = _clipped_fetches(loss, xs)
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        fd = feed(5, np.random.default_rng(2))
+        alone = sess.run(fetches, fd)
+        both = sess.run(fetches + [loss], fd)
+    for a, b in zip(alone, both):
+        np.testing.assert_array_equal(a, b)
+
+
+def _float_condition():
+    """A loop whose condition reads a float loop variable (a step count kept
+    as a float): counting its iterations would need the loop itself."""
+    x, y = test_loops._inputs()  # pylint: disable=protected-access
+    rng = np.random.default_rng(4)
+    w = tf.compat.v1.Variable(
+        0.5 * rng.normal(size=(test_loops.D + test_loops.H, test_loops.H)),
+        use_resource=True, name="cell_w")
+    h0 = tf.zeros(tf.stack([tf.shape(x)[0], test_loops.H]), tf.float64)
+
+    def body(t, s, h):
+        h = tf.tanh(tf.matmul(tf.concat([x[:, t, :], h], 1), w))
+        return t + 1, s + 1.0, h
+
+    _, _, h = tf.compat.v1.while_loop(
+        lambda t, s, h: s < test_loops.T - 0.5, body,
+        [0, tf.constant(0.0, tf.float64), h0])
+    loss, head = test_loops._head(h, y)  # pylint: disable=protected-access
+    return loss, [w] + head, test_loops._feed(x, y)  # pylint: disable=W0212
+
+
+def test_a_condition_on_float_state_keeps_two_passes(graph):
+    loss, xs, feed = _float_condition()
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[0] == "loop-rules", str(plan)
+    before = set(_loops(graph))
+    built = test_loop_rules._check_all(  # pylint: disable=protected-access
+        loss, xs, feed, batches=BATCHES)
+    fetches = [tf.convert_to_tensor(t) for t in
+               built["per_example_gradients"] if t is not None]
+    assert _reached(fetches, before)[0]
+
+
+@pytest.mark.skipif(not tf1_models.has_tf1_layers(),
+                    reason="the v1 RNN cells need the tf-keras package")
+def test_certified_xs_next_to_the_loop_rules_take_one_pass(graph):
+    """bilstm_tagger (small, float64): an embedding below two loops, a
+    projection on `[B*T, 2H]` rows after them (certified at run time). The
+    certificate and the rules read the recomputed graph; values are the
+    loop reference's (B in {1, 7})."""
+    model = tf1_models.bilstm_tagger(tf.float64, np.random.default_rng(0))
+    plan = custagg.plan_per_example(model.loss, model.xs)
+    assert "certified" in plan.forms() and "loop-rules" in plan.forms(), \
+        str(plan)
+    assert engine_lib.Engine(plan, 32).shared.one_pass() is not None
+    test_loop_rules._check_all(  # pylint: disable=protected-access
+        model.loss, model.xs, lambda b, r: model.feed(r, b),
+        batches=BATCHES)
