@@ -670,7 +670,7 @@ def _same_kind(t, like):
 
 # Relative tolerance of the certificate's row check, by the gradients'
 # dtype (see `Certificate`).
-CERTIFICATE_RTOL = {tf.float64: 1e-8, tf.float32: 1e-4,
+CERTIFICATE_RTOL = {tf.float64: 1e-11, tf.float32: 1e-4,
                     tf.float16: 1e-2, tf.bfloat16: 1e-2}
 # Rows whose gradient is below this fraction of the largest row's are
 # checked against that fraction of the largest row (rounding in a tiny

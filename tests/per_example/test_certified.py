@@ -46,6 +46,9 @@ after the test):
   and scalar feeds still chain.
 """
 
+import os
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -260,9 +263,48 @@ def test_plan_says_certified_and_why(graph, monkeypatch):
 
 
 def test_certificate_tolerances_are_documented():
-    # The tolerance the docs state is the one the code uses.
-    assert engine_lib.CERTIFICATE_RTOL[tf.float64] == 1e-8
-    assert engine_lib.CERTIFICATE_RTOL[tf.float32] == 1e-4
+    # The tolerances docs/strategies.md states are the ones the code uses.
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs",
+                        "strategies.md")
+    with open(path) as f:
+        text = " ".join(f.read().split())
+    found = re.search(r"with `rtol` (\S+) for float64 and (\S+) for float32",
+                      text)
+    assert found, "docs/strategies.md no longer states the tolerances"
+    assert engine_lib.CERTIFICATE_RTOL[tf.float64] == float(found.group(1))
+    assert engine_lib.CERTIFICATE_RTOL[tf.float32] == float(found.group(2))
+
+
+def test_weak_coupling_fails_the_check(graph, monkeypatch):
+    """A coupling far below float32's resolution but far above float64's
+    rounding (loss i reads example i-1's hidden row with weight 1e-9) must
+    fail the float64 check, and the exact form then gives the loop's values
+    to 1e-12. Found by a fresh randomized seed (640329: an in-batch
+    log-sum-exp whose off-diagonal softmax weights were ~1e-9), which a
+    float64 tolerance of 1e-8 let through with a 1.6e-7 error in a clipped
+    sum."""
+    _hide(monkeypatch, "Roll")
+    x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    init = tf.compat.v1.random_normal_initializer(seed=3, dtype=tf.float64)
+    w1 = tf.compat.v1.get_variable("w1", [D_IN, HIDDEN], tf.float64, init)
+    w2 = tf.compat.v1.get_variable("w2", [HIDDEN, CLASSES], tf.float64, init)
+    w3 = tf.compat.v1.get_variable("w3", [D_IN, CLASSES], tf.float64, init)
+    h = tf.tanh(tf.matmul(x, w1))
+    h = h + 1e-9 * tf.roll(h, shift=1, axis=0)
+    logits = tf.matmul(h, w2) + tf.matmul(x, w3)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                          logits=logits)
+    xs = [w1, w2, w3]
+    assert custagg.plan_per_example(loss, xs).forms()[0] == "certified"
+    results = _run(graph, x, y, loss, xs, (7,))
+    for b, oks in _checks(graph, _certificates(graph), x, y, (7,),
+                          seed=1).items():
+        assert not all(oks), b
+    values = results[7]
+    for j, g in enumerate(values["reference"]):
+        testing.assert_close(values["per_example"][j], g, 1e-12,
+                             "weak coupling per_example[%d]" % j)
 
 
 # --------------------------------------------------------------------------
