@@ -17,8 +17,9 @@ with `None` exactly where `tf.compat.v1.gradients` gives `None`:
 7. a convolution with explicit padding that sees no batch data (one image
    held in a variable, broadcast over the batch): its filter and image get
    their per-example gradients through the conv's own gradient under pfor
-   (a chain), which must not meet TF's pfor fallback that drops
-   `explicit_paddings` (fresh randomized seed 440733).
+   (a chain; or, under "pfor", the boundary form's pass back from the add),
+   which must not meet TF's pfor fallback that drops `explicit_paddings`
+   (fresh randomized seeds 440733 and 740734).
 """
 
 import numpy as np
@@ -190,9 +191,11 @@ def test_chain_through_conv2d_with_explicit_padding(graph, rng, batch):
     loss = tf.reduce_sum(tf.square(h), 1)
     plan = custagg.plan_per_example(loss, [w, image])
     assert "through Conv2D" in str(plan), str(plan)
+    assert custagg.plan_per_example(
+        loss, [w, image], strategy="pfor").forms() == ["boundary"] * 2
     _check(graph, loss, [w, image, table],
            {ids: rng.integers(0, 6, size=(batch, 2))},
-           strategies=("rules", "auto"))
+           strategies=("rules", "auto", "pfor"))
 
 
 def test_reshaped_table_before_gather(graph, rng):

@@ -190,8 +190,18 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
             results.append(sparse.dense(g))
         return results
 
-    return pfor_lib.chunked_pfor(loop_fn, batch, chunk,
-                        [_grad_dtype(a.tensor) for a in group])
+    dtypes = [_grad_dtype(a.tensor) for a in group]
+    # The pass from the boundary ops back to x may cross a convolution with
+    # explicit padding that is no boundary op (one that sees no batch data,
+    # between x and the boundary): pfor would drop its `explicit_paddings`
+    # (`_pfor_safe`), so the same passes then run one example at a time.
+    behind = set()
+    for bounds in boundaries:
+        for b in bounds:
+            behind |= set(graph_lib.upstream(list(b.op.inputs)))
+    if any(_explicit_padding(op) is not None for op in behind):
+        return _loop_per_example(loop_fn, batch, dtypes)
+    return pfor_lib.chunked_pfor(loop_fn, batch, chunk, dtypes)
 
 
 def _pfor_safe(loss, tensors):
