@@ -155,3 +155,41 @@ def check(sess, loss, xs, feed, built, weights_ph, rtol=1e-6, label="",
             if why:
                 return why
     return None
+
+
+def assert_group_quantities(values, users, rtol, microbatches=3,
+                            weights=None):
+    """Checks the group quantities of one run against the loop reference.
+
+    Args:
+      values: the run's {"ref": `testing.loop_per_example(..., rows=True)`
+        values, "micro": `per_example_norms(num_microbatches=microbatches)`,
+        "users": `per_example_norms(group_ids=users)`, "moments":
+        `gradient_second_moments`, and "weighted":
+        `weighted_gradients(weights)` when `weights` is given}.
+      users: the fed `[B]` user ids.
+      rtol: relative tolerance.
+      microbatches: how many microbatches "micro" was built with.
+      weights: the fed `[B]` weights of "weighted", or None.
+    """
+    ref = [np.stack(col) for col in zip(*values["ref"])]
+
+    def sq_norms(sums):
+        return sum(np.sum(np.reshape(s, [len(s), -1]) ** 2, 1) for s in sums)
+    size = len(ref[0]) // microbatches
+    micro = [g.reshape((microbatches, size) + g.shape[1:]).sum(1)
+             for g in ref]
+    testing.assert_close(values["micro"], sq_norms(micro) ** .5, rtol,
+                         "microbatch norms")
+    # Users in their order of first appearance (`custagg.group_segments`).
+    order = [u for k, u in enumerate(users) if u not in users[:k]]
+    by_user = [np.stack([g[users == u].sum(0) for u in order]) for g in ref]
+    testing.assert_close(values["users"], sq_norms(by_user) ** .5, rtol,
+                         "user norms")
+    for j, g in enumerate(ref):
+        testing.assert_close(values["moments"][j], np.sum(g ** 2, 0), rtol,
+                             "second moments[%d]" % j)
+        if weights is not None:
+            testing.assert_close(values["weighted"][j],
+                                 np.tensordot(weights, g, 1), rtol,
+                                 "weighted[%d]" % j)

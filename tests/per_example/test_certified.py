@@ -54,6 +54,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
+import per_example_reference
 from custagg import testing
 from custagg.batch_axis import table as table_lib
 from custagg.per_example import engine as engine_lib
@@ -734,21 +735,7 @@ def test_fold_rows_group_quantities_are_exact(graph, monkeypatch):
     with tf.compat.v1.Session(graph=graph) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         values = sess.run(fetches, feed)
-    ref = [np.stack(col) for col in zip(*values["ref"])]
-
-    def sq_norms(sums):
-        return sum(np.sum(np.reshape(s, [len(s), -1]) ** 2, 1) for s in sums)
-    micro = [g.reshape((3, 2) + g.shape[1:]).sum(1) for g in ref]
-    testing.assert_close(values["micro"], sq_norms(micro) ** .5, RTOL,
-                         "microbatch norms")
-    # Users in their order of first appearance (`custagg.group_segments`).
-    by_user = [np.stack([g[feed[users] == u].sum(0) for u in (2, 0, 1)])
-               for g in ref]
-    testing.assert_close(values["users"], sq_norms(by_user) ** .5, RTOL,
-                         "user norms")
-    for j, g in enumerate(ref):
-        testing.assert_close(values["moments"][j], np.sum(g ** 2, 0), RTOL,
-                             "second moments[%d]" % j)
+    per_example_reference.assert_group_quantities(values, feed[users], RTOL)
 
 
 # --------------------------------------------------------------------------
