@@ -9,10 +9,18 @@ dynamic batches), and `None` is expected exactly where
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import custagg
 from custagg import testing
+
+# The batch sizes a rule's or form's test runs at: one and a few in the
+# default run, a multiple of 32 and one past it under `-m slow`.
+DEFAULT_BATCHES = (1, 7)
+SLOW_BATCHES = (32, 33)
+BATCHES = [pytest.param(DEFAULT_BATCHES, id="B1,7"),
+           pytest.param(SLOW_BATCHES, id="B32,33", marks=pytest.mark.slow)]
 
 # Each per-example form's name scope in custagg/per_example/forms/ (each form's `scope`).
 FORM_SCOPES = {"rules": "per_example_rules", "boundary": "boundary_form",

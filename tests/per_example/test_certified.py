@@ -63,10 +63,9 @@ from custagg.per_example.forms import rows as rows_lib
 from benchmarks import tf1_models
 
 RTOL = 1e-9
-DEFAULT_BATCHES = (1, 7)
-SLOW_BATCHES = (32, 33)
-BATCHES = [pytest.param(DEFAULT_BATCHES, id="B1,7"),
-           pytest.param(SLOW_BATCHES, id="B32,33", marks=pytest.mark.slow)]
+DEFAULT_BATCHES = per_example_reference.DEFAULT_BATCHES
+SLOW_BATCHES = per_example_reference.SLOW_BATCHES
+BATCHES = per_example_reference.BATCHES
 
 D_IN, HIDDEN, CLASSES = 5, 6, 3
 

@@ -27,10 +27,9 @@ from custagg.rules import bilinear
 from custagg.rules import gather
 
 RTOL = 1e-9
-DEFAULT_BATCHES = (1, 7)
-SLOW_BATCHES = (32, 33)
-BATCHES = [pytest.param(DEFAULT_BATCHES, id="B1,7"),
-           pytest.param(SLOW_BATCHES, id="B32,33", marks=pytest.mark.slow)]
+DEFAULT_BATCHES = per_example_reference.DEFAULT_BATCHES
+SLOW_BATCHES = per_example_reference.SLOW_BATCHES
+BATCHES = per_example_reference.BATCHES
 
 VOCAB, DIM, SAMPLED = 30, 4, 6
 
