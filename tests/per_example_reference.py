@@ -201,3 +201,21 @@ def assert_group_quantities(values, users, rtol, microbatches=3,
             testing.assert_close(values["weighted"][j],
                                  np.tensordot(weights, g, 1), rtol,
                                  "weighted[%d]" % j)
+
+
+def assert_exact(values, label, rtol):
+    """Checks one run's per-example gradients (when fetched), norms and
+    clipped sum against the loop reference: `values` holds "reference"
+    (per x, `[B, *x]`), "per_example" (optional), "clip" and "clipped"
+    (`clipped_gradients(..., return_norms=True)`'s values)."""
+    ref = values["reference"]
+    for j, g in enumerate(ref[:len(values.get("per_example", ()))]):
+        testing.assert_close(values["per_example"][j], g, rtol,
+                             "%s per_example[%d]" % (label, j))
+    sums, _ = testing.numpy_clipped(ref, values["clip"])
+    clipped, norms = values["clipped"]
+    testing.assert_close(norms, testing.numpy_norms(ref), rtol,
+                         label + " norms")
+    for j, s in enumerate(sums):
+        testing.assert_close(clipped[j], s, rtol,
+                             "%s clipped[%d]" % (label, j))

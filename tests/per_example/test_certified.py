@@ -165,16 +165,7 @@ def _run(graph, x, y, loss, xs, batches, extra=None, feed_fn=None,
 
 
 def _check_exact(values, label):
-    ref = values["reference"]
-    for j, g in enumerate(ref[:len(values.get("per_example", ()))]):
-        testing.assert_close(values["per_example"][j], g, RTOL,
-                             "%s per_example[%d]" % (label, j))
-    sums, _ = testing.numpy_clipped(ref, values["clip"])
-    clipped, norms = values["clipped"]
-    testing.assert_close(norms, testing.numpy_norms(ref), RTOL,
-                         label + " norms")
-    for j, s in enumerate(sums):
-        testing.assert_close(clipped[j], s, RTOL, "%s clipped[%d]" % (label, j))
+    per_example_reference.assert_exact(values, label, RTOL)
 
 
 @pytest.mark.parametrize("batches", BATCHES)

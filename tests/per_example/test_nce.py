@@ -230,17 +230,7 @@ def _gaps(values):
 
 
 def _check_exact(values, label):
-    ref = values["reference"]
-    for j, g in enumerate(ref):
-        testing.assert_close(values["per_example"][j], g, RTOL,
-                             "%s per_example[%d]" % (label, j))
-    sums, _ = testing.numpy_clipped(ref, values["clip"])
-    clipped, norms = values["clipped"]
-    testing.assert_close(norms, testing.numpy_norms(ref), RTOL,
-                         label + " norms")
-    for j, s in enumerate(sums):
-        testing.assert_close(clipped[j], s, RTOL,
-                             "%s clipped[%d]" % (label, j))
+    per_example_reference.assert_exact(values, label, RTOL)
 
 
 @pytest.mark.parametrize("loss_fn", ["nce", "sampled_softmax"])
