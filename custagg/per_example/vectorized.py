@@ -195,21 +195,18 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
     # explicit padding that is no boundary op (one that sees no batch data,
     # between x and the boundary): pfor would drop its `explicit_paddings`
     # (`_pfor_safe`), so the same passes then run one example at a time.
-    behind = set()
-    for bounds in boundaries:
-        for b in bounds:
-            behind |= set(graph_lib.upstream(list(b.op.inputs)))
-    if any(_explicit_padding(op) is not None for op in behind):
+    behind = graph_lib.upstream(
+        [t for bounds in boundaries for b in bounds for t in b.op.inputs])
+    if not _pfor_safe(behind):
         return _loop_per_example(loop_fn, batch, dtypes)
     return pfor_lib.chunked_pfor(loop_fn, batch, chunk, dtypes)
 
 
-def _pfor_safe(loss, tensors):
-    """False when the backward pass from `loss` to `tensors` holds an op
-    whose gradient TF's pfor vectorizes wrongly: a Conv2D with explicit
-    padding (its Conv2DBackpropFilter converter drops `explicit_paddings`)."""
-    between = graph_lib.ancestors(loss)
-    return not any(_explicit_padding(op) is not None for op in between)
+def _pfor_safe(ops):
+    """False when `ops` (those a backward pass crosses) hold an op whose
+    gradient TF's pfor vectorizes wrongly: a Conv2D with explicit padding
+    (its Conv2DBackpropFilter converter drops `explicit_paddings`)."""
+    return not any(_explicit_padding(op) is not None for op in ops)
 
 
 def _loop_per_example(loop_fn, batch, dtypes):
@@ -242,7 +239,7 @@ def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
                 for g, z in zip(grads, zeros)]
 
     dtypes = [_grad_dtype(t) for t in tensors]
-    if not _pfor_safe(loss, tensors):
+    if not _pfor_safe(graph_lib.ancestors(loss)):
         return _loop_per_example(loop_fn, batch, dtypes)
     # Each iteration holds a backward pass through the whole batch, which its
     # [*x.shape] outputs do not show: passes stay at `chunk`.
