@@ -312,3 +312,48 @@ def test_before_after_plan_and_arguments(capsys):
     with pytest.raises(SystemExit):
         before_after.parse_args([str(REPO) + "/docs"])
     assert "holds no custagg/__init__.py" in capsys.readouterr().err
+
+
+def test_run_all_lists_every_benchmark_with_an_existing_entry_point():
+    from benchmarks import run_all
+    todo = run_all.benchmarks(peers="/p/python", tfp="/t/python")
+    names = [t[0] for t in todo]
+    assert len(names) == len(set(names))
+    assert {"harness", "control_flow", "zoo", "tf1_models",
+            "tf_privacy_compare"} <= set(names)
+    for name, argv, alone, outputs in todo:
+        if argv[1] == "-m":
+            parts = argv[2].split(".")
+            path = os.path.join(REPO, *parts)
+            assert (os.path.exists(path + ".py")
+                    or os.path.exists(os.path.join(path, "__main__.py"))), name
+        else:
+            assert os.path.exists(os.path.join(REPO, argv[1])), name
+        assert outputs, name
+    harness = dict((t[0], t) for t in todo)["harness"]
+    assert "jax=/p/python" in harness[1] and harness[2]
+    # Without a TF 2.15 interpreter TF Privacy's comparison is left out.
+    assert "tf_privacy_compare" not in [t[0] for t in run_all.benchmarks()]
+
+
+def test_run_all_records_each_run_and_fails_when_one_fails(tmp_path, monkeypatch):
+    from benchmarks import run_all
+    monkeypatch.setattr(run_all, "RESULTS", str(tmp_path))
+    write = "open(%r, 'w').write('x')" % str(tmp_path / "a.md")
+
+    def fake(peers=None, tfp=None):
+        return [("writes", [sys.executable, "-c", write], True, ["a.md"]),
+                ("fails", [sys.executable, "-c", "raise SystemExit(3)"],
+                 False, ["b.md"]),
+                ("passes", [sys.executable, "-c", "pass"], False, ["c.md"])]
+    monkeypatch.setattr(run_all, "benchmarks", fake)
+    assert run_all.main(["--jobs", "2"]) == 1
+    with open(str(tmp_path / "run_all.json")) as f:
+        runs = {r["name"]: r for r in json.load(f)["runs"]}
+    assert runs["writes"]["exit"] == 0 and runs["writes"]["outputs"] == ["a.md"]
+    assert runs["fails"]["exit"] == 3 and runs["fails"]["outputs"] == []
+    md = (tmp_path / "run_all.md").read_text()
+    assert "| writes |" in md and "| fails |" in md and "a.md" in md
+    assert run_all.main(["--only", "passes"]) == 0
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "nope"])

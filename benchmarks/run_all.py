@@ -1,0 +1,215 @@
+"""Every benchmark, one after another, in one sitting: `python -m benchmarks.run_all`.
+
+    python -m benchmarks.run_all [--peers PYTHON] [--tfp PYTHON] [--jobs 2]
+                                 [--only NAME,...] [--skip NAME,...] [--dry-run]
+
+Runs each benchmark of this folder with the command its docs quote, each
+writing its own results file(s) under benchmarks/results/, and records in
+`benchmarks/results/run_all.md` (and `.json`) what ran: the command, its
+start, its seconds, the load average before and after, its exit code and
+the results files it wrote. Every figure the docs quote is then traceable to
+one results file and, through this record, to one run of one tree
+(`git rev-parse HEAD` and whether the tree was clean are recorded too).
+
+The harness (`python -m benchmarks`) and `--control-flow` run two
+configurations at once themselves (`--jobs` of run.py), so they run alone.
+The others are single-threaded processes; `--jobs 2` (the default on a
+machine with two or more cores) runs two of them at a time, the load the
+harness itself puts on the machine. Every ratio is still measured inside
+one process, interleaved with its own floor.
+
+`--peers PYTHON`: the interpreter with JAX, PyTorch and Opacus for the
+harness's and control flow's peer workers (benchmarks/requirements-peers.txt).
+`--tfp PYTHON`: a TF 2.15 interpreter with TF Privacy fully installed, for
+`benchmarks.tf_privacy_compare` (its docstring says how to make one); without
+it that benchmark is skipped and its old results are kept, said in the record.
+"""
+from __future__ import print_function
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def benchmarks(peers=None, tfp=None):
+    """[(name, argv, alone, outputs)]: argv relative to the repository root;
+    `alone`: the benchmark uses both cores itself; outputs: the results
+    files (relative to benchmarks/results) it rewrites."""
+    py = sys.executable
+    peer_args = []
+    if peers:
+        peer_args = ["--python", "jax=" + peers, "--python", "torch=" + peers]
+    out = [
+        ("harness", [py, "-m", "benchmarks", "--readme", "docs/benchmarks.md"]
+         + peer_args, True, ["results.md", "results.json", "results.png",
+                             "machine.json"]),
+        ("control_flow", [py, "-m", "benchmarks", "--control-flow"]
+         + peer_args, True, ["control_flow/results.md",
+                             "control_flow/results.json",
+                             "control_flow/results.png"]),
+        ("zoo", [py, "-m", "benchmarks", "--zoo", "--batch-sizes", "64,256"],
+         False, ["zoo.md", "zoo.json"]),
+        ("tf1_models", [py, "-m", "benchmarks", "--tf1-models"], False,
+         ["tf1_models.md", "tf1_models.json"]),
+        ("input_pipelines", [py, "-m", "benchmarks.input_pipelines",
+                             "--write"], False,
+         ["input_pipelines.md", "input_pipelines.json"]),
+        ("microbatches", [py, "-m", "benchmarks.microbatches", "--write"],
+         False, ["microbatches.md", "microbatches.json"]),
+        ("adaptive_clipping", [py, "-m", "benchmarks.adaptive_clipping",
+                               "--batch", "256", "--write"], False,
+         ["adaptive_clipping.md", "adaptive_clipping.json"]),
+        ("user_level_clipping", [py, "-m", "benchmarks.user_level_clipping",
+                                 "--batch", "256", "--write"], False,
+         ["user_level_clipping.md", "user_level_clipping.json"]),
+        ("custom_forms", [py, "benchmarks/custom_forms.py"], False,
+         ["custom_forms.md", "custom_forms.json"]),
+        ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20",
+                         "--repeats", "2"], False,
+         ["distributed.md", "distributed.json"]),
+    ]
+    if tfp:
+        out.append(("tf_privacy_compare",
+                    [tfp, "-m", "benchmarks.tf_privacy_compare", "--parity",
+                     "--epsilon", "--timing", "--slow-limit", "20",
+                     "--write"], False,
+                    ["tf_privacy_compare.md", "tf_privacy_compare.json"]))
+    return out
+
+
+def _load():
+    try:
+        return "/".join("%.1f" % v for v in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def _git(*args):
+    try:
+        return subprocess.run(["git"] + list(args), cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def _run_one(name, argv, outputs, logdir):
+    """Runs one benchmark; its stdout and stderr go to logdir/name.log."""
+    start = time.time()
+    record = dict(name=name, command=" ".join(
+        os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in argv),
+        started=datetime.datetime.now().isoformat(timespec="seconds"),
+        load_start=_load())
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    with open(os.path.join(logdir, name + ".log"), "w") as log:
+        rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL).returncode
+    record.update(seconds=round(time.time() - start, 1), load_end=_load(),
+                  exit=rc, outputs=[
+                      o for o in outputs
+                      if os.path.exists(os.path.join(RESULTS, o))
+                      and os.path.getmtime(os.path.join(RESULTS, o)) >= start])
+    print("%-20s exit %d in %6.0f s (load %s -> %s)" % (
+        name, rc, record["seconds"], record["load_start"],
+        record["load_end"]), flush=True)
+    return record
+
+
+def _markdown(meta, records):
+    lines = ["# One run of every benchmark", "",
+             "- Command: `%s`" % meta["command"],
+             "- Tree: %s%s" % (meta["commit"],
+                               "" if meta["clean"] else " (with local changes)"),
+             "- Started %s, took %.0f s; %s" % (meta["started"], meta["seconds"],
+                                               meta["machine"]), "",
+             "Each results file below was written by the run on its row.", "",
+             "| benchmark | command | started | seconds | load (1/5/15 min) "
+             "start -> end | exit | results files |",
+             "|---|---|---|---:|---|---:|---|"]
+    for r in records:
+        lines.append("| %s | `%s` | %s | %.0f | %s -> %s | %d | %s |" % (
+            r["name"], r["command"], r["started"], r["seconds"],
+            r["load_start"], r["load_end"], r["exit"],
+            ", ".join(r["outputs"]) or "none"))
+    for s in meta.get("skipped", []):
+        lines.append("| %s | not run: %s | | | | | kept from an earlier run |"
+                     % (s["name"], s["why"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run_all",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--peers", metavar="PYTHON",
+                   help="interpreter with jax, torch, opacus for the peers")
+    p.add_argument("--tfp", metavar="PYTHON",
+                   help="TF 2.15 interpreter with tensorflow-privacy")
+    p.add_argument("--jobs", type=int,
+                   default=2 if (os.cpu_count() or 1) >= 2 else 1,
+                   help="single-threaded benchmarks run at once (default 2 "
+                        "on 2+ cores)")
+    p.add_argument("--only", help="comma list of benchmark names")
+    p.add_argument("--skip", help="comma list of benchmark names")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    todo = benchmarks(args.peers, args.tfp)
+    names = [t[0] for t in todo]
+    for flag in ("only", "skip"):
+        chosen = getattr(args, flag)
+        if chosen:
+            bad = [n for n in chosen.split(",") if n not in names]
+            if bad:
+                p.error("--%s: unknown benchmark %s; choose from %s"
+                        % (flag, ", ".join(bad), ", ".join(names)))
+    if args.only:
+        todo = [t for t in todo if t[0] in args.only.split(",")]
+    if args.skip:
+        todo = [t for t in todo if t[0] not in args.skip.split(",")]
+    if args.dry_run:
+        for name, argv_, alone, _ in todo:
+            print("%-20s %s%s" % (name, " ".join(argv_),
+                                  "  (alone)" if alone else ""))
+        return 0
+    logdir = os.path.join(RESULTS, "run_all_logs")
+    os.makedirs(logdir, exist_ok=True)
+    start = time.time()
+    meta = dict(
+        command="python -m benchmarks.run_all " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        commit=_git("rev-parse", "--short", "HEAD"),
+        clean=_git("status", "--porcelain", "--untracked-files=no") == "",
+        started=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine="%d cores; python %s" % (os.cpu_count() or 1,
+                                         sys.version.split()[0]))
+    if not args.tfp and (not args.only or "tf_privacy_compare" in args.only):
+        meta["skipped"] = [dict(name="tf_privacy_compare",
+                                why="no --tfp interpreter given")]
+    records = []
+    for name, argv_, alone, outputs in [t for t in todo if t[2]]:
+        records.append(_run_one(name, argv_, outputs, logdir))
+    rest = [t for t in todo if not t[2]]
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = [pool.submit(_run_one, name, argv_, outputs, logdir)
+                   for name, argv_, _, outputs in rest]
+        records += [f.result() for f in futures]
+    meta["seconds"] = time.time() - start
+    with open(os.path.join(RESULTS, "run_all.json"), "w") as f:
+        json.dump(dict(meta=meta, runs=records), f, indent=1)
+    with open(os.path.join(RESULTS, "run_all.md"), "w") as f:
+        f.write(_markdown(meta, records))
+    print("wrote benchmarks/results/run_all.md")
+    return 0 if all(r["exit"] == 0 for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
