@@ -312,18 +312,33 @@ def _load(v):
     return "-" if not v else "/".join("%.1f" % x for x in v)
 
 
-def write_plot(path, records):
-    """One panel per (task, model): time / floor against B for each system
-    measured there (skipped ones are absent), styled by `system_style`, with
-    one legend for the figure."""
+PLOT_METRICS = {
+    # metric: (record key, axis label, the figure's title)
+    "time": ("ratio_to_floor", "time / floor",
+             "Time relative to the floor (the aggregated gradient, same process; "
+             "dotted line = 1; lower is better; ringed point = noisy measurement)"),
+    "memory": ("peak_ratio", "peak memory / floor's",
+               "Peak memory of one step relative to the floor's (TF's allocator "
+               "records of one traced step; JAX: XLA's buffer assignment; PyTorch: "
+               "its profiler; dotted line = 1; lower is better)"),
+}
+
+
+def write_plot(path, records, metric="time"):
+    """One panel per (task, model): `metric` ("time": time / floor, or
+    "memory": the step's peak / the floor's peak, `PLOT_METRICS`) against B
+    for each system measured there (skipped ones are absent), styled by
+    `system_style`, with one legend for the figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in records if r["status"] == "ok" and r.get("ratio_to_floor")]
+    key, ylabel, title = PLOT_METRICS[metric]
+    ok = [r for r in records if r["status"] == "ok" and r.get(key)]
     if not ok:
         return
-    noisy = noisy_records(records)
+    # A peak is exact to the byte whatever the load: only times are noisy.
+    noisy = noisy_records(records) if metric == "time" else set()
     tasks = _ordered((r["task"] for r in ok), list(TASKS))
     models = _ordered((r["model"] for r in ok), ["softmax", "mlp", "cnn", "text", "lstm",
                                                   "transformer"])
@@ -340,7 +355,7 @@ def write_plot(path, records):
                 continue
             ax.axhline(1.0, color="k", lw=0.8, ls=":")
             for s in systems:
-                pts = sorted((r["batch_size"], r["ratio_to_floor"], id(r) in noisy)
+                pts = sorted((r["batch_size"], r[key], id(r) in noisy)
                              for r in rows if r["system"] == s)
                 if pts:
                     style = system_style(s)
@@ -357,7 +372,7 @@ def write_plot(path, records):
             ax.set_title("%s: %s" % (model, TASK_LABELS.get(task, task)), fontsize=9)
             ax.tick_params(labelsize=7)
             if mi == 0:
-                ax.set_ylabel("%s\ntime / floor" % TASK_LABELS.get(task, task), fontsize=8)
+                ax.set_ylabel("%s\n%s" % (TASK_LABELS.get(task, task), ylabel), fontsize=8)
             if ti == len(tasks) - 1:
                 ax.set_xlabel("batch size", fontsize=8)
     labels = [s for s in systems if s in handles]
@@ -366,8 +381,7 @@ def write_plot(path, records):
     legend_rows = -(-len(labels) // ncol)
     fig.legend([handles[s] for s in labels], labels, loc="lower center",
                ncol=ncol, fontsize=8, frameon=False)
-    fig.suptitle("Time relative to the floor (the aggregated gradient, same process; "
-                 "dotted line = 1; lower is better; ringed point = noisy measurement). Tasks: "
+    fig.suptitle(title + ". Tasks: "
                  "(a) per-example gradients materialized, (b) per-example norms, (b2) clipped "
                  "sum, (c) DP-SGD step, (d) weighted sum", fontsize=10)
     fig.tight_layout(rect=(0, min(0.4, (0.2 * legend_rows + 0.1) / height), 1, 0.98))

@@ -576,6 +576,15 @@ def _record_order(r):
             pos(SYSTEMS, r["system"]), r["system"])
 
 
+def write_plots(out, records):
+    """results.png (time / floor) and results_memory.png (peak / the floor's
+    peak) in `out`."""
+    from benchmarks import report
+    report.write_plot(os.path.join(out, "results.png"), records)
+    report.write_plot(os.path.join(out, "results_memory.png"), records,
+                      metric="memory")
+
+
 def report_only(args):
     """--report-only: rewrite results.md / results.png from --out's JSON files."""
     with open(os.path.join(args.out, "results.json")) as f:
@@ -585,9 +594,10 @@ def report_only(args):
     from benchmarks import report
     report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
     if not args.no_plot:
-        report.write_plot(os.path.join(args.out, "results.png"), records)
+        write_plots(args.out, records)
     print("wrote %s/results.md%s" % (os.path.relpath(args.out, REPO),
-                                     "" if args.no_plot else " and results.png"))
+                                     "" if args.no_plot else
+                                     ", results.png and results_memory.png"))
     if args.readme:
         _update_readme(args, records, meta)
     return 0
@@ -618,7 +628,7 @@ def _write_outputs(args, records, machine, versions, references, started, final)
     report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
     if not args.no_plot:
         try:
-            report.write_plot(os.path.join(args.out, "results.png"), records)
+            write_plots(args.out, records)
         except Exception as e:  # a plot must never lose the numbers
             print("  plot failed: %s" % e, flush=True)
     if args.readme:

@@ -50,11 +50,12 @@ def benchmarks(peers=None, tfp=None):
     out = [
         ("harness", [py, "-m", "benchmarks", "--readme", "docs/benchmarks.md"]
          + peer_args, True, ["results.md", "results.json", "results.png",
-                             "machine.json"]),
+                             "results_memory.png", "machine.json"]),
         ("control_flow", [py, "-m", "benchmarks", "--control-flow"]
          + peer_args, True, ["control_flow/results.md",
                              "control_flow/results.json",
-                             "control_flow/results.png"]),
+                             "control_flow/results.png",
+                             "control_flow/results_memory.png"]),
         ("zoo", [py, "-m", "benchmarks", "--zoo", "--batch-sizes", "64,256"],
          False, ["zoo.md", "zoo.json"]),
         ("tf1_models", [py, "-m", "benchmarks", "--tf1-models"], False,

@@ -357,3 +357,39 @@ def test_run_all_records_each_run_and_fails_when_one_fails(tmp_path, monkeypatch
     assert run_all.main(["--only", "passes"]) == 0
     with pytest.raises(SystemExit):
         run_all.main(["--only", "nope"])
+
+
+def test_memory_plot_draws_peak_ratios(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import report
+    rec = {k: None for k in KEYS}
+    rec.update(model="mlp", task="clip", status="ok", note="", check="pass",
+               framework="tf", floor_ms=1.0, median_ms=1.0, ratio_to_floor=1.0)
+    # custagg's peak ratio stays flat, tf_vmap's grows with B; tf_loop has
+    # a time but no peak and must not be drawn.
+    recs = [dict(rec, system=s, batch_size=b, peak_ratio=p(b))
+            for s, p in (("custagg_auto", lambda b: 0.9),
+                         ("tf_vmap", lambda b: 4.0 * b)) for b in (8, 32)]
+    recs.append(dict(rec, system="tf_loop", batch_size=8, peak_ratio=None))
+    import matplotlib.pyplot as plt
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def capture(fig, *a, **k):
+        seen["title"] = fig._suptitle.get_text()
+        seen["lines"] = {l.get_label(): list(l.get_ydata())
+                         for ax in fig.axes for l in ax.get_lines()
+                         if not l.get_label().startswith("_")}
+        seen["ylabel"] = fig.axes[0].get_ylabel()
+        return real_savefig(fig, *a, **k)
+
+    plt.Figure.savefig = capture
+    try:
+        report.write_plot(str(tmp_path / "m.png"), recs, metric="memory")
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert seen["title"].startswith("Peak memory")
+    assert "peak memory" in seen["ylabel"]
+    assert seen["lines"]["custagg_auto"] == [0.9, 0.9]
+    assert seen["lines"]["tf_vmap"] == [32.0, 128.0]
+    assert "tf_loop" not in seen["lines"]
