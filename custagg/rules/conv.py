@@ -42,6 +42,15 @@ aggregated gradient's peak):
   scales example b's term; nothing per-example is kept. Dilated filters
   (no CPU kernel for their summed gradient in TF's own kernels): each
   chunk's per-example gradients, weighted and added in the loop.
+* clipped sums (`clipped_gradients`, one clip norm, no microbatches or
+  user groups) skip the weighted sum: one `tf.while_loop` over chunks
+  builds every convolution's per-example kernels of the chunk once
+  (`chunk_clip_parts`), adds their squared norms to the other variables'
+  (computed before the loop), so the chunk's clip factors are final, and
+  adds `sum_b f_b G_b` over the chunk (custagg/per_example/api.py,
+  `_clipped_from_chunks`). The norms and a weighted backprop-filter call
+  built each filter gradient twice (issue 26: mnist_deep's second
+  convolution, ~15-20% of its step each time).
 
 `Conv1D` reaches `Conv2D` through an `ExpandDims` of its filter, which the
 front door follows.
