@@ -332,6 +332,15 @@ def test_clipped_sum_from_chunk_kernels_two_convs_and_dense(
     _check_two_conv(batch, dtype, chunk, monkeypatch)
 
 
+def test_clipped_sum_from_chunk_kernels_joint_budget(monkeypatch):
+    """The joint bound on all convolutions' kernels of a chunk (one
+    example per chunk here, below the rules' own chunks) gives the same
+    values."""
+    from custagg.per_example import api
+    monkeypatch.setattr(api, "_CHUNK_KERNELS_MAX_ELEMENTS", 1)
+    _check_two_conv(7, tf.float64, 5, monkeypatch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [32, 33])
 def test_clipped_sum_from_chunk_kernels_at_and_off_32(batch, monkeypatch):
