@@ -349,7 +349,8 @@ def test_clipped_sum_from_chunk_kernels_at_and_off_32(batch, monkeypatch):
 
 def test_clipped_sum_from_chunk_kernels_not_with_groups_or_per_x(graph):
     """Microbatches and per-x clip norms keep the weighted backprop-filter
-    call (their factors are not per example, or not from the total)."""
+    call (their factors are not per example, or not from the total), and
+    so do depthwise filters."""
     x = tf1.placeholder(tf.float32, [None, 16, 16, 1])
     loss, xs = _two_conv_net(x, tf.float32, np.random.RandomState(0))
     for kwargs in ({"num_microbatches": 2},):
@@ -362,3 +363,13 @@ def test_clipped_sum_from_chunk_kernels_not_with_groups_or_per_x(graph):
     custagg.clipped_gradients(loss, xs, [1.0, 1.0, 1.0, 1.0])
     assert not any("clipped_chunks" in op.name for op in
                    graph.get_operations() if op not in before)
+    # Depthwise filters keep their one-call weighted sum.
+    f = tf.Variable(tf.ones([3, 3, 1, 2]))
+    dw_loss = _head(tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME"))
+    before = set(graph.get_operations())
+    custagg.clipped_gradients(dw_loss, [f], 1.0)
+    new = [op for op in graph.get_operations() if op not in before]
+    assert not any("clipped_chunks" in op.name for op in new)
+    assert any(op.type == "DepthwiseConv2dNativeBackpropFilter"
+               and "per_example_rules/gradients/" not in op.name
+               for op in new)
