@@ -414,10 +414,120 @@ def _clipped(plan, engine, live, l2_norm_clip, per_x, groups, fn):
             norms.append(tf.sqrt(sq))
             sums.update(engine.weighted_sums([a], weights(sq, clip)))
     else:
-        sq = _total_squared_norms(plan, engine, live, groups)
+        found = _clipped_from_chunks(plan, engine, live, l2_norm_clip, groups)
+        if found is not None:
+            sums, sq = found
+        else:
+            sq = _total_squared_norms(plan, engine, live, groups)
+            sums = engine.weighted_sums(live, weights(sq, l2_norm_clip))
         norms = tf.sqrt(sq)
-        sums = engine.weighted_sums(live, weights(sq, l2_norm_clip))
     return [sums.get(id(a)) for a in plan.assignments], norms
+
+
+def _chunk_clippable(engine, a):
+    """(rule, ctx) of an x whose clipped sum may come from its norms'
+    chunks (`rule.chunk_clip_parts`: the convolution rules), or None: one
+    consumer on plain rules, no chain."""
+    if a.form != "rules" or engine._chains(a):
+        return None
+    pairs = engine.shared.contexts(a)
+    if len(pairs) != 1:
+        return None
+    rule, ctx = pairs[0]
+    ready = getattr(rule, "chunk_clip_ready", None)
+    if ready is None or not ready(ctx):
+        return None
+    return rule, ctx
+
+
+def _clipped_from_chunks(plan, engine, live, clip, groups):
+    """The clipped sums and `[B]` squared norms with the convolutions'
+    weighted sums taken from their norms' per-example kernels, or None
+    (no such x, or microbatches / user groups).
+
+    The other xs' squared norms come first (dense layers: their identities,
+    no per-example gradient). Then one `tf.while_loop` over chunks of
+    examples builds each convolution's per-example kernels of the chunk
+    (`rule.chunk_clip_parts`), adds their squared norms to the others' for
+    those examples, so the chunk's clip factors `f` are final, and adds
+    `sum_b f_b G_b` over the chunk to each convolution's sum. Exact: example b's factor depends
+    only on its own total norm, and its clipped gradient is `f_b G_b`.
+    Each convolution's filter gradient is then built once, per chunk,
+    where the norms and a weighted backprop-filter call built it twice
+    (issue 26: mnist_deep's second convolution, ~15% of its step each).
+    One chunk's rows of every convolution are live at once: the chunk is
+    the smallest of the rules' (each within `_CHUNK_MAX_ELEMENTS`).
+    """
+    if groups is not None:
+        return None
+    fused, rest = [], []
+    for a in live:
+        found = _chunk_clippable(engine, a)
+        if found is None:
+            rest.append(a)
+        else:
+            fused.append((a,) + found)
+    if not fused:
+        return None
+    dtype = plan.loss.dtype
+    rest_sq = _total_squared_norms(plan, engine, rest, None)
+    batch = tf.shape(plan.loss)[0]
+    # Every convolution's kernels of one chunk are live together (the
+    # factors need all the norms): at most `_CHUNK_KERNELS_MAX_ELEMENTS`
+    # of them, and each rule's own chunk (its other temporaries).
+    chunk = max(1, _CHUNK_KERNELS_MAX_ELEMENTS // sum(
+        _outer_size(ctx) for _, _, ctx in fused))
+    for _, rule, ctx in fused:
+        size = rule.chunk_size(ctx)
+        if isinstance(chunk, int) and isinstance(size, int):
+            chunk = min(chunk, size)
+        else:
+            chunk = tf.minimum(chunk, size)
+
+    def body(start, sq_acc, *sums):
+        stop = tf.minimum(start + chunk, batch)
+        parts = [rule.chunk_clip_parts(ctx, start, stop)
+                 for _, rule, ctx in fused]
+        chunk_sq = rest_sq[start:stop] + tf.add_n([
+            tf.cast(sq, dtype) for sq, _ in parts])
+        factors = _clip_factors(chunk_sq, clip, dtype)
+        sums = [acc + weigh(tf.cast(factors, acc.dtype))
+                for acc, (_, weigh) in zip(sums, parts)]
+        return [stop, tf.concat([sq_acc, chunk_sq], 0)] + sums
+
+    initial = [tf.zeros([_outer_size(ctx)], ctx.grad.dtype)
+               for _, _, ctx in fused]
+    # The first chunk starts once every dz is there: else the slices of
+    # the images (ready long before) run while the backward pass still
+    # holds the forward activations, and add to its peak.
+    with tf.control_dependencies([ctx.grad for _, _, ctx in fused]):
+        start = tf.constant(0)
+    out = tf.compat.v1.while_loop(
+        lambda start, *_: start < batch, body,
+        [start, tf.zeros([0], dtype)] + initial,
+        shape_invariants=[tf.TensorShape([]), tf.TensorShape([None])] +
+        [t.shape for t in initial],
+        parallel_iterations=1, back_prop=False, name="clipped_chunks")
+    sq = tf.reshape(out[1], tf.shape(plan.loss))
+    sums = {}
+    if rest:
+        sums.update(engine.weighted_sums(rest, _clip_factors(sq, clip,
+                                                             dtype)))
+    for (a, _, ctx), total in zip(fused, out[2:]):
+        sums[id(a)] = engine.to_x(
+            tf.reshape(total, ctx.param.shape), a, False)
+    return sums, sq
+
+
+# Elements of the per-example kernels of one chunk, all convolutions
+# together, in `_clipped_from_chunks`: 16 MB of float32 (mnist_deep: 52k per
+# example, the rules' own chunks of 8 are smaller; a ResNet-18's 11M conv
+# weights: one example per chunk).
+_CHUNK_KERNELS_MAX_ELEMENTS = 1 << 22
+
+
+def _outer_size(ctx):
+    return ctx.param.shape.num_elements()
 
 
 def weighted_gradients(per_example_loss, xs, weights, name="weighted_gradients"):

@@ -42,6 +42,15 @@ aggregated gradient's peak):
   scales example b's term; nothing per-example is kept. Dilated filters
   (no CPU kernel for their summed gradient in TF's own kernels): each
   chunk's per-example gradients, weighted and added in the loop.
+* clipped sums (`clipped_gradients`, one clip norm, no microbatches or
+  user groups) skip Conv2D's weighted sum: one `tf.while_loop` over chunks
+  builds every Conv2D's per-example kernels of the chunk once
+  (`chunk_clip_parts`), adds their squared norms to the other variables'
+  (computed before the loop), so the chunk's clip factors are final, and
+  adds `sum_b f_b G_b` over the chunk (custagg/per_example/api.py,
+  `_clipped_from_chunks`). The norms and a weighted backprop-filter call
+  built each filter gradient twice (issue 26: mnist_deep's second
+  convolution, ~15-20% of its step each time).
 
 `Conv1D` reaches `Conv2D` through an `ExpandDims` of its filter, which the
 front door follows.
@@ -348,6 +357,42 @@ class _ConvBase(registry.Rule):
             return self._backprop_filter(ctx, ctx.grad, x=_scale_rows(x, c))
         return self._backprop_filter(ctx, _scale_rows(ctx.grad, c))
 
+    # --- clipped sums from the norms' chunks ---------------------------------
+
+    def chunk_clip_ready(self, ctx):
+        """Whether a clipped sum may take this op's weighted sum from the
+        per-example kernels its chunked norms build anyway
+        (`chunk_clip_parts`), instead of a second backprop-filter call: not
+        where the norms take the Gram form (they build no kernels) nor
+        where the per-example gradients exist already (one tensordot)."""
+        return not self.has_per_example(ctx) and not self._chunk_takes_gram(
+            ctx)
+
+    def _chunk_takes_gram(self, ctx):
+        del ctx
+        return False
+
+    def chunk_size(self, ctx):
+        """Examples per chunk of `chunk_clip_parts` (int, or a scalar int32
+        tensor without static output H and W), >= 1."""
+        return self._chunk_size(ctx)
+
+    def chunk_clip_parts(self, ctx, start, stop):
+        """Examples `start:stop`'s squared norms `[c]` and a function of
+        their clip factors `f` (`[c]`) giving their share of the clipped
+        sum, `sum_b f_b G_b` flattened (filter order), from the per-example
+        kernels the chunked norms build (`_chunk_kernel_parts`). The norms'
+        kernels, reused, cost a `[c] x [c, K]` product where the weighted
+        sum cost a filter gradient of the whole batch (about the norms'
+        FLOPs again)."""
+        return self._chunk_kernel_parts(self._chunk_context(ctx, start, stop))
+
+    def _chunk_kernel_parts(self, chunk):
+        rows = tf.reshape(self._chunk_per_example(chunk),
+                          tf.stack([tf.shape(chunk.grad)[0], -1]))
+        return (tf.reduce_sum(tf.square(rows), axis=1),
+                lambda f: tf.matmul(f[None, :], rows)[0])
+
     def _chunked_weighted_sum(self, ctx, c):
         """`sum_b c_b G_b` from each chunk's per-example gradients."""
         return self._over_chunks(
@@ -395,6 +440,8 @@ class Conv2DRule(_ConvBase):
             padding=padding, data_format="NHWC",
             dilations=[1] + dilations + [1])
         # [kh, kw, Cin, B*Cout], channel b*Cout + o -> [B, kh, kw, Cin, Cout].
+        if norms_only == "kernel_major":
+            return tf.reshape(grouped, tf.stack([kh * kw * cin, batch, cout]))
         grouped = tf.reshape(grouped, tf.stack([kh, kw, cin, batch, cout]))
         if norms_only:
             # Squares summed over every axis but B without the transpose:
@@ -575,6 +622,29 @@ class Conv2DRule(_ConvBase):
             return norms
         return super(Conv2DRule, self)._chunk_squared_norms(ctx)
 
+    def _chunk_kernel_parts(self, chunk):
+        # The grouped call's kernels as they come, `[K, c, Cout]` (K =
+        # kh*kw*Cin), without the transpose to `[c, ...]`: the squares
+        # summed as `_grouped_per_example`'s norms are, and `sum_b f_b G_b`
+        # as one batched product `[1, c] x [K, c, Cout]`.
+        kernels = self._grouped_per_example(chunk, norms_only="kernel_major")
+        if kernels is None:
+            return super(Conv2DRule, self)._chunk_kernel_parts(chunk)
+        kh, kw, cin, cout = _outer.static_dims(chunk.param)
+        rows = tf.reshape(kernels, tf.stack([kh * kw * cin, -1]))
+        sums = tf.matmul(tf.ones([1, kh * kw * cin], rows.dtype),
+                         tf.square(rows))
+        squared = tf.reduce_sum(tf.reshape(sums, tf.stack([-1, cout])),
+                                axis=1)
+        return squared, lambda f: tf.reshape(
+            tf.matmul(f[None, None, :], kernels), [-1])
+
+    def _chunk_takes_gram(self, ctx):
+        out_hw = [tf.compat.dimension_value(d) for d in _hw(
+            ctx.grad.shape, ctx.op.get_attr("data_format").decode())]
+        return None not in out_hw and self._takes_gram(ctx,
+                                                       out_hw[0] * out_hw[1])
+
     def _chunk_gram_elements(self, ctx, positions):
         if not isinstance(positions, int) or not self._takes_gram(
                 ctx, positions):
@@ -620,6 +690,16 @@ class DepthwiseConv2dRule(_ConvBase):
     # 2-core x86 CPU, B=256, 28x28: Cin*M = 2: folded 0.7 ms vs 5.5 ms;
     # Cin*M = 64: 223 ms vs 89 ms).
     _FOLDED_MAX_CHANNELS = 8
+
+    def chunk_clip_ready(self, ctx):
+        # Not in the clipped sums' joint chunk loop: the loop's chunk is
+        # the smallest of its convolutions', and a depthwise filter's (the
+        # windows of its many channels) drags the others' down while its
+        # own summed gradient is one cheap call. keras_separable B=64,
+        # 1 thread, clipped sum / aggregated gradient: 2.6x with neither
+        # in the loop, 2.6x with either alone, 3.2x with both.
+        del ctx
+        return False
 
     def per_example(self, ctx):
         _, _, dilations, _ = self._attrs(ctx)

@@ -261,3 +261,115 @@ def test_peak_memory_within_the_aggregated_gradients(layer):
     assert patches > 2 * peaks["floor"], peaks      # the test can tell
     for key in ("norms", "clip"):
         assert peaks[key] <= 1.1 * peaks["floor"] + 64 * 1024, peaks
+
+
+# --- clipped sums from the norms' chunk kernels ------------------------------
+
+def _two_conv_net(x, dtype, rng, shared_bias=False):
+    """A small mnist_deep: conv 3x3 1->3 (Cin=1), pool, conv 3x3 3->4, a
+    dense layer with bias on top; per-example loss `[B]`. Returns (loss,
+    xs); the convolutions' filters come first."""
+    np_dtype = dtype.as_numpy_dtype
+    w1 = tf.Variable(rng.randn(3, 3, 1, 3).astype(np_dtype))
+    w2 = tf.Variable(rng.randn(3, 3, 3, 4).astype(np_dtype))
+    dense = tf.Variable(0.3 * rng.randn(4 * 4 * 4, 2).astype(np_dtype))
+    bias = tf.Variable(rng.randn(2).astype(np_dtype))
+    h = tf.nn.relu(tf.nn.conv2d(x, w1, 1, "SAME") + 0.1)
+    h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+    h = tf.tanh(tf.nn.conv2d(h, w2, [1, 2, 2, 1], "SAME"))
+    logits = tf.matmul(tf.reshape(h, [-1, 4 * 4 * 4]), dense) + bias
+    return tf.reduce_sum(tf.sin(logits), axis=1), [w1, w2, dense, bias]
+
+
+def _check_two_conv(batch, dtype, chunk, monkeypatch):
+    _chunk_of(chunk, monkeypatch)
+    rng = np.random.RandomState(100 + batch)
+    static_x = tf1.placeholder(dtype, [batch, 16, 16, 1])
+    dynamic_x = tf1.placeholder(dtype, [None, 16, 16, 1])
+    ref_loss, ref_xs = _two_conv_net(static_x, dtype,
+                                     np.random.RandomState(7))
+    loss, xs = _two_conv_net(dynamic_x, dtype, np.random.RandomState(7))
+    ref = testing.loop_per_example(ref_loss, ref_xs)
+    clip = tf1.placeholder(dtype, [])
+    graph = tf1.get_default_graph()
+    before = set(graph.get_operations())
+    clipped, norms = custagg.clipped_gradients(loss, xs, clip,
+                                               return_norms=True)
+    new = [op for op in graph.get_operations() if op not in before]
+    # The convolutions' sums come from the chunk loop: no weighted filter
+    # gradient outside it (TF's Conv2D gradient in the shared pass builds
+    # one too, unfetched: the session prunes it).
+    outside = [op.name for op in new if op.type == "Conv2DBackpropFilter"
+               and "clipped_chunks" not in op.name
+               and "per_example_rules/gradients/" not in op.name]
+    assert not outside, outside
+    assert any("clipped_chunks" in op.name for op in new)
+    data = rng.randn(batch, 16, 16, 1).astype(dtype.as_numpy_dtype)
+    rtol = 1e-9 if dtype == tf.float64 else 1e-4
+    with tf1.Session() as sess:
+        sess.run(tf1.global_variables_initializer())
+        ref_values = sess.run(ref, {static_x: data})
+        want_norms = testing.numpy_norms(ref_values)
+        c = 0.7 * float(np.median(want_norms))     # clips some, not all
+        want, _ = testing.numpy_clipped(ref_values, c)
+        got_clipped, got_norms = sess.run([clipped, norms],
+                                          {dynamic_x: data, clip: c})
+    testing.assert_close(got_norms, want_norms, rtol, "norms")
+    for j, (g, w) in enumerate(zip(got_clipped, want)):
+        testing.assert_close(g, w, rtol, "clipped sum x%d" % j)
+
+
+@pytest.mark.parametrize("chunk", [2, "tensor"], ids=str)
+@pytest.mark.parametrize("batch", [1, 7])
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32],
+                         ids=lambda d: d.name)
+def test_clipped_sum_from_chunk_kernels_two_convs_and_dense(
+        batch, dtype, chunk, monkeypatch):
+    """Two convolutions (the first with Cin=1) and a dense layer: the
+    convolutions' weighted sums from the joint chunk loop, with each
+    chunk's clip factors from all four variables' norms (the dense ones
+    computed before the loop), against the loop reference."""
+    _check_two_conv(batch, dtype, chunk, monkeypatch)
+
+
+def test_clipped_sum_from_chunk_kernels_joint_budget(monkeypatch):
+    """The joint bound on all convolutions' kernels of a chunk (one
+    example per chunk here, below the rules' own chunks) gives the same
+    values."""
+    from custagg.per_example import api
+    monkeypatch.setattr(api, "_CHUNK_KERNELS_MAX_ELEMENTS", 1)
+    _check_two_conv(7, tf.float64, 5, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [32, 33])
+def test_clipped_sum_from_chunk_kernels_at_and_off_32(batch, monkeypatch):
+    _check_two_conv(batch, tf.float64, 7, monkeypatch)
+
+
+def test_clipped_sum_from_chunk_kernels_not_with_groups_or_per_x(graph):
+    """Microbatches and per-x clip norms keep the weighted backprop-filter
+    call (their factors are not per example, or not from the total), and
+    so do depthwise filters."""
+    x = tf1.placeholder(tf.float32, [None, 16, 16, 1])
+    loss, xs = _two_conv_net(x, tf.float32, np.random.RandomState(0))
+    for kwargs in ({"num_microbatches": 2},):
+        before = set(graph.get_operations())
+        custagg.clipped_gradients(loss, xs, 1.0, **kwargs)
+        names = [op.name for op in graph.get_operations()
+                 if op not in before]
+        assert not any("clipped_chunks" in n for n in names), kwargs
+    before = set(graph.get_operations())
+    custagg.clipped_gradients(loss, xs, [1.0, 1.0, 1.0, 1.0])
+    assert not any("clipped_chunks" in op.name for op in
+                   graph.get_operations() if op not in before)
+    # Depthwise filters keep their one-call weighted sum.
+    f = tf.Variable(tf.ones([3, 3, 1, 2]))
+    dw_loss = _head(tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME"))
+    before = set(graph.get_operations())
+    custagg.clipped_gradients(dw_loss, [f], 1.0)
+    new = [op for op in graph.get_operations() if op not in before]
+    assert not any("clipped_chunks" in op.name for op in new)
+    assert any(op.type == "DepthwiseConv2dNativeBackpropFilter"
+               and "per_example_rules/gradients/" not in op.name
+               for op in new)
