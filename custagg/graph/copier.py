@@ -55,9 +55,14 @@ class Copier(object):
         whose copies `tap(op, outs, mapping)` replaces, `done(finals)`.
     """
 
-    def __init__(self, one_row=True, hooks=None):
+    def __init__(self, one_row=True, hooks=None, checks=False):
         self.one_row = one_row
         self.hooks = dict(hooks or {})
+        # With `checks`, a copy of an op with no outputs (an `Assert`) is
+        # kept in the mapping (`control_key`), and the copies of the ops
+        # that wait on it wait on the copy; without, control inputs of
+        # copies are only those with outputs in the mapping.
+        self.checks = checks
         # The hooks of the bodies being copied now, innermost last.
         self._active = []
 
@@ -122,12 +127,19 @@ class Copier(object):
             attrs["padding"] = _tf_compat.attr_value_pb2.AttrValue(s=b"VALID")
             attrs["explicit_paddings"] = _tf_compat.attr_value_pb2.AttrValue(
                 list=_tf_compat.attr_value_pb2.AttrValue.ListValue())
-        controls = [mapping[c.outputs[0].ref()].op for c in op.control_inputs
-                    if c.outputs and c.outputs[0].ref() in mapping]
+        controls = []
+        for c in op.control_inputs:
+            got = mapping.get(c.outputs[0].ref() if c.outputs else
+                              control_key(c) if self.checks else None)
+            if got is not None:
+                controls.append(got if isinstance(got, tf.Operation)
+                                else got.op)
         with tf.control_dependencies(controls):
             new = _tf_compat.create_op(
                 graph, op.type, inputs, dtypes=[o.dtype for o in op.outputs],
                 name=op.name.split("/")[-1], attrs=attrs, op_def=op.op_def)
+        if self.checks and not op.outputs:
+            mapping[control_key(op)] = new
         fn = _tf_compat.gradient_function(op)
         if fn is not None:
             _tf_compat.set_gradient_function(new, fn)
@@ -441,6 +453,12 @@ def func_graph(op, attr):
         return functions.func_graph(op, attr)
     except functions.FunctionNotFound as e:
         raise CannotCopy(str(e), e.op) from e
+
+
+def control_key(op):
+    """The key of a copied op with no outputs (an `Assert`) in a copy's
+    mapping (`Copier(checks=True)`): the op its copies' readers wait on."""
+    return ("control", op)
 
 
 def ancestors_in(graph_outputs, stop=(), skip=()):

@@ -55,7 +55,7 @@ def vjp(engine, chain, cotangents, a, batched):
         def one(i):
             return one_vjp([tf.gather(c, i) for c in cotangents])
         parts = pfor_lib.chunked_pfor(
-            one, engine.batch_size, engine.chunk,
+            one, engine.shared.batch_size(), engine.chunk,
             [t.dtype.base_dtype for t in wrt])
     return [engine.to_x(p, a, batched) for p in parts]
 

@@ -133,6 +133,17 @@ class SharedPass(object):
             self._build()
         return self._one
 
+    def built_one_pass(self):
+        """`one_pass()` if the shared pass is built already, else None
+        (never builds it: a caller inside a `tf.cond` branch must not)."""
+        return None if self._contexts is None else self._one
+
+    def batch_size(self):
+        """B as the plan has it (an int when static), else from the loss
+        the shared pass differentiates (`rows`)."""
+        b = self.plan.batch_size
+        return b if isinstance(b, int) else self.rows()
+
     def loss(self):
         """The `[B]` loss the shared pass differentiates: the plan's, or
         where the loops were rebuilt (`one_pass`) the loss recomputed from
@@ -296,9 +307,30 @@ class Engine(object):
     def exact(self, group):
         """The exact form's `[B, *x]` of `group`, as a list aligned with it
         (built where it is called: inside a `tf.cond` branch it runs only
-        on a step that takes that branch)."""
-        out = self.build_form(FORMS_EXACT, group)
-        return [tf.cast(out[id(a)], x_dtype(a)) for a in group]
+        on a step that takes that branch).
+
+        Where the shared pass rebuilt the loops (`SharedPass.one_pass`,
+        already built: the certified forms build it before their
+        `tf.cond`), the exact form differentiates the loss recomputed from
+        the rebuilt loops, at the copies of xs that lie after them: the
+        same values, and a `tf.cond` branch captures every tensor it reads
+        as an input computed on every step, so an exact form on the
+        original loss would run the original loops forward (and hold
+        their activations) on a certified step too (issue 26)."""
+        one = self.shared.built_one_pass()
+        if one is None:
+            out = self.build_form(FORMS_EXACT, group)
+            return [tf.cast(out[id(a)], x_dtype(a)) for a in group]
+        on_copies = [a.on_tensor(one.tensor_of(a.tensor)) for a in group]
+        saved = self.loss, self.batch_size
+        self.loss = self.shared.loss()
+        self.batch_size = self.shared.batch_size()
+        try:
+            out = self.build_form(FORMS_EXACT, on_copies)
+        finally:
+            self.loss, self.batch_size = saved
+        return [tf.cast(out[id(b)], x_dtype(a))
+                for a, b in zip(group, on_copies)]
 
     # -- the certified rules --
 
@@ -536,7 +568,7 @@ class Engine(object):
                 return sq if groups is not None else \
                     self._checked(sq, a, "norms")
             if not pairs:
-                return tf.zeros(tf.shape(self.loss) if groups is None
+                return tf.zeros(self.shared.rows()[None] if groups is None
                                 else [group_count(groups)], dtype)
         # A shared weight, or weight decay next to a layer: cross terms.
         cross = norm_algebra.squared_norms_of_terms(

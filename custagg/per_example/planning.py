@@ -76,6 +76,15 @@ class Assignment(object):
             "plan says what runs, and a build records its fallbacks apart "
             "(Engine.built)." % name)
 
+    def on_tensor(self, tensor):
+        """This assignment differentiating `tensor` instead (x's copy in a
+        recomputed graph: `Engine.exact`); itself when it is the same."""
+        if tensor is self.tensor:
+            return self
+        return Assignment(self.x, tensor, self.strategy, self.reason,
+                          self.consumers, self.form, self.boundaries,
+                          self.blocker, self.forward)
+
     @property
     def name(self):
         return getattr(self.x, "name", str(self.x))

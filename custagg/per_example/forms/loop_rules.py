@@ -746,12 +746,16 @@ def one_pass(uses, loss):
             return None, "v1 loop '%s'" % by_loop[loop][0].name
     graph = loss.graph
     ancestors = copier.ancestors_in([loss])
-    below, stack = set(), [o for loop in by_loop for o in loop.outputs]
-    while stack:
-        for c in stack.pop().consumers():
-            if c in ancestors and c not in below:
-                below.add(c)
-                stack.extend(c.outputs)
+    # The ops after the loops, through data and control edges (creation
+    # order is topological): a labels' reshape waiting on an `Assert` that
+    # reads the logits' shape is after the loop too, and its copy waits on
+    # the copied check (kept, the original would run the original loop).
+    below = set()
+    for op in graph.get_operations():
+        if op in ancestors and any(
+                p in by_loop or p in below
+                for p in [t.op for t in op.inputs] + list(op.control_inputs)):
+            below.add(op)
     for op in below:
         if op in by_loop or op.type in _CHECKS:
             continue
@@ -770,7 +774,7 @@ def one_pass(uses, loss):
             return None, ("the condition of loop '%s' depends on its state"
                           % loop.name)
     mapping, hooks = {}, {}
-    copies = copier.Copier(one_row=False)
+    copies = copier.Copier(one_row=False, checks=True)
     with tf.name_scope("loop_rules_one_pass"):
         for op in graph.get_operations():
             if op not in ancestors:
@@ -786,7 +790,7 @@ def one_pass(uses, loss):
                 used = [k for k, o in enumerate(op.outputs)
                         if any(c in ancestors for c in o.consumers())]
                 outs = copies.rebuild_while(op, mapping, used)
-            elif any(t.ref() in mapping for t in op.inputs):
+            elif op in below or any(t.ref() in mapping for t in op.inputs):
                 outs = copies.copy_op(op, mapping)
             else:
                 continue
