@@ -259,3 +259,44 @@ def test_certified_xs_next_to_the_loop_rules_take_one_pass(graph):
     test_loop_rules._check_all(  # pylint: disable=protected-access
         model.loss, model.xs, lambda b, r: model.feed(r, b),
         batches=BATCHES)
+
+
+def _rnn_with_folded_projection():
+    """A per-token projection written by hand after a dynamic_rnn with a
+    static T: `reshape(h, [-1, H]) @ w` then `reshape(.., [-1, T, C])`,
+    a per-token sparse softmax summed over T. The MatMul's `[B*T]` rows are
+    proved example-major on the original graph; its copy after the rebuilt
+    loop must be too (the rebuilt loop's outputs lost the static T, so the
+    rule took its B*T rows for examples and failed at run time)."""
+    t, classes = test_loops.T, 3
+    x = tf.compat.v1.placeholder(tf.float64, [None, t, test_loops.D], "x")
+    y = tf.compat.v1.placeholder(tf.int32, [None, t], "y")
+    cell = tf.compat.v1.nn.rnn_cell.BasicRNNCell(test_loops.H,
+                                                 dtype=tf.float64)
+    out, _ = tf.compat.v1.nn.dynamic_rnn(cell, x, dtype=tf.float64)
+    rng = np.random.default_rng(11)
+    w = tf.compat.v1.Variable(rng.normal(size=(test_loops.H, classes)),
+                              use_resource=True, name="proj")
+    h = tf.math.softplus(out)
+    logits = tf.reshape(tf.matmul(tf.reshape(h, [-1, test_loops.H]), w),
+                        [-1, t, classes])
+    losses = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        y, logits, reduction=tf.compat.v1.losses.Reduction.NONE)
+
+    def feed(b, r):
+        return {x: r.normal(size=(b, t, test_loops.D)),
+                y: r.integers(0, classes, size=(b, t))}
+    return tf.reduce_sum(losses, 1), cell.trainable_weights + [w], feed
+
+
+@pytest.mark.parametrize("batches", [
+    BATCHES, pytest.param(LARGE_BATCHES, marks=pytest.mark.slow)])
+def test_a_folded_projection_after_the_rebuilt_loop(graph, batches):
+    loss, xs, feed = _rnn_with_folded_projection()
+    plan = custagg.plan_per_example(loss, xs)
+    assert [a.form for a in plan.assignments] == [
+        "loop-rules", "loop-rules", "rules"], str(plan)
+    before = set(_loops(graph))
+    test_loop_rules._check_all(  # pylint: disable=protected-access
+        loss, xs, feed, batches=batches)
+    assert not _reached(_clipped_fetches(loss, xs), before)[0]

@@ -796,6 +796,12 @@ def one_pass(uses, loss):
                 continue
             for old, new in zip(op.outputs, outs):
                 if new is not None:
+                    # The copy computes the same values: what the original's
+                    # static shape proves holds for it too (a rebuilt loop's
+                    # stacked outputs lose a static T), and the rules' proofs
+                    # on the copies (a dense layer's folded rows) need it.
+                    if new.shape.is_compatible_with(old.shape):
+                        new.set_shape(old.shape)
                     mapping[old.ref()] = new
     new_loss = mapping.get(loss.ref())
     if new_loss is None:
