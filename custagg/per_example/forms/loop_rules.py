@@ -79,13 +79,17 @@ ENTRY_TYPES = LOOP_TYPES | frozenset(["Enter", "RefEnter"])
 _READS = frozenset(["ReadVariableOp", "Identity"])
 
 
-class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot"])):
+class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot",
+                                         "users"], defaults=[None])):
     """One body op that consumes x.
 
     op: the body op, output `[B, ...]` (batch on axis 0, the rest static).
     index: which of `op.inputs` carries x (or its slice).
     rule: the registry's rule for the op.
     slot: (j, J) when the op reads `unstack(x)[j]` of J slices, else None.
+    users: the consumers of the op's output on a path to the loss (the ones
+      the rebuilt body copies; not the accumulators a gradient taken
+      before added to the body), or None: all its consumers.
     """
 
     @property
@@ -344,7 +348,8 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
                     "op '%s' (type %s) uses x inside loop '%s' in a way the "
                     "loop rules do not handle (%s)" % (
                         c.name, c.type, name, why), c)
-            taps.append(tap)
+            taps.append(tap._replace(users=tuple(
+                u for u in tap.op.outputs[0].consumers() if u in live)))
     if not taps:
         return None, "x reaches the loss through no op of loop '%s'" % name
     for tap in taps:
@@ -487,7 +492,10 @@ def _gradient_owner(tap, taps, tap_of_op):
     parameter whose gradient is the op's output gradient unchanged
     (`Rule.passes_gradient_to`); else None."""
     out = tap.op.outputs[0]
-    users = out.consumers()
+    # Consumers off the loss's path (the accumulators of a gradient taken
+    # before, which the rebuilt body does not copy: the Keras GRU's body
+    # pushes its MatMuls' outputs) do not take dz.
+    users = out.consumers() if tap.users is None else list(tap.users)
     if len(users) != 1 or users[0] not in tap_of_op:
         return None
     j = tap_of_op[users[0]]
@@ -587,53 +595,53 @@ class _Hook(object):
         self.fired.add(i)
         tap = self.taps[i]
         s = self.slot[i]
-        if self.v1:
-            # A v1 loop accumulates a captured tensor's gradient (here
-            # IndexedSlices) itself; a variant list's it does not.
-            item = tf.gather(self.eps[s], self.step)
-        elif self.lazy:
-            # An unset item of a reserved list reads as zeros of the shape
-            # asked for: the tap's output's, rows included.
-            owner = self.taps[self.owners[s]]
-            item = tf.raw_ops.TensorListGetItem(
-                input_handle=self._lists[s], index=self.step,
-                element_shape=tf.shape(outs[0]) if owner is tap else
-                tf.concat([tf.shape(outs[0])[:1],
-                           tf.constant(owner.rest, tf.int32)], 0),
-                element_dtype=owner.op.outputs[0].dtype)
-        else:
-            item = tf.raw_ops.TensorListGetItem(
-                input_handle=self._lists[s], index=self.step,
-                element_shape=_element_shape(self.eps[s][0]),
-                element_dtype=self.eps[s].dtype)
         copied = outs[0].op        # the copy, its inputs the rebuilt body's
-        checks = []
         for k in tap.others:
+            # The rows are checked once after the loop (`_tap_result`),
+            # not at every step: a check in the body is ~8 nodes per step
+            # and input (issue 26).
             a = copied.inputs[k]
-            # The rows become examples: other rows than the batch's (one
-            # row broadcast later) would be made up; fail instead.
-            checks.append(tf.debugging.assert_equal(
-                tf.shape(a)[0], tf.shape(item)[0],
-                message="custagg: input %d of a loop rule's op '%s' has "
-                        "other rows than the batch's examples; use "
-                        "strategy='pfor'" % (k, op.name)))
             if self.v1:
                 self.lists[(i, k)] = self._array(
                     (i, k), self.lists[(i, k)]).write(self.step, a).flow
             else:
                 self.lists[(i, k)] = tf.raw_ops.TensorListPushBack(
                     input_handle=self.lists[(i, k)], tensor=a)
-        # eps has the loss's B rows: a tapped output with other rows (one
-        # row broadcast later) would make them up; fail instead.
-        checks.append(tf.debugging.assert_equal(
-            tf.shape(outs[0])[0], tf.shape(item)[0],
-            message="custagg: a loop rule's op '%s' has other rows than the "
-                    "batch's examples; use strategy='pfor'" % op.name))
+        if i not in self.owners:
+            # Its dz is read at the tap it feeds (`slot`): no eps of its
+            # own, nothing read.
+            return list(outs)
+        checks = []
+        if self.v1:
+            # A v1 loop accumulates a captured tensor's gradient (here
+            # IndexedSlices) itself; a variant list's it does not.
+            item = tf.gather(self.eps[s], self.step)
+        elif self.lazy:
+            # An unset item of a reserved list reads as zeros of the shape
+            # asked for: the tap's output's, rows included (so no check of
+            # the rows here: they are the output's by construction).
+            item = tf.raw_ops.TensorListGetItem(
+                input_handle=self._lists[s], index=self.step,
+                element_shape=tf.shape(outs[0]),
+                element_dtype=tap.op.outputs[0].dtype)
+        else:
+            item = tf.raw_ops.TensorListGetItem(
+                input_handle=self._lists[s], index=self.step,
+                element_shape=_element_shape(self.eps[s][0]),
+                element_dtype=self.eps[s].dtype)
+        if not self.lazy:
+            # eps has the loss's B rows: a tapped output with other rows
+            # (one row broadcast later) would make them up; fail instead.
+            checks.append(tf.debugging.assert_equal(
+                tf.shape(outs[0])[0], tf.shape(item)[0],
+                message="custagg: a loop rule's op '%s' has other rows than "
+                        "the batch's examples; use strategy='pfor'" % op.name))
         with tf.control_dependencies(checks):
-            if i not in self.owners:
-                # Its dz is read at the tap it feeds (`slot`).
-                return [tf.identity(outs[0])] + list(outs[1:])
-            return [outs[0] + item] + list(outs[1:])
+            # AddN, not AddV2: the shapes are equal, and AddN's gradient
+            # passes dz through where AddV2's reduces over broadcast axes
+            # (two shapes pushed per step, BroadcastGradientArgs, Sum and
+            # Reshape per step in the backward loop; issue 26).
+            return [tf.math.add_n([outs[0], item])] + list(outs[1:])
 
     def leave(self):
         return [self.step + 1] + [self.lists[key] for key in self.pushed]
@@ -915,11 +923,22 @@ def _tap_result(use, tap, hook, dz):
     key) in the layout of x's slice, or ("dense", [B, *slice])."""
     i = hook.taps.index(tap)
     inputs = list(tap.op.inputs)
-    for k in tap.others:
-        inputs[k] = _fold(hook.inputs[(i, k)])
-    inputs[tap.index] = _outside_value(use, tap.slot)
     g = tf.convert_to_tensor(dz[hook.slot[i]])                 # [T, B, ...]
     steps = tf.shape(g)[0]
+    for k in tap.others:
+        stacked = hook.inputs[(i, k)]                           # [T, R, ...]
+        # The rows become examples: other rows than the batch's (one row
+        # broadcast later) would be made up; fail instead. Checked once
+        # here on the stacked rows rather than at every step in the body.
+        check = tf.debugging.assert_equal(
+            tf.logical_or(tf.equal(tf.shape(stacked)[0], 0), tf.equal(
+                tf.shape(stacked)[1], tf.shape(g)[1])), True,
+            message="custagg: input %d of a loop rule's op '%s' has other "
+                    "rows than the batch's examples; use strategy='pfor'"
+                    % (k, tap.op.name))
+        with tf.control_dependencies([check]):
+            inputs[k] = _fold(stacked)
+    inputs[tap.index] = _outside_value(use, tap.slot)
     for k in tap.stand_ins:
         # The rule reads only this input's shape (and the op's attributes):
         # zeros of `[T*B, ...]`, which nothing downstream runs. Where its
