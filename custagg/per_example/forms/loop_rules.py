@@ -507,6 +507,23 @@ def _gradient_owner(tap, taps, tap_of_op):
     return None
 
 
+_UNSET_LIST_ITEM = "CustaggUnsetListItem"
+
+
+@tf.RegisterGradient(_UNSET_LIST_ITEM)
+def _unset_list_item_grad(op, ditem):
+    """The gradient of `TensorListGetItem` of a list none of whose items is
+    set (the one-pass eps lists): the list with item `index` set to
+    `ditem`. TF's own gradient makes the same list from the input's
+    `TensorListElementShape` and `TensorListLength`, which while_v2 moves
+    into the forward loop and pushes at every step (two more loop
+    variables per list, forward and backward; issue 26); the list itself
+    is loop-invariant, so the backward loop captures it as it is."""
+    return [tf.raw_ops.TensorListSetItem(
+        input_handle=op.inputs[0], index=op.inputs[1], item=ditem),
+        None, None]
+
+
 class _Hook(object):
     """Taps one rebuilt While body (`Copier.hooks`): adds
     `eps[t]` to each tap's output and pushes the tap's other inputs."""
@@ -619,11 +636,15 @@ class _Hook(object):
         elif self.lazy:
             # An unset item of a reserved list reads as zeros of the shape
             # asked for: the tap's output's, rows included (so no check of
-            # the rows here: they are the output's by construction).
-            item = tf.raw_ops.TensorListGetItem(
-                input_handle=self._lists[s], index=self.step,
-                element_shape=tf.shape(outs[0]),
-                element_dtype=tap.op.outputs[0].dtype)
+            # the rows here: they are the output's by construction). Its
+            # gradient sets item `step` of the list itself, which is a list
+            # of unset items (`_unset_list_item_grad`).
+            with tf.compat.v1.get_default_graph().gradient_override_map(
+                    {"TensorListGetItem": _UNSET_LIST_ITEM}):
+                item = tf.raw_ops.TensorListGetItem(
+                    input_handle=self._lists[s], index=self.step,
+                    element_shape=tf.shape(outs[0]),
+                    element_dtype=tap.op.outputs[0].dtype)
         else:
             item = tf.raw_ops.TensorListGetItem(
                 input_handle=self._lists[s], index=self.step,
