@@ -26,8 +26,10 @@ at step t), and its result is folded back to `[B, ...]`.
 
 Where `dz` comes from (issue 26):
 
-* `one_pass` (v2 loops): `eps` is a TensorList reserved for T items whose
-  unset items read as zeros of the tap's output shape; the ops between the
+* `one_pass` (v2 loops): `eps` is a TensorList reserved for T items, none
+  set; the tap's output goes through `IdentityN(z_t, eps, t)`, whose
+  gradient (`_eps_tap_grad`) passes dz_t on and sets item t of eps to it
+  (no zeros read and added per step); the ops between the
   loops and the loss are copied onto the rebuilt loops' outputs, and the
   rules' one backward pass (`engine.SharedPass`) differentiates that
   recomputed loss to the taps' lists and to the rule ops' outputs (their
@@ -507,21 +509,19 @@ def _gradient_owner(tap, taps, tap_of_op):
     return None
 
 
-_UNSET_LIST_ITEM = "CustaggUnsetListItem"
+_EPS_TAP = "CustaggLoopEpsTap"
 
 
-@tf.RegisterGradient(_UNSET_LIST_ITEM)
-def _unset_list_item_grad(op, ditem):
-    """The gradient of `TensorListGetItem` of a list none of whose items is
-    set (the one-pass eps lists): the list with item `index` set to
-    `ditem`. TF's own gradient makes the same list from the input's
-    `TensorListElementShape` and `TensorListLength`, which while_v2 moves
-    into the forward loop and pushes at every step (two more loop
-    variables per list, forward and backward; issue 26); the list itself
-    is loop-invariant, so the backward loop captures it as it is."""
-    return [tf.raw_ops.TensorListSetItem(
-        input_handle=op.inputs[0], index=op.inputs[1], item=ditem),
-        None, None]
+@tf.RegisterGradient(_EPS_TAP)
+def _eps_tap_grad(op, dz, *unused):
+    """The gradient of `IdentityN(z, eps list, step)` (a one-pass tap):
+    dz for z, and for the list (none of whose items is set) the list with
+    item `step` set to dz: what `TensorListGetItem(eps, step)` added to z
+    would give, without reading and adding zeros at every step."""
+    del unused
+    dz = tf.convert_to_tensor(dz)
+    return [dz, tf.raw_ops.TensorListSetItem(
+        input_handle=op.inputs[1], index=op.inputs[2], item=dz), None]
 
 
 class _Hook(object):
@@ -628,40 +628,38 @@ class _Hook(object):
             # Its dz is read at the tap it feeds (`slot`): no eps of its
             # own, nothing read.
             return list(outs)
-        checks = []
+        if self.lazy:
+            # The output as it is, through an IdentityN that also takes
+            # the (unset) eps list and the step: its gradient passes dz on
+            # and sets item `step` of the list to it (`_eps_tap_grad`).
+            # `z + GetItem(eps, step)` read and added zeros of z's shape at
+            # every step, and while_v2 pushed the list's element shape and
+            # length per step for TensorListGetItem's gradient (issue 26).
+            with tf.compat.v1.get_default_graph().gradient_override_map(
+                    {"IdentityN": _EPS_TAP}):
+                tapped = tf.raw_ops.IdentityN(
+                    input=[outs[0], self._lists[s], self.step])[0]
+            return [tapped] + list(outs[1:])
         if self.v1:
             # A v1 loop accumulates a captured tensor's gradient (here
             # IndexedSlices) itself; a variant list's it does not.
             item = tf.gather(self.eps[s], self.step)
-        elif self.lazy:
-            # An unset item of a reserved list reads as zeros of the shape
-            # asked for: the tap's output's, rows included (so no check of
-            # the rows here: they are the output's by construction). Its
-            # gradient sets item `step` of the list itself, which is a list
-            # of unset items (`_unset_list_item_grad`).
-            with tf.compat.v1.get_default_graph().gradient_override_map(
-                    {"TensorListGetItem": _UNSET_LIST_ITEM}):
-                item = tf.raw_ops.TensorListGetItem(
-                    input_handle=self._lists[s], index=self.step,
-                    element_shape=tf.shape(outs[0]),
-                    element_dtype=tap.op.outputs[0].dtype)
         else:
             item = tf.raw_ops.TensorListGetItem(
                 input_handle=self._lists[s], index=self.step,
                 element_shape=_element_shape(self.eps[s][0]),
                 element_dtype=self.eps[s].dtype)
-        if not self.lazy:
-            # eps has the loss's B rows: a tapped output with other rows
-            # (one row broadcast later) would make them up; fail instead.
-            checks.append(tf.debugging.assert_equal(
-                tf.shape(outs[0])[0], tf.shape(item)[0],
-                message="custagg: a loop rule's op '%s' has other rows than "
-                        "the batch's examples; use strategy='pfor'" % op.name))
+        # eps has the loss's B rows: a tapped output with other rows (one
+        # row broadcast later) would make them up; fail instead.
+        checks = [tf.debugging.assert_equal(
+            tf.shape(outs[0])[0], tf.shape(item)[0],
+            message="custagg: a loop rule's op '%s' has other rows than "
+                    "the batch's examples; use strategy='pfor'" % op.name)]
         with tf.control_dependencies(checks):
-            # AddN, not AddV2: the shapes are equal, and AddN's gradient
-            # passes dz through where AddV2's reduces over broadcast axes
-            # (two shapes pushed per step, BroadcastGradientArgs, Sum and
-            # Reshape per step in the backward loop; issue 26).
+            # AddN, not AddV2: the shapes are equal (checked), and AddN's
+            # gradient passes dz through where AddV2's reduces over
+            # broadcast axes (BroadcastGradientArgs, Sum and Reshape at
+            # every step of the backward loop).
             return [tf.math.add_n([outs[0], item])] + list(outs[1:])
 
     def leave(self):
