@@ -10,9 +10,11 @@ the Keras GRU (16 steps, hidden 64) a few extra nodes per step were a third
 of the clipped sum's time. Pinned here, on the function bodies the graph
 holds, against the original loop's own bodies:
 
-* one eps list per distinct dz: a MatMul that feeds a BiasAdd alone shares
-  the BiasAdd's (the Keras GRU's two MatMul + BiasAdd pairs: 2 lists, not
-  4), also when a gradient taken before added accumulators to the body;
+* one eps list per distinct dz: a MatMul that feeds a BiasAdd alone (or
+  a sum, as a full-shape addend, that feeds it) shares the BiasAdd's (the
+  Keras GRU's two MatMul + BiasAdd pairs: 2 lists, not 4; the Keras LSTM:
+  1, not 3), also when a gradient taken before added accumulators to the
+  body;
 * no run-time check inside the body (the rows of the pushed inputs are
   checked once after the loop);
 * no eps read: no `TensorListGetItem` of zeros added to the output (and
@@ -77,14 +79,22 @@ def _build(name, gradient_first):
     return loss, xs, feed
 
 
+# Distinct dz per step: the Keras GRU's kernel -> input bias and recurrent
+# kernel -> recurrent bias (2, not 4); the Keras LSTM's `x W + h U` into
+# one BiasAdd (1, not 3); a hand-written cell's `concat W + b` (1, not 2).
+EPS_LISTS = {"keras_gru_sequence": 2, "keras_lstm_last": 1,
+             "hand_while_rnn": 1}
+
+
 @pytest.mark.parametrize("gradient_first", [False, True])
-def test_keras_gru_reads_one_eps_per_matmul_bias_pair(graph, gradient_first):
-    loss, xs, _ = _build("keras_gru_sequence", gradient_first)
+@pytest.mark.parametrize("name", sorted(EPS_LISTS))
+def test_one_eps_list_per_distinct_dz(graph, name, gradient_first):
+    loss, xs, _ = _build(name, gradient_first)
     plan = custagg.plan_per_example(loss, xs)
-    assert plan.forms()[:3] == ["loop-rules"] * 3, str(plan)
+    assert plan.forms()[:2] == ["loop-rules"] * 2, str(plan)
     custagg.clipped_gradients(loss, xs, 0.5)
-    # kernel -> input bias, recurrent kernel -> recurrent bias: two dz.
-    assert len(_eps_lists(graph)) == 2, [op.name for op in _eps_lists(graph)]
+    assert len(_eps_lists(graph)) == EPS_LISTS[name], [
+        op.name for op in _eps_lists(graph)]
 
 
 @pytest.mark.parametrize("name", ["keras_gru_sequence", "keras_lstm_last",
@@ -109,7 +119,8 @@ def test_the_tapped_body_adds_no_checks_or_pushed_shapes(graph, name):
 
 
 @pytest.mark.parametrize("batches", SIZES)
-@pytest.mark.parametrize("name", ["keras_gru_sequence", "keras_lstm_last"])
+@pytest.mark.parametrize("name", ["keras_gru_sequence", "keras_lstm_last",
+                                  "hand_while_rnn"])
 def test_values_with_a_gradient_taken_first(graph, name, batches):
     loss, xs, feed = _build(name, gradient_first=True)
     test_loop_rules._check_all(  # pylint: disable=protected-access

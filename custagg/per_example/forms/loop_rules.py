@@ -82,16 +82,16 @@ _READS = frozenset(["ReadVariableOp", "Identity"])
 
 
 class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot",
-                                         "users"], defaults=[None])):
+                                         "reader"], defaults=[None])):
     """One body op that consumes x.
 
     op: the body op, output `[B, ...]` (batch on axis 0, the rest static).
     index: which of `op.inputs` carries x (or its slice).
     rule: the registry's rule for the op.
     slot: (j, J) when the op reads `unstack(x)[j]` of J slices, else None.
-    users: the consumers of the op's output on a path to the loss (the ones
-      the rebuilt body copies; not the accumulators a gradient taken
-      before added to the body), or None: all its consumers.
+    reader: `((op, tensor), ...)`: the one op on the loss's path that
+      reads the op's output, and on through ops that pass its gradient on
+      unchanged (`_readers`), each with the tensor it reads; or None.
     """
 
     @property
@@ -350,8 +350,9 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
                     "op '%s' (type %s) uses x inside loop '%s' in a way the "
                     "loop rules do not handle (%s)" % (
                         c.name, c.type, name, why), c)
-            taps.append(tap._replace(users=tuple(
-                u for u in tap.op.outputs[0].consumers() if u in live)))
+            taps.append(tap)
+    taps = [tap._replace(reader=_readers(tap.op.outputs[0], live))
+            for tap in taps]
     if not taps:
         return None, "x reaches the loss through no op of loop '%s'" % name
     for tap in taps:
@@ -488,23 +489,77 @@ def _element_shape(t):
                                for d in t.shape.as_list()[1:]], tf.int32)
 
 
+# Ops whose gradient at an input of the output's shape is the output's
+# gradient unchanged.
+_PASS_THROUGH = frozenset(["Identity", "AddV2", "Add", "AddN"])
+
+
+def _readers(t, live):
+    """`((op, tensor), ...)`: the one op in `live` (the body ops on the
+    loss's path; not the accumulators a gradient taken before added) that
+    reads `t`, and on through ops that pass the gradient on unchanged
+    (`Identity`, or a sum with `t` a full-shape addend: the Keras LSTM's
+    `x W + h U` before its BiasAdd), each with the tensor it reads; the
+    chain ends at an op of another type or a tensor with more readers
+    (empty if `t` has more than one)."""
+    chain = []
+    while True:
+        users = [c for c in t.consumers() if c in live]
+        if len(users) != 1:
+            return tuple(chain)
+        c = users[0]
+        chain.append((c, t))
+        if c.type not in _PASS_THROUGH or \
+                sum(i is t for i in c.inputs) != 1:
+            return tuple(chain)
+        out = c.outputs[0]
+        if c.type != "Identity" and not _full_addend(t, out):
+            return tuple(chain)
+        t = out
+
+
+def _full_addend(t, out):
+    """Whether `t`, an addend of `out`, has `out`'s static shape, the dims
+    after the batch known (so its gradient is `out`'s, unreduced)."""
+    return bool(out.shape.rank == t.shape.rank and out.shape.rank and
+                t.shape[1:].is_fully_defined() and
+                out.shape[1:] == t.shape[1:] and
+                tf.compat.dimension_value(out.shape[0]) ==
+                tf.compat.dimension_value(t.shape[0]))
+
+
 def _gradient_owner(tap, taps, tap_of_op):
-    """The index of the tap whose dz is also `tap`'s: `tap`'s output has one
-    consumer, that tap's op, which reads it only at inputs other than its
-    parameter whose gradient is the op's output gradient unchanged
-    (`Rule.passes_gradient_to`); else None."""
-    out = tap.op.outputs[0]
-    # Consumers off the loss's path (the accumulators of a gradient taken
-    # before, which the rebuilt body does not copy: the Keras GRU's body
-    # pushes its MatMuls' outputs) do not take dz.
-    users = out.consumers() if tap.users is None else list(tap.users)
-    if len(users) != 1 or users[0] not in tap_of_op:
+    """The index of the tap whose dz is also `tap`'s: `tap`'s output (or a
+    sum it is a full-shape addend of, `_readers`) has one reader on the
+    loss's path, that tap's op, which reads it only at inputs other than
+    its parameter whose gradient is the op's output gradient unchanged
+    (`Rule.passes_gradient_to`, or the full-shape addend of a tapped
+    `AddV2`); else None."""
+    # The first tapped op down the chain (the ops before it pass dz on).
+    summed = False
+    for user, t in tap.reader or ():
+        if user in tap_of_op:
+            break
+        summed = summed or user.type != "Identity"
+    else:
         return None
-    j = tap_of_op[users[0]]
+    summed = summed or user.type in ("AddV2", "Add")
+    if summed and not tap.others:
+        # A sum's dz is an addend's only if the addend has the sum's rows:
+        # so for taps whose pushed inputs' rows are checked to be the
+        # batch's after the loop (`_tap_result`), not others.
+        return None
+    j = tap_of_op[user]
     other = taps[j]
-    positions = [k for k, t in enumerate(other.op.inputs) if t is out]
-    if positions and all(k in other.rule.passes_gradient_to and
-                         k != other.index for k in positions):
+    positions = [k for k, i in enumerate(other.op.inputs) if i is t]
+    passes = other.rule.passes_gradient_to
+    if other.op.type in ("AddV2", "Add") and len(positions) == 1 and \
+            _full_addend(t, other.op.outputs[0]):
+        # A bias added to the full-shape value (hand-written cells'
+        # `x W + b`): the value's gradient is the sum's.
+        passes = positions
+    if positions and all(k in passes and k != other.index
+                         for k in positions):
         return j
     return None
 
