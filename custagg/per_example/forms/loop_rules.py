@@ -567,7 +567,6 @@ def _gradient_owner(tap, taps, tap_of_op):
 _EPS_TAP = "CustaggLoopEpsTap"
 
 
-@tf.RegisterGradient(_EPS_TAP)
 def _eps_tap_grad(op, dz, *unused):
     """The gradient of `IdentityN(z, eps list, step)` (a one-pass tap):
     dz for z, and for the list (none of whose items is set) the list with
@@ -577,6 +576,12 @@ def _eps_tap_grad(op, dz, *unused):
     dz = tf.convert_to_tensor(dz)
     return [dz, tf.raw_ops.TensorListSetItem(
         input_handle=op.inputs[1], index=op.inputs[2], item=dz), None]
+
+
+try:
+    tf.RegisterGradient(_EPS_TAP)(_eps_tap_grad)
+except KeyError:        # registered already: this module imported again
+    pass
 
 
 class _Hook(object):
