@@ -26,8 +26,10 @@ at step t), and its result is folded back to `[B, ...]`.
 
 Where `dz` comes from (issue 26):
 
-* `one_pass` (v2 loops): `eps` is a TensorList reserved for T items whose
-  unset items read as zeros of the tap's output shape; the ops between the
+* `one_pass` (v2 loops): `eps` is a TensorList reserved for T items, none
+  set; the tap's output goes through `IdentityN(z_t, eps, t)`, whose
+  gradient (`_eps_tap_grad`) passes dz_t on and sets item t of eps to it
+  (no zeros read and added per step); the ops between the
   loops and the loss are copied onto the rebuilt loops' outputs, and the
   rules' one backward pass (`engine.SharedPass`) differentiates that
   recomputed loss to the taps' lists and to the rule ops' outputs (their
@@ -79,13 +81,17 @@ ENTRY_TYPES = LOOP_TYPES | frozenset(["Enter", "RefEnter"])
 _READS = frozenset(["ReadVariableOp", "Identity"])
 
 
-class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot"])):
+class Tap(collections.namedtuple("Tap", ["op", "index", "rule", "slot",
+                                         "reader"], defaults=[None])):
     """One body op that consumes x.
 
     op: the body op, output `[B, ...]` (batch on axis 0, the rest static).
     index: which of `op.inputs` carries x (or its slice).
     rule: the registry's rule for the op.
     slot: (j, J) when the op reads `unstack(x)[j]` of J slices, else None.
+    reader: `((op, tensor), ...)`: the one op on the loss's path that
+      reads the op's output, and on through ops that pass its gradient on
+      unchanged (`_readers`), each with the tensor it reads; or None.
     """
 
     @property
@@ -345,6 +351,8 @@ def _use(op, index, name, live, entry, coupling, outputs, loop, counter,
                     "loop rules do not handle (%s)" % (
                         c.name, c.type, name, why), c)
             taps.append(tap)
+    taps = [tap._replace(reader=_readers(tap.op.outputs[0], live))
+            for tap in taps]
     if not taps:
         return None, "x reaches the loss through no op of loop '%s'" % name
     for tap in taps:
@@ -481,22 +489,99 @@ def _element_shape(t):
                                for d in t.shape.as_list()[1:]], tf.int32)
 
 
+# Ops whose gradient at an input of the output's shape is the output's
+# gradient unchanged.
+_PASS_THROUGH = frozenset(["Identity", "AddV2", "Add", "AddN"])
+
+
+def _readers(t, live):
+    """`((op, tensor), ...)`: the one op in `live` (the body ops on the
+    loss's path; not the accumulators a gradient taken before added) that
+    reads `t`, and on through ops that pass the gradient on unchanged
+    (`Identity`, or a sum with `t` a full-shape addend: the Keras LSTM's
+    `x W + h U` before its BiasAdd), each with the tensor it reads; the
+    chain ends at an op of another type or a tensor with more readers
+    (empty if `t` has more than one)."""
+    chain = []
+    while True:
+        users = [c for c in t.consumers() if c in live]
+        if len(users) != 1:
+            return tuple(chain)
+        c = users[0]
+        chain.append((c, t))
+        if c.type not in _PASS_THROUGH or \
+                sum(i is t for i in c.inputs) != 1:
+            return tuple(chain)
+        out = c.outputs[0]
+        if c.type != "Identity" and not _full_addend(t, out):
+            return tuple(chain)
+        t = out
+
+
+def _full_addend(t, out):
+    """Whether `t`, an addend of `out`, has `out`'s static shape, the dims
+    after the batch known (so its gradient is `out`'s, unreduced)."""
+    return bool(out.shape.rank == t.shape.rank and out.shape.rank and
+                t.shape[1:].is_fully_defined() and
+                out.shape[1:] == t.shape[1:] and
+                tf.compat.dimension_value(out.shape[0]) ==
+                tf.compat.dimension_value(t.shape[0]))
+
+
 def _gradient_owner(tap, taps, tap_of_op):
-    """The index of the tap whose dz is also `tap`'s: `tap`'s output has one
-    consumer, that tap's op, which reads it only at inputs other than its
-    parameter whose gradient is the op's output gradient unchanged
-    (`Rule.passes_gradient_to`); else None."""
-    out = tap.op.outputs[0]
-    users = out.consumers()
-    if len(users) != 1 or users[0] not in tap_of_op:
+    """The index of the tap whose dz is also `tap`'s: `tap`'s output (or a
+    sum it is a full-shape addend of, `_readers`) has one reader on the
+    loss's path, that tap's op, which reads it only at inputs other than
+    its parameter whose gradient is the op's output gradient unchanged
+    (`Rule.passes_gradient_to`, or the full-shape addend of a tapped
+    `AddV2`); else None."""
+    # The first tapped op down the chain (the ops before it pass dz on).
+    summed = False
+    for user, t in tap.reader or ():
+        if user in tap_of_op:
+            break
+        summed = summed or user.type != "Identity"
+    else:
         return None
-    j = tap_of_op[users[0]]
+    summed = summed or user.type in ("AddV2", "Add")
+    if summed and not tap.others:
+        # A sum's dz is an addend's only if the addend has the sum's rows:
+        # so for taps whose pushed inputs' rows are checked to be the
+        # batch's after the loop (`_tap_result`), not others.
+        return None
+    j = tap_of_op[user]
     other = taps[j]
-    positions = [k for k, t in enumerate(other.op.inputs) if t is out]
-    if positions and all(k in other.rule.passes_gradient_to and
-                         k != other.index for k in positions):
+    positions = [k for k, i in enumerate(other.op.inputs) if i is t]
+    passes = other.rule.passes_gradient_to
+    if other.op.type in ("AddV2", "Add") and len(positions) == 1 and \
+            _full_addend(t, other.op.outputs[0]):
+        # A bias added to the full-shape value (hand-written cells'
+        # `x W + b`): the value's gradient is the sum's.
+        passes = positions
+    if positions and all(k in passes and k != other.index
+                         for k in positions):
         return j
     return None
+
+
+_EPS_TAP = "CustaggLoopEpsTap"
+
+
+def _eps_tap_grad(op, dz, *unused):
+    """The gradient of `IdentityN(z, eps list, step)` (a one-pass tap):
+    dz for z, and for the list (none of whose items is set) the list with
+    item `step` set to dz: what `TensorListGetItem(eps, step)` added to z
+    would give, without reading and adding zeros at every step."""
+    del unused
+    dz = tf.convert_to_tensor(dz)
+    return [dz, tf.raw_ops.TensorListSetItem(
+        input_handle=op.inputs[1], index=op.inputs[2], item=dz), None]
+
+
+try:
+    tf.RegisterGradient(_EPS_TAP)(_eps_tap_grad)
+except KeyError:        # registered already: this module imported again
+    pass
 
 
 class _Hook(object):
@@ -587,53 +672,55 @@ class _Hook(object):
         self.fired.add(i)
         tap = self.taps[i]
         s = self.slot[i]
-        if self.v1:
-            # A v1 loop accumulates a captured tensor's gradient (here
-            # IndexedSlices) itself; a variant list's it does not.
-            item = tf.gather(self.eps[s], self.step)
-        elif self.lazy:
-            # An unset item of a reserved list reads as zeros of the shape
-            # asked for: the tap's output's, rows included.
-            owner = self.taps[self.owners[s]]
-            item = tf.raw_ops.TensorListGetItem(
-                input_handle=self._lists[s], index=self.step,
-                element_shape=tf.shape(outs[0]) if owner is tap else
-                tf.concat([tf.shape(outs[0])[:1],
-                           tf.constant(owner.rest, tf.int32)], 0),
-                element_dtype=owner.op.outputs[0].dtype)
-        else:
-            item = tf.raw_ops.TensorListGetItem(
-                input_handle=self._lists[s], index=self.step,
-                element_shape=_element_shape(self.eps[s][0]),
-                element_dtype=self.eps[s].dtype)
         copied = outs[0].op        # the copy, its inputs the rebuilt body's
-        checks = []
         for k in tap.others:
+            # The rows are checked once after the loop (`_tap_result`),
+            # not at every step: a check in the body is ~8 nodes per step
+            # and input (issue 26).
             a = copied.inputs[k]
-            # The rows become examples: other rows than the batch's (one
-            # row broadcast later) would be made up; fail instead.
-            checks.append(tf.debugging.assert_equal(
-                tf.shape(a)[0], tf.shape(item)[0],
-                message="custagg: input %d of a loop rule's op '%s' has "
-                        "other rows than the batch's examples; use "
-                        "strategy='pfor'" % (k, op.name)))
             if self.v1:
                 self.lists[(i, k)] = self._array(
                     (i, k), self.lists[(i, k)]).write(self.step, a).flow
             else:
                 self.lists[(i, k)] = tf.raw_ops.TensorListPushBack(
                     input_handle=self.lists[(i, k)], tensor=a)
+        if i not in self.owners:
+            # Its dz is read at the tap it feeds (`slot`): no eps of its
+            # own, nothing read.
+            return list(outs)
+        if self.lazy:
+            # The output as it is, through an IdentityN that also takes
+            # the (unset) eps list and the step: its gradient passes dz on
+            # and sets item `step` of the list to it (`_eps_tap_grad`).
+            # `z + GetItem(eps, step)` read and added zeros of z's shape at
+            # every step, and while_v2 pushed the list's element shape and
+            # length per step for TensorListGetItem's gradient (issue 26).
+            with tf.compat.v1.get_default_graph().gradient_override_map(
+                    {"IdentityN": _EPS_TAP}):
+                tapped = tf.raw_ops.IdentityN(
+                    input=[outs[0], self._lists[s], self.step])[0]
+            return [tapped] + list(outs[1:])
+        if self.v1:
+            # A v1 loop accumulates a captured tensor's gradient (here
+            # IndexedSlices) itself; a variant list's it does not.
+            item = tf.gather(self.eps[s], self.step)
+        else:
+            item = tf.raw_ops.TensorListGetItem(
+                input_handle=self._lists[s], index=self.step,
+                element_shape=_element_shape(self.eps[s][0]),
+                element_dtype=self.eps[s].dtype)
         # eps has the loss's B rows: a tapped output with other rows (one
         # row broadcast later) would make them up; fail instead.
-        checks.append(tf.debugging.assert_equal(
+        checks = [tf.debugging.assert_equal(
             tf.shape(outs[0])[0], tf.shape(item)[0],
-            message="custagg: a loop rule's op '%s' has other rows than the "
-                    "batch's examples; use strategy='pfor'" % op.name))
+            message="custagg: a loop rule's op '%s' has other rows than "
+                    "the batch's examples; use strategy='pfor'" % op.name)]
         with tf.control_dependencies(checks):
-            if i not in self.owners:
-                # Its dz is read at the tap it feeds (`slot`).
-                return [tf.identity(outs[0])] + list(outs[1:])
-            return [outs[0] + item] + list(outs[1:])
+            # AddN, not AddV2: the shapes are equal (checked), and AddN's
+            # gradient passes dz through where AddV2's reduces over
+            # broadcast axes (BroadcastGradientArgs, Sum and Reshape at
+            # every step of the backward loop).
+            return [tf.math.add_n([outs[0], item])] + list(outs[1:])
 
     def leave(self):
         return [self.step + 1] + [self.lists[key] for key in self.pushed]
@@ -925,11 +1012,22 @@ def _tap_result(use, tap, hook, dz):
     key) in the layout of x's slice, or ("dense", [B, *slice])."""
     i = hook.taps.index(tap)
     inputs = list(tap.op.inputs)
-    for k in tap.others:
-        inputs[k] = _fold(hook.inputs[(i, k)])
-    inputs[tap.index] = _outside_value(use, tap.slot)
     g = tf.convert_to_tensor(dz[hook.slot[i]])                 # [T, B, ...]
     steps = tf.shape(g)[0]
+    for k in tap.others:
+        stacked = hook.inputs[(i, k)]                           # [T, R, ...]
+        # The rows become examples: other rows than the batch's (one row
+        # broadcast later) would be made up; fail instead. Checked once
+        # here on the stacked rows rather than at every step in the body.
+        check = tf.debugging.assert_equal(
+            tf.logical_or(tf.equal(tf.shape(stacked)[0], 0), tf.equal(
+                tf.shape(stacked)[1], tf.shape(g)[1])), True,
+            message="custagg: input %d of a loop rule's op '%s' has other "
+                    "rows than the batch's examples; use strategy='pfor'"
+                    % (k, tap.op.name))
+        with tf.control_dependencies([check]):
+            inputs[k] = _fold(stacked)
+    inputs[tap.index] = _outside_value(use, tap.slot)
     for k in tap.stand_ins:
         # The rule reads only this input's shape (and the op's attributes):
         # zeros of `[T*B, ...]`, which nothing downstream runs. Where its
