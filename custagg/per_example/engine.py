@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from custagg import sparse
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
+from custagg.graph import walks
 from custagg.traversal.aggregation import AggregationMethod
 from custagg.traversal.gradients import gradients
 from custagg.per_example import chains as chains_lib
@@ -779,11 +780,13 @@ class Certificate(object):
                     points[k][1] = g
             gcs = gradients(loss, [points[k][0] for k in keys], grad_ys=seed)
             ok_at = {}
+            ancestors = set(walks.upstream([loss]))
             for k, gc in zip(keys, gcs):
                 out, g1, axis, start = points[k]
                 ok_at[k] = tf.constant(True) if gc is None or g1 is None \
                     else _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
-                                     axis, start, batch)
+                                     axis, start, batch,
+                                     path_rtol(out, ancestors))
         for key, refs in by_consumer.items():
             oks = [ok_at[r] for r in refs]
             if oks:
@@ -818,16 +821,39 @@ def _rows(c, fold=None):
     return axis, start
 
 
-def _rows_agree(g1, gc, seed, axis, start, batch):
+def path_rtol(t, ancestors):
+    """The certificate's rtol for rows read at `t`: that of the least
+    precise floating dtype among `t` and the tensors between it and the
+    loss (`ancestors`: the ops the loss depends on). The seeded pass's
+    gradient crosses them, rounded to their precision: a float64 model
+    whose loss goes through float32 (`tf.compat.v1.losses` computes in
+    float32) has float32 gradients there, and its seeds `c_b` come out
+    rounded to 1e-8, so the float64 rtol would fail every step."""
+    rtol = CERTIFICATE_RTOL.get(t.dtype.base_dtype, 1e-4)
+    seen, stack = set(), [t]
+    while stack:
+        for op in stack.pop().consumers():
+            if op in seen or op not in ancestors:
+                continue
+            seen.add(op)
+            for o in op.outputs:
+                if o.dtype.is_floating:
+                    rtol = max(rtol, CERTIFICATE_RTOL.get(o.dtype.base_dtype,
+                                                          1e-4))
+                stack.append(o)
+    return rtol
+
+
+def _rows_agree(g1, gc, seed, axis, start, batch, rtol=None):
     """Scalar bool: `gc_b == seed_b * g1_b` for every example b, within the
     tolerance of `Certificate`; False when the rule's rows are not the
     batch's examples at this step (a sampled path's rows)."""
     rows_ok = tf.equal(tf.shape(start)[axis], batch)
-    return tf.cond(rows_ok, lambda: _agree(g1, gc, seed, axis, batch),
+    return tf.cond(rows_ok, lambda: _agree(g1, gc, seed, axis, batch, rtol),
                    lambda: tf.constant(False))
 
 
-def _agree(g1, gc, seed, axis, batch):
+def _agree(g1, gc, seed, axis, batch, rtol=None):
     if axis != 0:
         perm = [axis] + [k for k in range(g1.shape.rank) if k != axis]
         g1, gc = tf.transpose(g1, perm), tf.transpose(gc, perm)
@@ -839,7 +865,8 @@ def _agree(g1, gc, seed, axis, batch):
                        tf.reduce_max(tf.abs(c * g1), axis=1))
     floor = CERTIFICATE_FLOOR * tf.reduce_max(
         tf.concat([scale, tf.zeros([1], scale.dtype)], 0))
-    rtol = CERTIFICATE_RTOL.get(g1.dtype.base_dtype, 1e-4)
+    if rtol is None:
+        rtol = CERTIFICATE_RTOL.get(g1.dtype.base_dtype, 1e-4)
     return tf.reduce_all(gap <= rtol * (scale + floor))
 
 

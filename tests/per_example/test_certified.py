@@ -945,3 +945,77 @@ def test_ptb_embedding_is_certified_and_the_rules_run(
     for b, oks in _checks(graph, certs, None, None, batches, seed=9,
                           feed_fn=feed).items():
         assert all(oks), b
+
+
+# --------------------------------------------------------------------------
+# The check's tolerance follows the least precise dtype between the rule op
+# and the loss.
+
+
+def _float32_loss_model(coupling):
+    """float64 layers whose loss goes through float32, as
+    `tf.compat.v1.losses` computes it (it casts the losses to float32 and
+    back): the seeded pass's seeds come out rounded to float32 there.
+    `w1` sits behind Tanh (hidden from the table by the tests), and with
+    `coupling` loss i also reads example i-1's hidden row."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, D_IN], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    init = tf.compat.v1.random_normal_initializer(seed=7, dtype=tf.float64)
+    w1 = tf.compat.v1.get_variable("w1", [D_IN, HIDDEN], tf.float64, init)
+    w2 = tf.compat.v1.get_variable("w2", [HIDDEN, CLASSES], tf.float64, init)
+    h = tf.tanh(tf.matmul(x, w1))
+    if coupling:
+        h = h + coupling * tf.roll(h, shift=1, axis=0)
+    loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(
+        y, tf.matmul(h, w2), reduction=tf.compat.v1.losses.Reduction.NONE)
+    assert loss.dtype == tf.float64
+    assert any(op.type == "Cast" and op.outputs[0].dtype == tf.float32
+               for op in loss.graph.get_operations())
+    return x, y, loss, [w1, w2]
+
+
+def test_path_rtol_is_the_least_precise_dtype_to_the_loss(graph):
+    from custagg.graph import walks
+    x, _, loss, _ = _float32_loss_model(0.0)
+    ancestors = set(walks.upstream([loss]))
+    hidden = [op for op in graph.get_operations() if op.type == "Tanh"][0]
+    assert engine_lib.path_rtol(hidden.outputs[0], ancestors) == \
+        engine_lib.CERTIFICATE_RTOL[tf.float32]
+    # A float64 path: float64's own tolerance.
+    z = tf.matmul(x, tf.ones([D_IN, 2], tf.float64))
+    plain = tf.reduce_sum(tf.square(z), 1)
+    assert engine_lib.path_rtol(z, set(walks.upstream([plain]))) == \
+        engine_lib.CERTIFICATE_RTOL[tf.float64]
+
+
+@pytest.mark.parametrize("batches", BATCHES)
+def test_a_float32_loss_of_a_float64_model_is_certified(
+        batches, graph, monkeypatch):
+    """With float64's 1e-11 the check failed on every step of such a model
+    (the seeds rounded to 1e-8 at the cast) and the exact form ran, whose
+    clipped sums (a weighted pass through the cast) are off by ~1e-8: a
+    certified step gives the loop's values to 1e-12."""
+    _hide(monkeypatch, "Tanh")
+    x, y, loss, xs = _float32_loss_model(0.0)
+    assert custagg.plan_per_example(loss, xs).forms()[0] == "certified"
+    results = _run(graph, x, y, loss, xs, batches)
+    for b, oks in _checks(graph, _certificates(graph), x, y, batches,
+                          seed=2).items():
+        assert all(oks), b
+    for b, values in results.items():
+        per_example_reference.assert_exact(values, "B=%d" % b, 1e-12)
+
+
+def test_a_coupling_through_a_float32_loss_is_still_caught(graph,
+                                                           monkeypatch):
+    """float32's tolerance still resolves a coupling of 1e-2."""
+    _hide(monkeypatch, "Roll")
+    x, y, loss, xs = _float32_loss_model(1e-2)
+    assert custagg.plan_per_example(loss, xs).forms()[0] == "certified"
+    results = _run(graph, x, y, loss, xs, (7,))
+    for b, oks in _checks(graph, _certificates(graph), x, y, (7,),
+                          seed=3).items():
+        assert not all(oks), b
+    for j, g in enumerate(results[7]["reference"]):
+        testing.assert_close(results[7]["per_example"][j], g, 1e-12,
+                             "coupled per_example[%d]" % j)
