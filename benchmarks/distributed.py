@@ -101,7 +101,7 @@ def _single_process(batch, epochs):
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
                                                               logits=logits)
         step = tf.compat.v1.train.get_or_create_global_step()
-        opt = train._make_optimizer(args, train._learning_rate(args))  # pylint: disable=protected-access
+        opt = train.make_optimizer(args, train.learning_rate(args))
         train_op = opt.minimize(loss, global_step=step, var_list=variables)
         x_eval = tf.compat.v1.placeholder(tf.float32, [None,
                                                        data.num_features])

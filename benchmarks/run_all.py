@@ -137,13 +137,17 @@ def _markdown(meta, records):
              "start -> end | exit | results files |",
              "|---|---|---|---:|---|---:|---|"]
     for r in records:
-        lines.append("| %s | `%s` | %s | %.0f | %s -> %s | %d | %s |" % (
-            r["name"], r["command"], r["started"], r["seconds"],
+        lines.append("| %s | `%s`%s | %s | %.0f | %s -> %s | %d | %s |" % (
+            r["name"], r["command"], " (re-run: `%s`)" % r["rerun"]
+            if r.get("rerun") else "", r["started"], r["seconds"],
             r["load_start"], r["load_end"], r["exit"],
             ", ".join(r["outputs"]) or "none"))
     for s in meta.get("skipped", []):
         lines.append("| %s | not run: %s | | | | | kept from an earlier run |"
                      % (s["name"], s["why"]))
+    for rerun in meta.get("reruns", []):
+        lines += ["", "Re-run: `%s` on %s, started %s." % (
+            rerun["command"], rerun["commit"], rerun["started"])]
     return "\n".join(lines) + "\n"
 
 
@@ -162,6 +166,9 @@ def main(argv=None):
     p.add_argument("--skip", help="comma list of benchmark names")
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands, run nothing")
+    p.add_argument("--merge", action="store_true",
+                   help="keep run_all.json's records of the benchmarks not "
+                        "run this time (a re-run of one that failed)")
     args = p.parse_args(argv)
     todo = benchmarks(args.peers, args.tfp)
     names = [t[0] for t in todo]
@@ -204,7 +211,19 @@ def main(argv=None):
                    for name, argv_, _, outputs in rest]
         records += [f.result() for f in futures]
     meta["seconds"] = time.time() - start
-    with open(os.path.join(RESULTS, "run_all.json"), "w") as f:
+    path = os.path.join(RESULTS, "run_all.json")
+    if args.merge and os.path.exists(path):
+        # The sitting's description stays; this run's records replace
+        # theirs by name and are listed as re-runs.
+        with open(path) as f:
+            old = json.load(f)
+        again = {r["name"] for r in records}
+        records = [r for r in old["runs"] if r["name"] not in again] + [
+            dict(r, rerun=meta["command"]) for r in records]
+        old["meta"].setdefault("reruns", []).append(
+            {k: meta[k] for k in ("command", "commit", "started")})
+        meta = old["meta"]
+    with open(path, "w") as f:
         json.dump(dict(meta=meta, runs=records), f, indent=1)
     with open(os.path.join(RESULTS, "run_all.md"), "w") as f:
         f.write(_markdown(meta, records))

@@ -393,3 +393,34 @@ def test_memory_plot_draws_peak_ratios(tmp_path):
     assert seen["lines"]["custagg_auto"] == [0.9, 0.9]
     assert seen["lines"]["tf_vmap"] == [32.0, 128.0]
     assert "tf_loop" not in seen["lines"]
+
+
+def test_run_all_merge_replaces_only_the_rerun(tmp_path, monkeypatch):
+    from benchmarks import run_all
+    monkeypatch.setattr(run_all, "RESULTS", str(tmp_path))
+
+    def fake(peers=None, tfp=None):
+        return [("a", [sys.executable, "-c", "pass"], False, []),
+                ("b", [sys.executable, "-c", "raise SystemExit(2)"], False,
+                 [])]
+    monkeypatch.setattr(run_all, "benchmarks", fake)
+    assert run_all.main([]) == 1
+    monkeypatch.setattr(run_all, "benchmarks", lambda peers=None, tfp=None: [
+        ("b", [sys.executable, "-c", "pass"], False, [])])
+    assert run_all.main(["--only", "b", "--merge"]) == 0
+    with open(str(tmp_path / "run_all.json")) as f:
+        data = json.load(f)
+    runs = {r["name"]: r for r in data["runs"]}
+    assert runs["a"]["exit"] == 0 and "rerun" not in runs["a"]
+    assert runs["b"]["exit"] == 0 and runs["b"]["rerun"]
+    assert len(data["meta"]["reruns"]) == 1
+    assert "Re-run:" in (tmp_path / "run_all.md").read_text()
+
+
+def test_distributed_benchmarks_single_process_job_runs():
+    """The one-process reference of benchmarks/distributed.py builds the
+    main job's graph through custagg.app's functions: a renamed one broke
+    it unnoticed (found by `python -m benchmarks.run_all`)."""
+    from benchmarks import distributed
+    r = distributed._single(64, 1)  # pylint: disable=protected-access
+    assert r["total"] > 0 and 0.0 <= r["accuracy"] <= 1.0
