@@ -120,6 +120,17 @@ def _chunk_of(size, monkeypatch):
                             lambda self, ctx: size)
 
 
+def _reference(sess, ref, feed):
+    """Initializes the variables and runs the loop reference `ref`: its
+    norms, a clip norm that clips some examples but not all (0.7 of the
+    median norm) and the clipped sums at that norm."""
+    sess.run(tf1.global_variables_initializer())
+    ref_values = sess.run(ref, feed)
+    want_norms = testing.numpy_norms(ref_values)
+    c = 0.7 * float(np.median(want_norms))
+    return want_norms, c, testing.numpy_clipped(ref_values, c)[0]
+
+
 def _check(name, batch, dtype, chunk, monkeypatch):
     case = CASES[name]
     _chunk_of(chunk, monkeypatch)
@@ -142,11 +153,7 @@ def _check(name, batch, dtype, chunk, monkeypatch):
     data = rng.randn(batch, hw, hw, cin).astype(dtype.as_numpy_dtype)
     rtol = 1e-9 if dtype == tf.float64 else 1e-4
     with tf1.Session() as sess:
-        sess.run(tf1.global_variables_initializer())
-        ref_values = sess.run(ref, {static_x: data})
-        want_norms = testing.numpy_norms(ref_values)
-        c = 0.7 * float(np.median(want_norms))     # clips some, not all
-        want_clipped, _ = testing.numpy_clipped(ref_values, c)
+        want_norms, c, want_clipped = _reference(sess, ref, {static_x: data})
         got = sess.run([norms, clipped, clipped_norms],
                        {dynamic_x: data, clip: c})
     testing.assert_close(got[0], want_norms, rtol, name + " norms")
@@ -307,11 +314,7 @@ def _check_two_conv(batch, dtype, chunk, monkeypatch):
     data = rng.randn(batch, 16, 16, 1).astype(dtype.as_numpy_dtype)
     rtol = 1e-9 if dtype == tf.float64 else 1e-4
     with tf1.Session() as sess:
-        sess.run(tf1.global_variables_initializer())
-        ref_values = sess.run(ref, {static_x: data})
-        want_norms = testing.numpy_norms(ref_values)
-        c = 0.7 * float(np.median(want_norms))     # clips some, not all
-        want, _ = testing.numpy_clipped(ref_values, c)
+        want_norms, c, want = _reference(sess, ref, {static_x: data})
         got_clipped, got_norms = sess.run([clipped, norms],
                                           {dynamic_x: data, clip: c})
     testing.assert_close(got_norms, want_norms, rtol, "norms")
