@@ -3,7 +3,7 @@ comes from, on the convolution models (issue 26).
 
 `python -m benchmarks.conv_memory [--models mnist_deep,cnn] [--batch-sizes 64,256]`
 builds each model (zoo models at full size: `mnist_deep`, `keras_separable`,
-`layers_text_cnn`; the harness's `cnn` and `mlp`), in float32 with a dynamic
+`layers_text_cnn`; the harness's `cnn`, `mlp` and `text`), in float32 with a dynamic
 batch, and for the floor (aggregated gradient), the norms, the clipped sum
 and (mnist_deep, cnn, mlp) a DP step (`custagg.DPOptimizer` around Adam)
 next to the plain step (Adam on the mean loss), runs one traced
@@ -25,7 +25,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import numpy as np  # noqa: E402
 
 ZOO_MODELS = ("mnist_deep", "keras_separable", "layers_text_cnn")
-HARNESS_MODELS = ("cnn", "mlp")
+HARNESS_MODELS = ("cnn", "mlp", "text")
 
 
 def _build(name):
