@@ -844,16 +844,17 @@ def path_rtol(t, ancestors):
     return rtol
 
 
-def _rows_agree(g1, gc, seed, axis, start, batch, rtol=None):
+def _rows_agree(g1, gc, seed, axis, start, batch, rtol):
     """Scalar bool: `gc_b == seed_b * g1_b` for every example b, within the
     tolerance of `Certificate`; False when the rule's rows are not the
-    batch's examples at this step (a sampled path's rows)."""
+    batch's examples at this step (a sampled path's rows). `rtol`:
+    `path_rtol` of the rows' tensor."""
     rows_ok = tf.equal(tf.shape(start)[axis], batch)
     return tf.cond(rows_ok, lambda: _agree(g1, gc, seed, axis, batch, rtol),
                    lambda: tf.constant(False))
 
 
-def _agree(g1, gc, seed, axis, batch, rtol=None):
+def _agree(g1, gc, seed, axis, batch, rtol):
     if axis != 0:
         perm = [axis] + [k for k in range(g1.shape.rank) if k != axis]
         g1, gc = tf.transpose(g1, perm), tf.transpose(gc, perm)
@@ -865,8 +866,6 @@ def _agree(g1, gc, seed, axis, batch, rtol=None):
                        tf.reduce_max(tf.abs(c * g1), axis=1))
     floor = CERTIFICATE_FLOOR * tf.reduce_max(
         tf.concat([scale, tf.zeros([1], scale.dtype)], 0))
-    if rtol is None:
-        rtol = CERTIFICATE_RTOL.get(g1.dtype.base_dtype, 1e-4)
     return tf.reduce_all(gap <= rtol * (scale + floor))
 
 
