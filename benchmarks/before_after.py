@@ -98,7 +98,7 @@ def _zoo(cfg):
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.set_random_seed(3)
-        model = zoo_models.ZOO[name](tf.float32, np.random.default_rng(3), full=True)
+        model = _builders()[name](tf.float32, np.random.default_rng(3), full=True)
         loss, xs = model.loss, model.xs
         t0 = time.perf_counter()
         plan = custagg.plan_per_example(loss, xs)
@@ -181,7 +181,7 @@ def plan(args):
                 cfgs.append(dict(suite="harness", model=model, batch_size=b, task=task,
                                  system="custagg_auto", framework="tf"))
     for model in args.zoo_models:
-        for b in ZOO_BATCHES:
+        for b in args.zoo_batches:
             if (model, b) not in ZOO_SKIP:
                 cfgs.append(dict(suite="zoo", model=model, batch_size=b, framework="tf"))
     return cfgs
@@ -338,6 +338,23 @@ def _verdict(r, changed):
     return "%.2f%s" % (r, " **changed**" if changed else "")
 
 
+# Issue 34: every before/after also runs models unlike the ones the engine
+# was tuned on: a deep conv net (the zoo's official_resnet_cifar), a bi-RNN
+# with `sequence_length` (bilstm_crf) and dynamic image sizes (unet).
+OTHERS_DEFAULT = ("bilstm_crf", "unet")
+
+
+def _builders():
+    """name -> model builder: the zoo, then the TF1 models (static and
+    dynamic shapes); each builder takes (dtype, rng, full)."""
+    from benchmarks import tf1_models, zoo_models
+    out = collections.OrderedDict(zoo_models.ZOO)
+    for table in (tf1_models.MODELS, tf1_models.DYNAMIC_MODELS):
+        for name, build in table.items():
+            out.setdefault(name, build)
+    return out
+
+
 def parse_args(argv=None):
     from benchmarks import zoo_models
     p = argparse.ArgumentParser(prog="python -m benchmarks.before_after",
@@ -347,7 +364,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--models", default="mlp,cnn,lstm",
                    help="harness models (of %s; '' for none)" % ",".join(HARNESS_BATCHES))
-    p.add_argument("--zoo-models", default="all", help="zoo models ('all' or '' for none)")
+    p.add_argument("--zoo-models", default="all",
+                   help="zoo or TF1 models (benchmarks.zoo_models, benchmarks.tf1_models); "
+                   "'all': the zoo and %s; '' for none" % ",".join(OTHERS_DEFAULT))
+    p.add_argument("--zoo-batches", default=",".join(map(str, ZOO_BATCHES)),
+                   help="batch sizes of the zoo/TF1 models (default %s)"
+                   % ",".join(map(str, ZOO_BATCHES)))
     p.add_argument("--repeats", type=int, default=10, help="timed pairs per process (max)")
     p.add_argument("--budget", type=float, default=2.0, help="seconds of timing per ratio")
     p.add_argument("--timeout", type=float, default=300.0)
@@ -358,10 +380,18 @@ def parse_args(argv=None):
     p.add_argument("--note", default="")
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
-    args.zoo_models = (list(zoo_models.ZOO) if args.zoo_models == "all"
+    try:
+        args.zoo_batches = [int(b) for b in args.zoo_batches.split(",") if b]
+    except ValueError:
+        p.error("--zoo-batches takes comma-separated integers, e.g. 64,256")
+    if not args.zoo_batches or min(args.zoo_batches) < 1:
+        p.error("--zoo-batches needs batch sizes of at least 1")
+    known = _builders()
+    args.zoo_models = (list(zoo_models.ZOO) + [m for m in OTHERS_DEFAULT if m in known]
+                       if args.zoo_models == "all"
                        else [m for m in args.zoo_models.split(",") if m])
     bad = [m for m in args.models if m not in HARNESS_BATCHES] + [
-        m for m in args.zoo_models if m not in zoo_models.ZOO]
+        m for m in args.zoo_models if m not in known]
     if bad:
         p.error("unknown model(s) %s" % ", ".join(bad))
     for tree in (args.before, args.after):
@@ -420,7 +450,7 @@ def main(argv=None):
                 for t in order:
                     tag = "%s_r%d_%s" % (key.replace("/", "_"), rnd, t)
                     t0 = time.monotonic()
-                    result, reply = run.execute(servers[t], dict(cfg, kind="before_after"),
+                    result, reply = run.execute(servers[t], dict(cfg, module="benchmarks.before_after"),
                                                 args, dirs, tag)
                     result["maxrss_mb"] = reply.get("maxrss_mb")
                     samples.append({"key": key, "tree": t, "round": rnd, "result": result,

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TOLERANCE = 1e-3          # max |a - b| / max |b|, per array
 NOISE_MULTIPLIER = 1.0    # DP-SGD noise stddev = NOISE_MULTIPLIER * C
 
@@ -168,6 +169,28 @@ def time_against_floor(system_fn, floor_fn, repeats, budget_s, first_ms):
     return statistics.median(sys_ms), statistics.median(floor_ms), len(sys_ms)
 
 
+def measured(sig, values, system_fn, floor_fn, cfg, first_run_ms, peaks, **extra):
+    """A run's record: `values` checked against the reference signature
+    `sig`, `system_fn` timed against `floor_fn` (`time_against_floor`), then
+    `peaks()` -> (floor's, system's) peak bytes (traced after the timed
+    runs: tracing slows a step); `extra` fields added."""
+    check, check_err, check_key = compare(values, sig)
+    median_ms, floor_ms, repeats = time_against_floor(
+        system_fn, floor_fn, cfg["repeats"], cfg["budget_s"], first_run_ms)
+    floor_peak, peak = peaks()
+    return dict(dict(
+        status="ok", note="", n_ops=None, first_run_ms=first_run_ms, median_ms=median_ms,
+        floor_ms=floor_ms, ratio_to_floor=median_ms / floor_ms, check=check,
+        check_err=check_err, check_key=check_key, repeats=repeats,
+        peak_mb=_mb(peak), floor_peak_mb=_mb(floor_peak),
+        peak_ratio=peak / float(floor_peak) if peak is not None and floor_peak else None,
+        peak_method="tf step_stats allocation records (benchmarks/memory.py)"), **extra)
+
+
+def _mb(nbytes):
+    return None if nbytes is None else round(nbytes / 1e6, 3)
+
+
 def peak_rss_mb():
     """Peak resident set size of this process so far (Linux: ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -212,9 +235,24 @@ def _json_default(o):
     return str(o)
 
 
+def session(graph=None, threads=1):
+    """A TF1 session on `graph` with `threads` intra- and inter-op threads."""
+    import tensorflow as tf
+    return tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads))
+
+
+def md_table(headers, rows, align=None):
+    """A markdown table: `rows` of cell strings; `align` per column
+    ("---", "---:"; default left)."""
+    lines = ["| %s |" % " | ".join(headers),
+             "|%s|" % "|".join(align or ["---"] * len(headers))]
+    return "\n".join(lines + ["| %s |" % " | ".join(map(str, r)) for r in rows]) + "\n"
+
+
 # --------------------------------------------------------------------------
-# The small one-file benchmarks (adaptive_clipping, user_level_clipping,
-# input_pipelines): one command line, one way of writing results.
+# The small benchmarks (benchmarks.dp_step's modes): one command line, one
+# way of writing results.
 
 
 def batch_parser(doc, batch=256, repeats=9, models="mlp,tutorial_cnn"):
@@ -230,18 +268,23 @@ def batch_parser(doc, batch=256, repeats=9, models="mlp,tutorial_cnn"):
     return p
 
 
+def write_outputs(name, obj, md, out=RESULTS):
+    """`out`/<name>.json (`obj`) and <name>.md (`md`); returns `md`."""
+    os.makedirs(out, exist_ok=True)
+    dump_json(os.path.join(out, name + ".json"), obj)
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write(md)
+    return md
+
+
 def write_results(name, rows, args, tf_version, table, how):
     """benchmarks/results/<name>.json (`{"meta", "rows"}`) and <name>.md:
     `table` then one line: TF version, `how` (e.g. "median of 9
     interleaved runs, one thread"), the run's --note."""
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out, exist_ok=True)
     meta = dict(tf=tf_version, python=platform.python_version(),
                 repeats=args.repeats, note=args.note)
-    dump_json(os.path.join(out, name + ".json"), dict(meta=meta, rows=rows))
-    with open(os.path.join(out, name + ".md"), "w") as f:
-        f.write("%s\n\nTF %s, %s. %s\n" % (table.rstrip("\n"), tf_version, how,
-                                          args.note))
+    write_outputs(name, dict(meta=meta, rows=rows), "%s\n\nTF %s, %s. %s\n" % (
+        table.rstrip("\n"), tf_version, how, args.note))
 
 
 def adam_step_pair(loss, xs):

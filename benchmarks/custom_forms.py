@@ -1,6 +1,6 @@
 """AggregationMethod.CUSTOM: list-of-slices form vs vector form.
 
-    python benchmarks/custom_forms.py [--batches 32,64,...] [--repeats N]
+    python -m benchmarks.custom_forms [--batches 32,64,...] [--repeats N]
 
 For each model (softmax regression 784-10, MLP 784-256-256-10) and batch
 size B, the per-example loss `loss` [B] is differentiated with
@@ -26,7 +26,6 @@ gradients call builds in at most 2x the vector form's time and runs within
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -38,14 +37,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
 import custagg  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
 
-RESULTS = os.path.join(HERE, "results")
 MODELS = {"softmax_784_10": [10], "mlp_784_256_256_10": [256, 256, 10]}
 ACCEPT_B = 512
 ACCEPT_BUILD, ACCEPT_RUN = 2.0, 1.3
@@ -176,14 +172,6 @@ def measure(layers, batch, build_repeats, repeats, warmup=3):
     return row
 
 
-def _load_average():
-    """The 1-minute load average, or None where the OS has none."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
-
-
 def to_markdown(result):
     load = result.get("load_average", {})
     lines = [
@@ -251,12 +239,11 @@ def main(argv=None):
     parser.add_argument("--batches", default="32,64,128,256,512,1024")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--build-repeats", type=int, default=5)
-    parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
+    args.build_repeats = 5
     batches = [int(b) for b in args.batches.split(",")]
     result = {
-        "command": "python benchmarks/custom_forms.py" + (
+        "command": "python -m benchmarks.custom_forms" + (
             " " + " ".join(argv if argv is not None else sys.argv[1:])
         ).rstrip(),
         "machine": platform.processor() or platform.machine(),
@@ -264,7 +251,7 @@ def main(argv=None):
         "python": platform.python_version(), "repeats": args.repeats,
         "build_repeats": args.build_repeats, "models": {}, "acceptance": [],
         # Other processes' load disturbs the wall clock (cpu less so).
-        "load_average": {"start": _load_average()},
+        "load_average": {"start": round(os.getloadavg()[0], 2)},
     }
     for model in args.models.split(","):
         rows = []
@@ -292,13 +279,8 @@ def main(argv=None):
                      "pass": q["run"] <= ACCEPT_RUN},
                 ]
         result["models"][model] = rows
-    result["load_average"]["end"] = _load_average()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "custom_forms.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    with open(os.path.join(args.out, "custom_forms.md"), "w") as fh:
-        fh.write(to_markdown(result))
-    print(to_markdown(result))
+    result["load_average"]["end"] = round(os.getloadavg()[0], 2)
+    print(common.write_outputs("custom_forms", result, to_markdown(result)))
     return 0 if all(c["pass"] for c in result["acceptance"]) else 1
 
 

@@ -25,12 +25,12 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
 TIMEOUT_S = 900
 
 
@@ -129,13 +129,6 @@ def _single_process(batch, epochs):
     del np
 
 
-def _median(values):
-    values = sorted(values)
-    n = len(values)
-    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] +
-                                               values[n // 2])
-
-
 def main(argv=None):
     if argv is None and sys.argv[1:2] == ["--single-process"]:
         _single_process(int(sys.argv[2]), int(sys.argv[3]))
@@ -143,17 +136,7 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--no-write", action="store_true")
-    p.add_argument("--render", action="store_true",
-                   help="rewrite the .md from the saved .json; run nothing")
     a = p.parse_args(argv)
-    if a.render:
-        with open(os.path.join(RESULTS, "distributed.json")) as f:
-            md = _markdown(json.load(f))
-        with open(os.path.join(RESULTS, "distributed.md"), "w") as f:
-            f.write(md)
-        print(md)
-        return 0
     configs = [("one process, no cluster", None, 64),
                ("1 ps + 1 worker", 1, 64),
                ("1 ps + 2 workers (same global batch)", 2, 64),
@@ -168,12 +151,12 @@ def main(argv=None):
         rows.append({
             "config": label, "workers": workers or 0, "global_batch": batch,
             "per_worker_batch": batch // (workers or 1),
-            "total_examples_per_s": _median([r["total"] for r in runs]),
+            "total_examples_per_s": statistics.median([r["total"] for r in runs]),
             "per_worker_examples_per_s": [
-                _median([r["per_worker"][i] for r in runs])
+                statistics.median([r["per_worker"][i] for r in runs])
                 for i in range(len(runs[0]["per_worker"]))],
-            "accuracy": _median([r["accuracy"] for r in runs]),
-            "wall_s": _median([r["wall_s"] for r in runs]), "runs": runs})
+            "accuracy": statistics.median([r["accuracy"] for r in runs]),
+            "wall_s": statistics.median([r["wall_s"] for r in runs]), "runs": runs})
     base = rows[1]["total_examples_per_s"]
     for r in rows:
         r["vs_one_worker"] = r["total_examples_per_s"] / base
@@ -187,14 +170,8 @@ def main(argv=None):
         result["tensorflow"] = tf.__version__
     except ImportError:
         pass
-    md = _markdown(result)
-    print(md)
-    if not a.no_write:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "distributed.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(RESULTS, "distributed.md"), "w") as f:
-            f.write(md)
+    from benchmarks import common  # pylint: disable=g-import-not-at-top
+    print(common.write_outputs("distributed", result, _markdown(result)))
     return 0
 
 

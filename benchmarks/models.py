@@ -117,29 +117,6 @@ CONTROL_FLOW_ONLY = ("norule_rnn", "keras_lstm", "keras_gru")
 # The models whose TF graph comes from a tf.keras recurrent layer.
 KERAS_RNN = {"keras_lstm": "LSTM", "keras_gru": "GRU"}
 
-DESCRIPTIONS = {
-    "softmax": "softmax regression 784-10",
-    "mlp": "MLP 784-256-256-10 (ReLU)",
-    "cnn": "CNN 28x28x1: conv5x5x16-pool2-conv5x5x32-pool2-dense10",
-    "text": "embedding %d x %d, mean-pool over %d tokens, dense 10 (sparse grads)"
-            % (TEXT_VOCAB, TEXT_DIM, TEXT_LEN),
-    "lstm": "LSTM %d steps, in %d, hidden %d (tf.compat.v1.while_loop), dense 10"
-            % (LSTM_STEPS, LSTM_IN, LSTM_HIDDEN),
-    "gru": "GRU %d steps, in %d, hidden %d (tf.compat.v1.while_loop), dense 10"
-           % (LSTM_STEPS, LSTM_IN, LSTM_HIDDEN),
-    "norule_rnn": ("elementwise RNN %d steps, in %d, no per-example rule: kernel "
-                   "(1 + (x_t - center)^2)^-power, leaky state, prototype readout "
-                   "-sum (h - protos_k)^2 averaged over the steps, all inside the "
-                   "tf.compat.v1.while_loop" % (LSTM_STEPS, LSTM_IN)),
-    "keras_lstm": "tf.keras.layers.LSTM(%d) over %d steps, in %d (graph mode), dense 10"
-                  % (LSTM_HIDDEN, LSTM_STEPS, LSTM_IN),
-    "keras_gru": "tf.keras.layers.GRU(%d) over %d steps, in %d (graph mode), dense 10"
-                 % (LSTM_HIDDEN, LSTM_STEPS, LSTM_IN),
-    "transformer": ("transformer block: tokens %d x len %d, d=%d, %d heads (Einsum), "
-                    "LayerNorm as Mul/Add, FF %d, mean-pool, dense 10"
-                    % (TR_VOCAB, TR_LEN, TR_DIM, TR_HEADS, TR_FF)),
-}
-
 
 def param_specs(model):
     """The ordered parameter list of `model` (a list of ParamSpec)."""
@@ -147,10 +124,6 @@ def param_specs(model):
         return _SPECS[model]
     except KeyError:
         raise ValueError("unknown model %r; choose from %s" % (model, ", ".join(MODELS)))
-
-
-def num_params(model):
-    return int(sum(np.prod(s.shape) for s in param_specs(model)))
 
 
 def init_params(model, seed=0):

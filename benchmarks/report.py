@@ -387,3 +387,51 @@ def write_plot(path, records, metric="time"):
     fig.tight_layout(rect=(0, min(0.4, (0.2 * legend_rows + 0.1) / height), 1, 0.98))
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def _peer_cell(rec):
+    """`time x / memory x` over the system's own framework's floor."""
+    if rec is None:
+        return ""
+    if rec["status"] != "ok":
+        return "fails" if rec["status"] == "failed" else _SHORT.get(rec["status"], rec["status"])
+    mem = rec.get("peak_ratio")
+    text = "%.2fx / %s" % (rec["ratio_to_floor"], "-" if mem is None else "%.2fx" % mem)
+    return text + (" ✗" if rec.get("check") == "fail" else "")
+
+
+def write_peers(path, records, meta):
+    """peers.md: per task a row per (model, B), a column per system, each
+    cell `time / memory` over that framework's own non-private gradient step,
+    measured in the record's own process; then every failure with its error."""
+    systems = _ordered({r["system"] for r in records}, list(SYSTEMS))
+    lines = ["# custagg beside the DP peers (issue 37)", "",
+             "`%s`, %s, %s cores, load %s at the start, %s at the end; %s s." % (
+                 meta.get("command", "?"), meta.get("cpu", "?"), meta.get("cores", "?"),
+                 _load(meta.get("loadavg_start")), _load(meta.get("loadavg_end")),
+                 "%.0f" % meta["wall_s"] if meta.get("wall_s") else "?"),
+             "", "Versions: " + "; ".join(
+                 "%s: %s" % (fw, ", ".join("%s %s" % kv for kv in v.items()))
+                 for fw, v in sorted(meta.get("versions", {}).items())), "",
+             "Cells: time / peak memory, each over the same framework's plain gradient of "
+             "the summed loss (the floor) in the same process; ✗: the check against the "
+             "per-example loop reference failed. How each peer is wired: docs/benchmarks.md, "
+             "\"The DP peers\".", ""]
+    for s in systems:
+        lines.append("- `%s`: %s" % (s, SYSTEMS[s].description if s in SYSTEMS else s))
+    lines += [""] + task_tables(records, tasks=("clip", "dpsgd"), cell=_peer_cell)
+    failed = [r for r in records if r["status"] in ("failed", "timeout")]
+    if failed:
+        lines += ["## Failures (the peer's own error)", ""]
+        seen = set()
+        for r in failed:
+            key = (r["system"], r["note"])
+            where = [(x["model"], x["batch_size"], x["task"]) for x in failed
+                     if (x["system"], x["note"]) == key]
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append("- `%s` on %s: %s" % (r["system"], ", ".join(
+                "%s B=%d %s" % w for w in where), r["note"] or r["status"]))
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")

@@ -42,6 +42,14 @@ CONTROL_FLOW = dict(models=["lstm", "gru", "keras_lstm", "keras_gru", "norule_rn
                     systems=["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"],
                     repeats=5, timeout=600.0, budget=2.0, slow_limit=30.0,
                     out=os.path.join(HERE, "results", "control_flow"))
+# Issue 37: custagg beside the DP peers in their fastest configurations
+# (docs/benchmarks.md, "The DP peers"); the peers' interpreters come from
+# benchmarks/peers_env.sh. Writes benchmarks/results/peers.{json,md}.
+PEERS = dict(models=["mlp", "cnn", "text", "lstm", "gru", "transformer"],
+             batch_sizes=[32, 128, 512], tasks=["clip", "dpsgd"],
+             systems=["custagg_auto", "opacus_ghost", "opacus", "jax_privacy", "tfp_fast"],
+             repeats=3, timeout=600.0, budget=1.0, slow_limit=30.0,
+             out=os.path.join(HERE, "results"), stem="peers")
 
 # Relative wall time of each model's configurations in a full run (measured
 # 2026-12-03), used to deal the costliest models out first with --jobs.
@@ -79,6 +87,11 @@ def parse_args(argv=None):
                         "dpsgd; custagg_auto, tf_vmap, jax_vmap, torch_func; 5 repeats, 600 s "
                         "timeout; writes to benchmarks/results/control_flow (pass the peers' "
                         "--python)")
+    p.add_argument("--peers", action="store_true",
+                   help="issue 37's table: custagg beside Opacus (ghost, hooks), JAX Privacy "
+                        "and TF Privacy's Keras fast clipping on mlp, cnn, text, lstm, "
+                        "gru, transformer at B=32,128,512; clip and dpsgd; 3 repeats; writes "
+                        "benchmarks/results/peers.{json,md} (pass --python torch=, jax=, keras=)")
     p.add_argument("--models", type=lambda s: _csv(s, models.MODELS, kind="model"),
                    help="comma list of %s" % ",".join(models.MODELS))
     p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in _csv(s)],
@@ -98,8 +111,6 @@ def parse_args(argv=None):
     p.add_argument("--out", help="output folder")
     p.add_argument("--merge", action="store_true",
                    help="keep records of --out/results.json that this run does not redo")
-    p.add_argument("--no-fork", action="store_true",
-                   help="fresh interpreter per configuration instead of forking a warm server")
     p.add_argument("--python", action="append", default=[], metavar="FRAMEWORK=PATH",
                    help="interpreter for a framework's workers, e.g. torch=/opt/peers/bin/python")
     p.add_argument("--threads", type=int, default=1,
@@ -117,11 +128,13 @@ def parse_args(argv=None):
     p.add_argument("--report-only", action="store_true",
                    help="only rewrite results.md and results.png from --out/results.json")
     args = p.parse_args(argv)
-    if args.quick and args.control_flow:
-        p.error("--quick and --control-flow are two presets; choose one")
-    defaults = QUICK if args.quick else CONTROL_FLOW if args.control_flow else FULL
+    if args.quick + args.control_flow + args.peers > 1:
+        p.error("--quick, --control-flow and --peers are presets; choose one")
+    defaults = (QUICK if args.quick else CONTROL_FLOW if args.control_flow
+                else PEERS if args.peers else FULL)
+    args.stem = defaults.get("stem", "results")
     for key, value in defaults.items():
-        if getattr(args, key, None) is None:
+        if key != "stem" and getattr(args, key, None) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
     args.tasks = args.tasks or list(TASKS)
     if args.jobs is None:
@@ -169,8 +182,6 @@ class ForkServer:
         self.framework, self.python, self.log_dir = framework, python, log_dir
         self.threads, self.job = threads, job
         self.proc, self.versions, self.error = None, None, None
-        # What the interpreter runs; benchmarks/before_after.py points it at
-        # a server that imports custagg from another tree.
         self.argv = ["-m", "benchmarks.worker", "serve", framework]
 
     def ensure(self):
@@ -217,40 +228,6 @@ class ForkServer:
             self.proc.kill()
             self.proc.wait()
         self.proc = None
-
-
-class FreshProcess:
-    """--no-fork: one `python -m benchmarks.worker once` per configuration."""
-
-    def __init__(self, framework, python, log_dir, threads, job=0):
-        self.framework, self.python, self.log_dir = framework, python, log_dir
-        self.threads = threads
-        self.versions, self.error = {}, None
-
-    def ensure(self):
-        return True
-
-    def run(self, request, timeout):
-        req_path = request["result_path"] + ".request.json"
-        with open(req_path, "w") as f:
-            json.dump(request, f)
-        start = time.monotonic()
-        with open(request["log_path"], "w") as log:
-            try:
-                proc = subprocess.run([self.python, "-m", "benchmarks.worker", "once", req_path],
-                                      stdout=log, stderr=log, cwd=REPO,
-                                      env=_worker_env(self.threads),
-                                      timeout=timeout)
-                status = "done" if proc.returncode == 0 else "crashed"
-                code = proc.returncode
-            except subprocess.TimeoutExpired:
-                status, code = "timeout", None
-        os.remove(req_path)
-        return {"status": status, "exit": code, "maxrss_mb": None,
-                "wall_s": time.monotonic() - start}
-
-    def close(self):
-        pass
 
 
 # --------------------------------------------------------------------------
@@ -399,9 +376,8 @@ def main(argv=None):
 
     configs = plan(args)
     frameworks = sorted({c["framework"] for c in configs} | ({"tf"} if configs else set()))
-    worker_cls = FreshProcess if args.no_fork else ForkServer
     n_jobs = max(1, min(args.jobs, len({c["model"] for c in configs}) or 1))
-    job_workers = [{fw: worker_cls(fw, args.pythons.get(fw, sys.executable), dirs["logs"],
+    job_workers = [{fw: ForkServer(fw, args.pythons.get(fw, sys.executable), dirs["logs"],
                                    args.threads, job) for fw in frameworks}
                    for job in range(n_jobs)]
 
@@ -416,7 +392,7 @@ def main(argv=None):
              os.path.relpath(args.out, REPO)), flush=True)
 
     old = []
-    results_path = os.path.join(args.out, "results.json")
+    results_path = os.path.join(args.out, args.stem + ".json")
     if args.merge and os.path.exists(results_path):
         with open(results_path) as f:
             old = json.load(f)
@@ -604,7 +580,14 @@ def report_only(args):
 
 
 def _write_outputs(args, records, machine, versions, references, started, final):
-    common.dump_json(os.path.join(args.out, "results.json"), records)
+    common.dump_json(os.path.join(args.out, args.stem + ".json"), records)
+    if args.stem == "peers":
+        if final:
+            from benchmarks import report
+            meta = dict(machine, versions=versions, wall_s=time.time() - started)
+            common.dump_json(os.path.join(args.out, "peers_machine.json"), meta)
+            report.write_peers(os.path.join(args.out, "peers.md"), records, meta)
+        return
     if not final:
         return
     meta = dict(machine)

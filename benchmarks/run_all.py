@@ -1,6 +1,6 @@
 """Every benchmark, one after another, in one sitting: `python -m benchmarks.run_all`.
 
-    python -m benchmarks.run_all [--peers PYTHON] [--tfp PYTHON] [--jobs 2]
+    python -m benchmarks.run_all [--peers PREFIX] [--tfp PYTHON] [--jobs 2]
                                  [--only NAME,...] [--skip NAME,...] [--dry-run]
 
 Runs each benchmark of this folder with the command its docs quote, each
@@ -18,11 +18,13 @@ machine with two or more cores) runs two of them at a time, the load the
 harness itself puts on the machine. Every ratio is still measured inside
 one process, interleaved with its own floor.
 
-`--peers PYTHON`: the interpreter with JAX, PyTorch and Opacus for the
-harness's and control flow's peer workers (benchmarks/requirements-peers.txt).
+`--peers PREFIX`: the venvs `bash benchmarks/peers_env.sh PREFIX` made
+(PREFIX-torch: PyTorch and Opacus, PREFIX-jax: JAX and JAX Privacy,
+PREFIX-tf215: TF 2.15 and TF Privacy) for the peer workers of the harness,
+its control flow and `--peers` runs; without it the peers' table is skipped.
 `--tfp PYTHON`: a TF 2.15 interpreter with TF Privacy fully installed, for
-`benchmarks.tf_privacy_compare` (its docstring says how to make one); without
-it that benchmark is skipped and its old results are kept, said in the record.
+`benchmarks.tf_privacy_compare` (default PREFIX-tf215's); without either
+that benchmark is skipped and its old results are kept, said in the record.
 """
 from __future__ import print_function
 
@@ -46,7 +48,9 @@ def benchmarks(peers=None, tfp=None):
     py = sys.executable
     peer_args = []
     if peers:
-        peer_args = ["--python", "jax=" + peers, "--python", "torch=" + peers]
+        peer_args = ["--python", "jax=%s-jax/bin/python" % peers,
+                     "--python", "torch=%s-torch/bin/python" % peers]
+        tfp = tfp or "%s-tf215/bin/python" % peers
     out = [
         ("harness", [py, "-m", "benchmarks", "--readme", "docs/benchmarks.md"]
          + peer_args, True, ["results.md", "results.json", "results.png",
@@ -56,22 +60,22 @@ def benchmarks(peers=None, tfp=None):
                              "control_flow/results.json",
                              "control_flow/results.png",
                              "control_flow/results_memory.png"]),
+    ] + ([
+        ("peers", [py, "-m", "benchmarks", "--peers"] + peer_args
+         + ["--python", "keras=" + tfp], True, ["peers.md", "peers.json"]),
+    ] if peers else []) + [
         ("zoo", [py, "-m", "benchmarks", "--zoo", "--batch-sizes", "64,256"],
          False, ["zoo.md", "zoo.json"]),
         ("tf1_models", [py, "-m", "benchmarks", "--tf1-models"], False,
          ["tf1_models.md", "tf1_models.json"]),
-        ("input_pipelines", [py, "-m", "benchmarks.input_pipelines",
-                             "--write"], False,
-         ["input_pipelines.md", "input_pipelines.json"]),
-        ("microbatches", [py, "-m", "benchmarks.microbatches", "--write"],
-         False, ["microbatches.md", "microbatches.json"]),
-        ("adaptive_clipping", [py, "-m", "benchmarks.adaptive_clipping",
-                               "--batch", "256", "--write"], False,
-         ["adaptive_clipping.md", "adaptive_clipping.json"]),
-        ("user_level_clipping", [py, "-m", "benchmarks.user_level_clipping",
-                                 "--batch", "256", "--write"], False,
-         ["user_level_clipping.md", "user_level_clipping.json"]),
-        ("custom_forms", [py, "benchmarks/custom_forms.py"], False,
+    ] + [
+        (mode, [py, "-m", "benchmarks.dp_step", mode] + extra + ["--write"],
+         False, [mode + ".md", mode + ".json"])
+        for mode, extra in (("input_pipelines", []), ("microbatches", []),
+                            ("adaptive_clipping", ["--batch", "256"]),
+                            ("user_level_clipping", ["--batch", "256"]))
+    ] + [
+        ("custom_forms", [py, "-m", "benchmarks.custom_forms"], False,
          ["custom_forms.md", "custom_forms.json"]),
         ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20",
                          "--repeats", "2"], False,
@@ -154,8 +158,8 @@ def _markdown(meta, records):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.run_all",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--peers", metavar="PYTHON",
-                   help="interpreter with jax, torch, opacus for the peers")
+    p.add_argument("--peers", metavar="PREFIX",
+                   help="the peers' venvs made by benchmarks/peers_env.sh PREFIX")
     p.add_argument("--tfp", metavar="PYTHON",
                    help="TF 2.15 interpreter with tensorflow-privacy")
     p.add_argument("--jobs", type=int,
@@ -199,7 +203,7 @@ def main(argv=None):
         started=datetime.datetime.now().isoformat(timespec="seconds"),
         machine="%d cores; python %s" % (os.cpu_count() or 1,
                                          sys.version.split()[0]))
-    if not args.tfp and (not args.only or "tf_privacy_compare" in args.only):
+    if not (args.tfp or args.peers) and (not args.only or "tf_privacy_compare" in args.only):
         meta["skipped"] = [dict(name="tf_privacy_compare",
                                 why="no --tfp interpreter given")]
     records = []

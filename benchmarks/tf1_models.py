@@ -28,7 +28,12 @@ style and losses, on synthetic data and a dynamic batch (placeholders
   i is document i-1 (`tf.roll(k, shift=1, axis=0)`): the examples truly
   interact, so only an exact (O(B^2)) form is right for it;
 * `in_batch_softmax`: the same towers with the full in-batch softmax
-  (`q @ d^T` over the batch), a control whose coupling is a MatMul.
+  (`q @ d^T` over the batch), a control whose coupling is a MatMul;
+* `bilstm_crf` (issue 34): the NER tagger of guillaumegenthial/sequence_tagging
+  with its defaults: a character-level bi-LSTM on the `[B*T, L, dc]`
+  characters of every word (rows B*T: a fold of the batch), dropout, a
+  word-level bi-LSTM with `sequence_length`, and tf.contrib.crf's
+  log-likelihood (TF 1.4) re-typed with tf.compat.v1 ops.
 
 Each builder takes `(dtype, rng, full=False)`, creates its variables and
 placeholders in the default graph and returns a `Model`:
@@ -41,7 +46,7 @@ placeholders in the default graph and returns a `Model`:
   other examples' data (the document tower of `in_batch_negatives`);
 * `dynamic_steps`: whether the model takes any sequence length.
 
-`full=True` gives the sizes the benchmark uses (benchmarks/tf1_bench.py,
+`full=True` gives the sizes the benchmark uses (benchmarks/zoo.py,
 `python -m benchmarks --tf1-models`); the tests
 (tests/per_example/test_tf1_models.py) use the small default.
 Models that TF cannot build in float64 are listed in `FLOAT32_ONLY` with
@@ -54,15 +59,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from benchmarks.zoo_models import Model  # noqa: F401  (one Model for both)
+
 tf1 = tf.compat.v1
-
-
-class Model(collections.namedtuple(
-        "Model", ["loss", "xs", "feed", "coupled", "dynamic_steps"])):
-
-    def __new__(cls, loss, xs, feed, coupled=(), dynamic_steps=False):
-        return super(Model, cls).__new__(cls, loss, list(xs), feed,
-                                         frozenset(coupled), dynamic_steps)
 
 
 def _new_variables(fn):
@@ -167,6 +166,31 @@ def transformer(dtype, rng, full=False):
 # Bidirectional LSTM tagger
 
 
+def _tagger_logits(word_embeddings, sequence_lengths, hidden, tags, dtype,
+                   init, dropout=None):
+    """The tagger's `add_logits_op`: a bi-LSTM with `sequence_length`, its
+    outputs concatenated (dropout with keep probability `dropout`, if
+    given), a `[-1, 2H]` reshape and matmul to the tags: `[B, T, tags]`."""
+    with tf1.variable_scope("bi-lstm", initializer=init):
+        cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden)
+        cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden)
+        (output_fw, output_bw), _ = tf1.nn.bidirectional_dynamic_rnn(
+            cell_fw, cell_bw, word_embeddings,
+            sequence_length=sequence_lengths, dtype=dtype)
+        output = tf.concat([output_fw, output_bw], axis=-1)
+        if dropout is not None:
+            output = tf1.nn.dropout(output, dropout)
+    with tf1.variable_scope("proj"):
+        W = tf1.get_variable("W", [2 * hidden, tags], dtype,
+                             initializer=init)
+        b = tf1.get_variable("b", [tags], dtype,
+                             initializer=tf1.zeros_initializer())
+        nsteps = tf.shape(output)[1]
+        output = tf.reshape(output, [-1, 2 * hidden])
+        pred = tf.matmul(output, W) + b
+        return tf.reshape(pred, [-1, nsteps, tags])
+
+
 def bilstm_tagger(dtype, rng, full=False):
     """Word embeddings, a bi-LSTM and a per-token softmax (a NER tagger)."""
     vocab, dim, hidden, tags, steps = (
@@ -183,22 +207,8 @@ def bilstm_tagger(dtype, rng, full=False):
             embeddings = tf1.get_variable("_word_embeddings", [vocab, dim],
                                           dtype, initializer=init)
             word_embeddings = tf.nn.embedding_lookup(embeddings, word_ids)
-        with tf1.variable_scope("bi-lstm", initializer=init):
-            cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden)
-            cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden)
-            (output_fw, output_bw), _ = tf1.nn.bidirectional_dynamic_rnn(
-                cell_fw, cell_bw, word_embeddings,
-                sequence_length=sequence_lengths, dtype=dtype)
-            output = tf.concat([output_fw, output_bw], axis=-1)
-        with tf1.variable_scope("proj"):
-            W = tf1.get_variable("W", [2 * hidden, tags], dtype,
-                                 initializer=init)
-            b = tf1.get_variable("b", [tags], dtype,
-                                 initializer=tf1.zeros_initializer())
-            nsteps = tf.shape(output)[1]
-            output = tf.reshape(output, [-1, 2 * hidden])
-            pred = tf.matmul(output, W) + b
-            return tf.reshape(pred, [-1, nsteps, tags])
+        return _tagger_logits(word_embeddings, sequence_lengths, hidden,
+                              tags, dtype, init)
     logits, xs = _new_variables(build)
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
         logits=logits, labels=labels)                       # [B, T]
@@ -455,10 +465,403 @@ def in_batch_softmax(dtype, rng, full=False):
                                           if "doc_tower" in v.name])
 
 
+# --------------------------------------------------------------------------
+# Issue 34: shapes known only at run time (images of any size, sequences of
+# any length, a squeeze to unknown rank, a per-example CTC loss op)
+
+
+def _weight(shape, dtype, rng, stddev=0.1):
+    """`tf.Variable(tf.truncated_normal(shape, stddev))`, as these authors
+    write their variables (seeded here)."""
+    return tf.Variable(tf1.truncated_normal(
+        shape, stddev=stddev, dtype=dtype, seed=int(rng.integers(1 << 30))))
+
+
+def unet(dtype, rng, full=False):
+    """jakeret/tf_unet's `create_conv_net`: images of any size
+    (`[None, None, None, C]`), VALID 3x3 convolutions with `bias_add` and
+    dropout, max pooling, `conv2d_transpose` up (its output shape stacked
+    from `tf.shape`), `crop_and_concat` (a `tf.slice` at run-time offsets
+    and sizes), a 1x1 convolution, and the pixel-wise softmax
+    cross-entropy on the `[-1, n_class]` reshape, averaged per image."""
+    channels, n_class, root, size = (3, 2, 16, 64) if full else (2, 2, 3, 20)
+    x = tf1.placeholder(dtype, [None, None, None, channels], name="x")
+    y = tf1.placeholder(dtype, [None, None, None, n_class], name="y")
+    keep_prob = tf1.placeholder(dtype, [], name="dropout_probability")
+
+    def conv2d(x, W, b):
+        conv = tf.nn.bias_add(tf.nn.conv2d(x, W, [1, 1, 1, 1], "VALID"), b)
+        return tf.nn.dropout(conv, rate=1 - keep_prob)
+
+    def deconv2d(x, W, stride):
+        s = tf.shape(x)
+        output_shape = tf.stack([s[0], s[1] * 2, s[2] * 2, s[3] // 2])
+        return tf.nn.conv2d_transpose(x, W, output_shape,
+                                      [1, stride, stride, 1], "VALID")
+
+    def crop_and_concat(x1, x2):
+        s1, s2 = tf.shape(x1), tf.shape(x2)
+        offsets = [0, (s1[1] - s2[1]) // 2, (s1[2] - s2[2]) // 2, 0]
+        return tf.concat([tf.slice(x1, offsets, [-1, s2[1], s2[2], -1]),
+                          x2], 3)
+
+    def build():
+        features = root
+        w1 = _weight([3, 3, channels, features], dtype, rng)
+        w2 = _weight([3, 3, features, features], dtype, rng)
+        b1 = tf.Variable(tf.constant(0.1, dtype, [features]))
+        b2 = tf.Variable(tf.constant(0.1, dtype, [features]))
+        down = tf.nn.relu(conv2d(tf.nn.relu(conv2d(x, w1, b1)), w2, b2))
+        pool = tf.nn.max_pool2d(down, [1, 2, 2, 1], [1, 2, 2, 1], "VALID")
+        w3 = _weight([3, 3, features, 2 * features], dtype, rng)
+        w4 = _weight([3, 3, 2 * features, 2 * features], dtype, rng)
+        b3 = tf.Variable(tf.constant(0.1, dtype, [2 * features]))
+        b4 = tf.Variable(tf.constant(0.1, dtype, [2 * features]))
+        bottom = tf.nn.relu(conv2d(tf.nn.relu(conv2d(pool, w3, b3)), w4, b4))
+        wd = _weight([2, 2, features, 2 * features], dtype, rng)
+        bd = tf.Variable(tf.constant(0.1, dtype, [features]))
+        up = tf.nn.relu(deconv2d(bottom, wd, 2) + bd)
+        concat = crop_and_concat(down, up)
+        w5 = _weight([3, 3, 2 * features, features], dtype, rng)
+        w6 = _weight([3, 3, features, features], dtype, rng)
+        b5 = tf.Variable(tf.constant(0.1, dtype, [features]))
+        b6 = tf.Variable(tf.constant(0.1, dtype, [features]))
+        h = tf.nn.relu(conv2d(tf.nn.relu(conv2d(concat, w5, b5)), w6, b6))
+        weight = _weight([1, 1, features, n_class], dtype, rng)
+        bias = tf.Variable(tf.constant(0.1, dtype, [n_class]))
+        return conv2d(h, weight, bias)
+    logits, xs = _new_variables(build)
+    # The cropped labels, as the author's `crop_to_shape`.
+    offset = (tf.shape(y)[1] - tf.shape(logits)[1]) // 2
+    labels = y[:, offset:offset + tf.shape(logits)[1],
+               offset:offset + tf.shape(logits)[2], :]
+    flat = tf.nn.softmax_cross_entropy_with_logits(
+        logits=tf.reshape(logits, [-1, n_class]),
+        labels=tf.reshape(labels, [-1, n_class]))
+    # The author averages `flat`; per image, its pixels' mean.
+    loss = tf.reduce_mean(tf.reshape(flat, [tf.shape(x)[0], -1]), axis=1)
+
+    def feed(rng, batch, t=None):
+        side = t or size
+        classes = rng.integers(0, n_class, [batch, side, side])
+        return {x: rng.normal(size=[batch, side, side, channels]),
+                y: np.eye(n_class)[classes], keep_prob: 1.0}
+    return Model(loss, xs, feed, dynamic_steps=True)
+
+
+def ctc_lstm(dtype, rng, full=False):
+    """igormq/ctc_tensorflow_example: an LSTM over features of any length
+    (`dynamic_rnn` with `seq_len`), the `[-1, num_hidden]` reshape, `W`,
+    `b`, the reshape back to `[batch_s, -1, num_classes]` (B read from the
+    inputs), time-major logits and `tf.compat.v1.nn.ctc_loss` on a sparse
+    placeholder of labels: the `[B]` CTC loss (the author averages it)."""
+    num_features, num_hidden, num_classes, steps = (
+        (13, 50, 28, 40) if full else (4, 5, 6, 6))
+    inputs = tf1.placeholder(dtype, [None, None, num_features], name="inputs")
+    targets = tf1.sparse_placeholder(tf.int32, name="targets")
+    seq_len = tf1.placeholder(tf.int32, [None], name="seq_len")
+
+    def build():
+        with tf1.variable_scope("ctc", initializer=(
+                tf1.glorot_uniform_initializer(
+                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+            cell = tf1.nn.rnn_cell.LSTMCell(num_hidden, state_is_tuple=True)
+            stack = tf1.nn.rnn_cell.MultiRNNCell([cell], state_is_tuple=True)
+            outputs, _ = tf1.nn.dynamic_rnn(stack, inputs, seq_len,
+                                            dtype=dtype)
+        shape = tf.shape(inputs)
+        batch_s = shape[0]
+        outputs = tf.reshape(outputs, [-1, num_hidden])
+        W = _weight([num_hidden, num_classes], dtype, rng)
+        b = tf.Variable(tf.constant(0., dtype, [num_classes]))
+        logits = tf.matmul(outputs, W) + b
+        logits = tf.reshape(logits, [batch_s, -1, num_classes])
+        return tf.transpose(logits, (1, 0, 2))
+    logits, xs = _new_variables(build)
+    loss = tf1.nn.ctc_loss(targets, logits, seq_len)
+
+    def feed(rng, batch, t=None):
+        t = t or steps
+        lengths = _lengths(rng, batch, t)
+        indices, values = [], []
+        for n, length in enumerate(lengths):
+            # Labels no longer than half the frames: CTC can always align.
+            for k in range(int(rng.integers(1, max(length // 2, 1) + 1))):
+                indices.append([n, k])
+                values.append(int(rng.integers(0, num_classes - 1)))
+        width = max(i[1] for i in indices) + 1
+        return {inputs: rng.normal(size=[batch, t, num_features]),
+                seq_len: lengths,
+                targets: tf1.SparseTensorValue(
+                    np.array(indices, np.int64), np.array(values, np.int32),
+                    np.array([batch, width], np.int64))}
+    return Model(loss, xs, feed, dynamic_steps=True)
+
+
+def neurobind(dtype, rng, full=False):
+    """kyubyong/neurobind's regressor: an embedding, a pre-net (two dense
+    layers with dropout), a 1-D convolution with a residual, a highway
+    layer, the `(-1, T*E)` reshape and `tf.squeeze(tf.layers.dense(enc,
+    1))`, whose rank is unknown (a batch of one squeezes to a scalar), and
+    the L1 loss `tf.abs(logits - y)` per example (the author averages it):
+    a loss of unknown static rank."""
+    vocab, units, steps = (5, 64, 60) if full else (5, 6, 7)
+    x = tf1.placeholder(tf.int32, [None, steps], name="x")
+    y = tf1.placeholder(dtype, [None], name="y")
+
+    def build():
+        init = tf1.glorot_uniform_initializer(
+            seed=int(rng.integers(1 << 30)), dtype=dtype)
+        with tf1.variable_scope("net", initializer=init):
+            table = tf1.get_variable("lookup_table", [vocab, units], dtype)
+            enc = tf.nn.embedding_lookup(table, x)
+            with tf1.variable_scope("prenet"):
+                out = tf1.layers.dense(enc, units, tf.nn.relu, name="dense1")
+                out = tf1.layers.dropout(out, 0.2, training=True)
+                out = tf1.layers.dense(out, units // 2, tf.nn.relu,
+                                       name="dense2")
+                prenet_out = tf1.layers.dropout(out, 0.2, training=True)
+            enc = tf1.layers.conv1d(prenet_out, units // 2, 3,
+                                    padding="same", activation=tf.nn.relu,
+                                    name="conv1d_1")
+            enc += prenet_out
+            with tf1.variable_scope("highwaynet_0"):
+                H = tf1.layers.dense(enc, units // 2, tf.nn.relu, name="H")
+                T = tf1.layers.dense(enc, units // 2, tf.nn.sigmoid,
+                                     name="T")
+                enc = H * T + enc * (1. - T)
+            _, t, e = enc.get_shape().as_list()
+            enc = tf.reshape(enc, (-1, t * e))
+            return tf.squeeze(tf1.layers.dense(enc, 1))
+    logits, xs = _new_variables(build)
+    loss = tf.abs(logits - y)
+
+    def feed(rng, batch, t=None):
+        del t
+        return {x: rng.integers(0, vocab, [batch, steps]),
+                y: rng.normal(size=[batch])}
+    return Model(loss, xs, feed)
+
+
+def attention_pooling(dtype, rng, full=False):
+    """R-Net-style attention pooling over a dynamic-length encoder
+    (public TF1 reading-comprehension code: `dense` as `tf.einsum('aij,
+    jk->aik', value, weight)`, `attention_pooling`'s `tf.squeeze(dense(sj,
+    1), [-1])` and its masked softmax `exp(value) * mask` normalized by
+    hand, `summary` with dropout), then a classifier on the pooled vector."""
+    vocab, dim, hidden, classes, steps = (
+        (1000, 64, 64, 5, 40) if full else (17, 6, 5, 3, 6))
+    ids = tf1.placeholder(tf.int32, [None, None], name="ids")
+    lengths = tf1.placeholder(tf.int32, [None], name="lengths")
+    labels = tf1.placeholder(tf.int32, [None], name="labels")
+
+    def dense(value, last_dim, use_bias=True, scope="dense"):
+        with tf1.variable_scope(scope):
+            weight = tf1.get_variable("weight",
+                                      [value.get_shape()[-1], last_dim],
+                                      dtype)
+            out = tf.einsum("aij,jk->aik", value, weight)
+            if use_bias:
+                out += tf1.get_variable("bias", [last_dim], dtype)
+            return tf.identity(out, "dense")
+
+    def softmax(value, mask):
+        exp = tf.exp(value) * mask
+        return exp / tf.expand_dims(tf.reduce_sum(exp, -1), -1)
+
+    def build():
+        with tf1.variable_scope("reader", initializer=(
+                tf1.glorot_uniform_initializer(
+                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+            table = tf1.get_variable("word_mat", [vocab, dim], dtype)
+            mask = tf.sequence_mask(lengths, tf.shape(ids)[1], dtype=dtype)
+            value = tf.nn.tanh(dense(tf.nn.embedding_lookup(table, ids),
+                                     hidden, scope="encoder"))
+            with tf1.variable_scope("summary"):
+                value = tf.nn.dropout(value, rate=0.1)
+                sj = tf.nn.tanh(dense(value, hidden, scope="summary_sj"))
+                uj = tf.squeeze(dense(sj, 1, use_bias=False,
+                                      scope="summary_uj"), [-1])
+                alpha = softmax(uj, mask)
+                pooled = tf.reduce_sum(tf.expand_dims(alpha, -1) * value, 1)
+            return tf1.layers.dense(pooled, classes, name="logits")
+    logits, xs = _new_variables(build)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
+                                                          logits=logits)
+
+    def feed(rng, batch, t=None):
+        t = t or steps
+        return {ids: rng.integers(0, vocab, [batch, t]),
+                lengths: _lengths(rng, batch, t),
+                labels: rng.integers(0, classes, batch)}
+    return Model(loss, xs, feed, dynamic_steps=True)
+
+
+# --------------------------------------------------------------------------
+# Bidirectional LSTM CRF tagger with character embeddings
+
+
+def _crf_log_likelihood(inputs, tag_indices, sequence_lengths, dtype):
+    """The linear-chain CRF log-likelihood `[B]` of tf.contrib.crf (TF 1.4,
+    the version the tagger was written against), re-typed with
+    tf.compat.v1 ops: the unary scores gathered from the flattened
+    `[B*T*N]` potentials, the binary scores from the flattened transition
+    matrix, and the log partition function from the forward algorithm as a
+    `dynamic_rnn` over a cell of its own (`sequence_length - 1` steps).
+    `dtype` where contrib wrote float32 (its masks and the RNN's state), so
+    the model builds in float64 too."""
+    num_tags = inputs.get_shape()[2]
+    transition_params = tf1.get_variable("transitions",
+                                         [num_tags, num_tags], dtype)
+    # crf_unary_score
+    batch_size = tf.shape(inputs)[0]
+    max_seq_len = tf.shape(inputs)[1]
+    n = tf.shape(inputs)[2]
+    flattened_inputs = tf.reshape(inputs, [-1])
+    offsets = tf.expand_dims(tf.range(batch_size) * max_seq_len * n, 1)
+    offsets += tf.expand_dims(tf.range(max_seq_len) * n, 0)
+    flattened_tag_indices = tf.reshape(offsets + tag_indices, [-1])
+    unary_scores = tf.reshape(
+        tf.gather(flattened_inputs, flattened_tag_indices),
+        [batch_size, max_seq_len])
+
+    def lengths_to_masks(lengths, max_length):
+        tiled_ranges = tf.tile(tf.expand_dims(tf.range(max_length), 0),
+                               [tf.shape(lengths)[0], 1])
+        return tf.cast(tiled_ranges < tf.expand_dims(lengths, 1), dtype)
+    masks = lengths_to_masks(sequence_lengths, tf.shape(tag_indices)[1])
+    unary_scores = tf.reduce_sum(unary_scores * masks, 1)
+    # crf_binary_score
+    num_transitions = tf.shape(tag_indices)[1] - 1
+    start_tag_indices = tf.slice(tag_indices, [0, 0], [-1, num_transitions])
+    end_tag_indices = tf.slice(tag_indices, [0, 1], [-1, num_transitions])
+    flattened_transition_indices = (start_tag_indices * num_tags +
+                                    end_tag_indices)
+    binary_scores = tf.gather(tf.reshape(transition_params, [-1]),
+                              flattened_transition_indices)
+    truncated_masks = tf.slice(masks, [0, 1], [-1, -1])
+    binary_scores = tf.reduce_sum(binary_scores * truncated_masks, 1)
+    # crf_log_norm
+    first_input = tf.squeeze(tf.slice(inputs, [0, 0, 0], [-1, 1, -1]), [1])
+    rest_of_input = tf.slice(inputs, [0, 1, 0], [-1, -1, -1])
+    _, alphas = tf1.nn.dynamic_rnn(
+        cell=_crf_forward_cell(transition_params), inputs=rest_of_input,
+        sequence_length=sequence_lengths - 1, initial_state=first_input,
+        dtype=dtype)
+    log_norm = tf.reduce_logsumexp(alphas, [1])
+    return unary_scores + binary_scores - log_norm
+
+
+def _crf_forward_cell(transition_params):
+    """contrib's `CrfForwardRnnCell` (the class is made here: the v1 cells
+    need tf-keras on this TensorFlow, `has_tf1_layers`)."""
+
+    class CrfForwardRnnCell(tf1.nn.rnn_cell.RNNCell):
+        """The alpha values of the forward algorithm, one step per call."""
+
+        def __init__(self, transition_params):
+            super(CrfForwardRnnCell, self).__init__()
+            self._transition_params = tf.expand_dims(transition_params, 0)
+            self._num_tags = transition_params.get_shape()[0]
+
+        @property
+        def state_size(self):
+            return self._num_tags
+
+        @property
+        def output_size(self):
+            return self._num_tags
+
+        def __call__(self, inputs, state, scope=None):
+            state = tf.expand_dims(state, 2)
+            transition_scores = state + self._transition_params
+            new_alphas = inputs + tf.reduce_logsumexp(transition_scores, [1])
+            return new_alphas, new_alphas
+    return CrfForwardRnnCell(transition_params)
+
+
+def bilstm_crf(dtype, rng, full=False, static_steps=False):
+    """The classic NER tagger (guillaumegenthial/sequence_tagging,
+    `model/ner_model.py`, its defaults `use_chars` and `use_crf`): word
+    embeddings next to a character-level bi-LSTM's final states (run on the
+    `[B*T, L, dc]` characters of every word, `sequence_length` the word
+    lengths), dropout (a keep probability fed), a word-level bi-LSTM with
+    `sequence_length`, a projection to the tags and the CRF log-likelihood;
+    the loss is `-log_likelihood` (the author averages it). Placeholders as
+    written, `[None, None]`; `static_steps` gives the words a static T."""
+    vocab, nchars, dim, dim_char, hidden_char, hidden, tags, steps, chars = (
+        (1000, 60, 50, 25, 25, 64, 9, 24, 8) if full else
+        (15, 11, 4, 3, 2, 5, 3, 4, 3))
+    t = steps if static_steps else None
+    word_ids = tf1.placeholder(tf.int32, [None, t], name="word_ids")
+    sequence_lengths = tf1.placeholder(tf.int32, [None],
+                                       name="sequence_lengths")
+    char_ids = tf1.placeholder(tf.int32, [None, t, None], name="char_ids")
+    word_lengths = tf1.placeholder(tf.int32, [None, t], name="word_lengths")
+    labels = tf1.placeholder(tf.int32, [None, t], name="labels")
+    dropout = tf1.placeholder(dtype, [], name="dropout")
+
+    def build():
+        init = tf1.glorot_uniform_initializer(
+            seed=int(rng.integers(1 << 30)), dtype=dtype)
+        with tf1.variable_scope("words"):
+            _word_embeddings = tf1.get_variable(
+                "_word_embeddings", [vocab, dim], dtype, initializer=init)
+            word_embeddings = tf.nn.embedding_lookup(
+                _word_embeddings, word_ids, name="word_embeddings")
+        with tf1.variable_scope("chars", initializer=init):
+            _char_embeddings = tf1.get_variable(
+                "_char_embeddings", [nchars, dim_char], dtype)
+            char_embeddings = tf.nn.embedding_lookup(
+                _char_embeddings, char_ids, name="char_embeddings")
+            s = tf.shape(char_embeddings)
+            char_embeddings = tf.reshape(
+                char_embeddings, shape=[s[0] * s[1], s[-2], dim_char])
+            word_lengths_flat = tf.reshape(word_lengths, shape=[s[0] * s[1]])
+            cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden_char,
+                                               state_is_tuple=True)
+            cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden_char,
+                                               state_is_tuple=True)
+            _output = tf1.nn.bidirectional_dynamic_rnn(
+                cell_fw, cell_bw, char_embeddings,
+                sequence_length=word_lengths_flat, dtype=dtype)
+            _, ((_, output_fw), (_, output_bw)) = _output
+            output = tf.concat([output_fw, output_bw], axis=-1)
+            output = tf.reshape(output, shape=[s[0], s[1], 2 * hidden_char])
+            word_embeddings = tf.concat([word_embeddings, output], axis=-1)
+        word_embeddings = tf1.nn.dropout(word_embeddings, dropout)
+        logits = _tagger_logits(word_embeddings, sequence_lengths, hidden,
+                                tags, dtype, init, dropout)
+        with tf1.variable_scope("crf", initializer=init):
+            return _crf_log_likelihood(logits, labels, sequence_lengths,
+                                       dtype)
+    log_likelihood, xs = _new_variables(build)
+    loss = -log_likelihood                                     # [B]
+
+    def feed(rng, batch, t=None):
+        t = steps if static_steps else (t or steps)
+        lengths = _lengths(rng, batch, t)
+        ids = rng.integers(1, vocab, [batch, t])
+        ids[np.arange(t)[None, :] >= lengths[:, None]] = 0
+        return {word_ids: ids, sequence_lengths: lengths,
+                char_ids: rng.integers(0, nchars, [batch, t, chars]),
+                word_lengths: rng.integers(1, chars + 1, [batch, t]),
+                labels: rng.integers(0, tags, [batch, t]), dropout: 0.5}
+    return Model(loss, xs, feed, dynamic_steps=not static_steps)
+
+
 MODELS = collections.OrderedDict(
     (fn.__name__, fn) for fn in [transformer, bilstm_tagger, wide_deep,
                                  word2vec, ptb_lm, in_batch_negatives,
-                                 in_batch_softmax])
+                                 in_batch_softmax, bilstm_crf])
+
+# Issue 34's models (shapes known only at run time): apart from `MODELS`,
+# whose tests and plans are issue 24's; tests/per_example/
+# test_tf1_dynamic_models.py checks these, `--tf1-models --models unet,...`
+# benchmarks them.
+DYNAMIC_MODELS = collections.OrderedDict(
+    (fn.__name__, fn) for fn in [unet, ctc_lstm, neurobind,
+                                 attention_pooling])
 
 # Models TF cannot build in float64, and why.
 FLOAT32_ONLY = {

@@ -51,12 +51,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import custagg  # noqa: E402
+from benchmarks import common  # noqa: E402
 from custagg.app import datasets  # noqa: E402
 from custagg.privacy import dp_optimizer as custagg_dp  # noqa: E402
 from custagg.privacy import accounting as custagg_accounting  # noqa: E402
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
 
 EPSILON_SETTINGS = [(60000, 256, 1.1, 60, 1e-5), (60000, 150, 1.3, 15, 1e-5),
                     (100000, 100, 1.0, 30, 1e-7),
@@ -129,7 +127,8 @@ class Step(object):
     """One model + DP optimizer in its own graph and session."""
 
     def __init__(self, dp_module, model, batch, microbatches, noise, lr=0.15,
-                 seed=0):
+                 seed=0, optimizer=None):
+        """`optimizer(vars)`, if given, in place of the tutorial's call."""
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.compat.v1.set_random_seed(seed)
@@ -140,18 +139,16 @@ class Step(object):
                 labels=self.y, logits=logits)
             self.vars = tf.compat.v1.trainable_variables()
             # The tutorial's optimizer call, word for word.
-            optimizer = dp_module.DPGradientDescentGaussianOptimizer(
-                l2_norm_clip=1.0, noise_multiplier=noise,
-                num_microbatches=microbatches, learning_rate=lr)
+            optimizer = optimizer(self.vars) if optimizer else (
+                dp_module.DPGradientDescentGaussianOptimizer(
+                    l2_norm_clip=1.0, noise_multiplier=noise,
+                    num_microbatches=microbatches, learning_rate=lr))
             global_step = tf.compat.v1.train.get_or_create_global_step()
             self.grads = [g for g, _ in optimizer.compute_gradients(
                 vector_loss, self.vars)]
             self.train_op = optimizer.apply_gradients(
                 zip(self.grads, self.vars), global_step=global_step)
-            self.sess = tf.compat.v1.Session(
-                config=tf.compat.v1.ConfigProto(
-                    intra_op_parallelism_threads=1,
-                    inter_op_parallelism_threads=1))
+            self.sess = common.session(self.graph)
             self.sess.run(tf.compat.v1.global_variables_initializer())
 
     def weights(self):
@@ -395,7 +392,7 @@ def _markdown(result):
         if mlp.get(512) and mlp.get(128):
             lines += ["", "custagg MLP B=512: M=B/4 step / M=B step = %.2fx "
                       "(timed one after the other on a shared machine; "
-                      "`python -m benchmarks.microbatches` times them "
+                      "`python -m benchmarks.dp_step microbatches` times them "
                       "interleaved: benchmarks/results/microbatches.md)."
                       % (mlp[128] / mlp[512])]
         lines.append("")
@@ -414,7 +411,6 @@ def main(argv=None):
     p.add_argument("--epsilon", action="store_true")
     p.add_argument("--timing", action="store_true")
     p.add_argument("--tutorial", action="store_true")
-    p.add_argument("--tutorial-epochs", type=int, default=3)
     p.add_argument("--slow-limit", type=float, default=30.0)
     p.add_argument("--json", action="store_true",
                    help="print the result as JSON on the last line")
@@ -443,11 +439,10 @@ def main(argv=None):
     if "timing" in parts:
         result["timing"] = timing(slow_limit=args.slow_limit, log=log)
     if "tutorial" in parts:
-        result["tutorial"] = tutorial(epochs=args.tutorial_epochs, log=log)
+        result["tutorial"] = tutorial(log=log)
     if args.write:
-        os.makedirs(RESULTS, exist_ok=True)
         # Parts not run this time keep their figures from the last run.
-        path = os.path.join(RESULTS, "tf_privacy_compare.json")
+        path = os.path.join(common.RESULTS, "tf_privacy_compare.json")
         if os.path.exists(path):
             with open(path) as f:
                 old = json.load(f)
@@ -456,10 +451,7 @@ def main(argv=None):
                     result[k] = old[k]
                     result.setdefault("commands", {})[k] = old.get(
                         "commands", {}).get(k, old["command"])
-        with open(os.path.join(RESULTS, "tf_privacy_compare.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(RESULTS, "tf_privacy_compare.md"), "w") as f:
-            f.write(_markdown(result))
+        common.write_outputs("tf_privacy_compare", result, _markdown(result))
     if args.json:
         print(json.dumps(result))
     return 0

@@ -1,16 +1,14 @@
 """Runs benchmark configurations, one process per configuration.
 
-Two ways, same isolation (a configuration that hangs, crashes or runs out of
-memory takes only its own process with it):
-
-* `python -m benchmarks.worker serve FRAMEWORK` -- a "zygote" server: it
-  imports the framework once (TensorFlow takes ~10 s to import here) and then
-  forks one child per configuration it is sent. The child runs the
-  configuration and exits; the server kills it at the timeout and reports its
-  peak RSS from wait4(). Nothing in the server ever creates a session or a
-  thread pool, so the fork is safe.
-* `python -m benchmarks.worker once REQUEST.json` -- a fresh interpreter per
-  configuration (`--no-fork`): slower, for when forking is unwanted.
+`python -m benchmarks.worker serve FRAMEWORK` is a "zygote" server: it
+imports the framework once (TensorFlow takes ~10 s to import here) and then
+forks one child per configuration it is sent. The child runs the
+configuration and exits; the server kills it at the timeout and reports its
+peak RSS from wait4(). Nothing in the server ever creates a session or a
+thread pool, so the fork is safe; a configuration that hangs, crashes or
+runs out of memory takes only its own process with it. FRAMEWORK is tf,
+jax, torch or keras (TF 2.15 with TF Privacy), each from the interpreter
+`--python FRAMEWORK=PATH` names (benchmarks/peers_env.sh makes the peers').
 
 Protocol (serve): one JSON request per line on stdin
   {"cfg": {...}, "timeout": s, "result_path": p, "log_path": p}
@@ -55,6 +53,12 @@ def import_framework(framework):
         import jaxlib
         from benchmarks.systems import jax_systems  # noqa: F401
         return {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    if framework == "keras":      # TF 2.15 with TF Privacy (benchmarks/peers_env.sh)
+        import tensorflow as tf
+        from tensorflow_privacy.privacy.fast_gradient_clipping import clip_grads  # noqa: F401
+        from importlib import metadata
+        return {"tensorflow": tf.__version__,
+                "tensorflow-privacy": metadata.version("tensorflow-privacy")}
     if framework == "torch":
         import torch
         from benchmarks.systems import torch_systems  # noqa: F401
@@ -70,21 +74,18 @@ def import_framework(framework):
 
 def execute(cfg):
     """Run one configuration in this process; returns the result dict."""
-    if cfg.get("kind") == "before_after":
-        from benchmarks import before_after
-        result = before_after.execute(cfg)
+    import importlib
+    if cfg.get("module"):
+        # A benchmark module that runs its own configurations in the worker
+        # (benchmarks.before_after): named, not imported here, so the worker
+        # imports no benchmark that imports it back.
+        result = importlib.import_module(cfg["module"]).execute(cfg)
     elif cfg.get("kind") == "reference":
         from benchmarks.systems import tf_systems
         result = tf_systems.run_reference(cfg)
-    elif cfg["framework"] == "tf":
-        from benchmarks.systems import tf_systems
-        result = tf_systems.run(cfg)
-    elif cfg["framework"] == "jax":
-        from benchmarks.systems import jax_systems
-        result = jax_systems.run(cfg)
-    elif cfg["framework"] == "torch":
-        from benchmarks.systems import torch_systems
-        result = torch_systems.run(cfg)
+    elif cfg["framework"] in ("tf", "jax", "torch", "keras"):
+        result = importlib.import_module(
+            "benchmarks.systems.%s_systems" % cfg["framework"]).run(cfg)
     else:
         raise ValueError("unknown framework %r" % cfg["framework"])
     from benchmarks import common
@@ -184,13 +185,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "serve":
         return serve(argv[1])
-    if len(argv) == 2 and argv[0] == "once":
-        with open(argv[1]) as f:
-            request = json.load(f)
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        _run_and_write(request)
-        return 0
-    sys.stderr.write("usage: python -m benchmarks.worker serve FRAMEWORK | once REQUEST.json\n")
+    sys.stderr.write("usage: python -m benchmarks.worker serve FRAMEWORK\n")
     return 2
 
 

@@ -30,12 +30,14 @@ import tensorflow as tf
 tf1 = tf.compat.v1
 
 
-class Model(collections.namedtuple("Model",
-                                   ["loss", "xs", "feed", "coupled"])):
+class Model(collections.namedtuple(
+        "Model", ["loss", "xs", "feed", "coupled", "dynamic_steps"])):
+    """`dynamic_steps` (benchmarks.tf1_models): `feed(rng, batch, t)` takes
+    a sequence length `t` too."""
 
-    def __new__(cls, loss, xs, feed, coupled=()):
+    def __new__(cls, loss, xs, feed, coupled=(), dynamic_steps=False):
         return super(Model, cls).__new__(cls, loss, list(xs), feed,
-                                         frozenset(coupled))
+                                         frozenset(coupled), dynamic_steps)
 
 
 def _np(dtype):
@@ -371,12 +373,158 @@ def weight_decay_loss(dtype, rng, full=False):
     return Model(loss, [w1, b1, w2], feed)
 
 
+# --------------------------------------------------------------------------
+# The official models' CIFAR-10 ResNet (tensorflow/models,
+# official/r1/resnet/resnet_model.py), v1 building blocks, inference-mode
+# fused batch norm
+
+
+def official_resnet_cifar(dtype, rng, full=False):
+    """resnet_model.py's `Model` as `cifar10_main.Cifar10Model` builds it
+    (resnet_size 8: one v1 building block per block layer, 32 variables),
+    with `training=False` (fused batch norm on the moving statistics)."""
+    side, num_filters = (32, 16) if full else (8, 4)
+    resnet_size, data_format = 8, "channels_last"
+    num_blocks = (resnet_size - 2) // 6
+    training = False
+    init_seed = int(rng.integers(1 << 30))
+
+    def batch_norm(inputs, training, data_format):
+        return tf1.layers.batch_normalization(
+            inputs=inputs, axis=1 if data_format == "channels_first" else 3,
+            momentum=0.997, epsilon=1e-5, center=True, scale=True,
+            training=training, fused=True)
+
+    def fixed_padding(inputs, kernel_size, data_format):
+        pad_total = kernel_size - 1
+        pad_beg = pad_total // 2
+        pad_end = pad_total - pad_beg
+        if data_format == "channels_first":
+            return tf.pad(inputs, [[0, 0], [0, 0], [pad_beg, pad_end],
+                                   [pad_beg, pad_end]])
+        return tf.pad(inputs, [[0, 0], [pad_beg, pad_end],
+                               [pad_beg, pad_end], [0, 0]])
+
+    def conv2d_fixed_padding(inputs, filters, kernel_size, strides,
+                             data_format):
+        if strides > 1:
+            inputs = fixed_padding(inputs, kernel_size, data_format)
+        return tf1.layers.conv2d(
+            inputs=inputs, filters=filters, kernel_size=kernel_size,
+            strides=strides, padding=("SAME" if strides == 1 else "VALID"),
+            use_bias=False,
+            kernel_initializer=tf1.variance_scaling_initializer(
+                seed=init_seed),
+            data_format=data_format)
+
+    def building_block_v1(inputs, filters, training, projection_shortcut,
+                          strides, data_format):
+        shortcut = inputs
+        if projection_shortcut is not None:
+            shortcut = projection_shortcut(inputs)
+            shortcut = batch_norm(shortcut, training, data_format)
+        inputs = conv2d_fixed_padding(inputs, filters, 3, strides,
+                                      data_format)
+        inputs = batch_norm(inputs, training, data_format)
+        inputs = tf.nn.relu(inputs)
+        inputs = conv2d_fixed_padding(inputs, filters, 3, 1, data_format)
+        inputs = batch_norm(inputs, training, data_format)
+        inputs += shortcut
+        return tf.nn.relu(inputs)
+
+    def block_layer(inputs, filters, blocks, strides, training, name,
+                    data_format):
+        def projection_shortcut(inputs):
+            return conv2d_fixed_padding(inputs, filters, 1, strides,
+                                        data_format)
+        inputs = building_block_v1(inputs, filters, training,
+                                   projection_shortcut, strides, data_format)
+        for _ in range(1, blocks):
+            inputs = building_block_v1(inputs, filters, training, None, 1,
+                                       data_format)
+        return tf.identity(inputs, name)
+
+    images = tf1.placeholder(dtype, [None, side, side, 3])
+    labels = tf1.placeholder(tf.int32, [None])
+
+    def build():
+        with tf1.variable_scope("resnet_model"):
+            inputs = images
+            if data_format == "channels_first":
+                inputs = tf.transpose(inputs, [0, 3, 1, 2])
+            inputs = conv2d_fixed_padding(inputs, num_filters, 3, 1,
+                                          data_format)
+            inputs = tf.identity(inputs, "initial_conv")
+            inputs = batch_norm(inputs, training, data_format)
+            inputs = tf.nn.relu(inputs)
+            for i, strides in enumerate([1, 2, 2]):
+                inputs = block_layer(inputs, num_filters * (2 ** i),
+                                     num_blocks, strides, training,
+                                     "block_layer%d" % (i + 1), data_format)
+            axes = [2, 3] if data_format == "channels_first" else [1, 2]
+            inputs = tf.reduce_mean(inputs, axes, keepdims=True)
+            inputs = tf.identity(inputs, "final_reduce_mean")
+            inputs = tf.squeeze(inputs, axes)
+            return tf1.layers.dense(inputs, 10)
+    logits, xs = _scoped(build)
+    loss = tf1.losses.sparse_softmax_cross_entropy(
+        labels, logits, reduction=tf1.losses.Reduction.NONE)
+
+    def feed(rng, batch):
+        return {images: rng.normal(size=[batch, side, side, 3]),
+                labels: rng.integers(0, 10, batch)}
+    return Model(loss, xs, feed)
+
+
+# --------------------------------------------------------------------------
+# A DCGAN generator (TF's DCGAN tutorial's make_generator_model, in
+# tf.compat.v1.layers): transposed convolutions
+
+
+def dcgan_generator(dtype, rng, full=False):
+    """Dense -> [7, 7, 256] -> conv2d_transpose 5x5 (strides 1, 2, 2) to a
+    28x28 image, inference-mode batch norm and leaky ReLUs between; the
+    per-example loss is the squared error to a target image (a decoder
+    trained to reconstruct)."""
+    noise_dim, side, widths = (100, 7, (256, 128, 64)) if full else \
+        (6, 2, (8, 6, 4))
+    noise = tf1.placeholder(dtype, [None, noise_dim])
+    target = tf1.placeholder(dtype, [None, 4 * side, 4 * side, 1])
+    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+
+    def batch_norm(x):
+        # Keras' default: fused for the images, unfused for the dense rows.
+        return tf1.layers.batch_normalization(x, training=False)
+
+    def build():
+        x = tf1.layers.dense(noise, side * side * widths[0], use_bias=False,
+                             kernel_initializer=init)
+        x = tf.nn.leaky_relu(batch_norm(x))
+        x = tf.reshape(x, [-1, side, side, widths[0]])
+        for width, strides in zip(widths[1:], (1, 2)):
+            x = tf1.layers.conv2d_transpose(
+                x, width, 5, strides=strides, padding="same", use_bias=False,
+                kernel_initializer=init)
+            x = tf.nn.leaky_relu(batch_norm(x))
+        return tf1.layers.conv2d_transpose(
+            x, 1, 5, strides=2, padding="same", use_bias=False,
+            activation=tf.tanh, kernel_initializer=init)
+    image, xs = _scoped(build)
+    loss = tf.reduce_sum(tf.square(image - target), axis=[1, 2, 3])
+
+    def feed(rng, batch):
+        return {noise: rng.normal(size=[batch, noise_dim]),
+                target: rng.uniform(-1, 1, [batch, 4 * side, 4 * side, 1])}
+    return Model(loss, xs, feed)
+
+
 ZOO = collections.OrderedDict(
     (fn.__name__, fn) for fn in [
         mnist_softmax, mnist_deep, layers_mlp, layers_text_cnn, keras_cnn,
         keras_embedding_mean, keras_separable, keras_batch_norm_inference,
         keras_batch_norm_training, keras_transformer,
-        residual_mlp_shared_weight, weight_decay_loss])
+        residual_mlp_shared_weight, weight_decay_loss,
+        official_resnet_cifar, dcgan_generator])
 
 # Models TF cannot build in float64 on the CPU.
 FLOAT32_ONLY = {
@@ -384,6 +532,10 @@ FLOAT32_ONLY = {
                                   "(not float64)",
     "keras_batch_norm_training": "TF's FusedBatchNorm kernels take float32 "
                                  "(not float64)",
+    "official_resnet_cifar": "TF's FusedBatchNorm kernels take float32 "
+                             "(not float64)",
+    "dcgan_generator": "TF's FusedBatchNorm kernels take float32 (not "
+                       "float64)",
 }
 
 

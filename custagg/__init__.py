@@ -19,15 +19,12 @@ that variable when tf-keras is installed and the variable is unset (a value
 the user set, `0` included, is kept). TensorFlow reads it the first time
 `tf.keras` or `tf.compat.v1.layers` is used, so this works whether custagg is
 imported before or after TensorFlow, as long as no Keras layer was touched
-before `import custagg` (README, "Keras 2 layers").
+before `import custagg` (docs/install.md, "Keras 2 layers").
 """
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
-import sys
 
 from custagg._version import __version__
 
@@ -57,49 +54,29 @@ _API = {
     "RuleRegistry": "custagg.rules.registry",
     "default_registry": "custagg.rules.registry",
     "register_rule": "custagg.rules.registry",
-    "ClippedOptimizer": "custagg.training.optimizers",
-    "DPAdagradGaussianOptimizer": "custagg.training.optimizers",
-    "DPAdamGaussianOptimizer": "custagg.training.optimizers",
-    "DPGradientDescentGaussianOptimizer": "custagg.training.optimizers",
-    "DPMomentumGaussianOptimizer": "custagg.training.optimizers",
-    "DPOptimizer": "custagg.training.optimizers",
+    "ClippedOptimizer": "custagg.privacy.wrappers",
+    "DPOptimizer": "custagg.privacy.wrappers",
     "PerExampleOptimizer": "custagg.training.optimizers",
     "WeightedOptimizer": "custagg.training.optimizers",
-    "make_gaussian_optimizer_class": "custagg.training.optimizers",
 }
 # Submodules that are part of the public surface (`custagg.testing`, ...).
 # The application (`custagg.app`: the CLI, its models and data) is not: the
-# library never imports it.
-# `custagg.privacy` (TF Privacy's TF1 surface and epsilon) loads on its own:
-# it also imports dp-accounting's modules when epsilon is computed. So do
-# `custagg.optimizers` (the public path binds privacy's short names, below)
-# and `custagg.distributed` (it imports privacy).
+# library never imports it. `custagg.optimizers` and `custagg.distributed`
+# are small modules at the package's top that re-export from `training/` and
+# `privacy/` (docs/architecture.md, "Public paths"); they, and
+# `custagg.privacy` (TF Privacy's TF1 surface and epsilon), load on first
+# use.
 _SUBMODULES = ("testing",)
 _LAZY_SUBMODULES = ("optimizers", "privacy", "distributed")
 
-# Public module paths whose code lives in a layer folder (docs/architecture.md,
-# "Public paths"). No file stands at the public path: `_PublicPaths` below
-# answers an import of `custagg.optimizers` with the module
-# `custagg.training.optimizers` itself, registered in sys.modules under both
-# names, so `custagg.optimizers.X`, `from custagg.optimizers import X` and
-# `import custagg.optimizers` all reach one module object.
-_PUBLIC_PATHS = {
-    "custagg.optimizers": "custagg.training.optimizers",
-    "custagg.distributed": "custagg.training.distributed",
-}
-# Names a public path shows that a higher layer defines. TF Privacy's short
-# names (`custagg.optimizers.DPAdamOptimizer`, ...) are
-# `custagg.privacy.dp_optimizer`'s query-based classes; `training` sits below
-# `privacy` (privacy's classes are built on the optimizers' helpers), so the
-# optimizers module cannot import them itself: this package, above both
-# layers, binds them when the public path is first imported.
-_PUBLIC_EXTRAS = {
-    "custagg.optimizers": ("custagg.privacy.dp_optimizer", (
-        "DPGradientDescentOptimizer", "DPAdagradOptimizer",
-        "DPAdamOptimizer", "DPMomentumOptimizer")),
-}
+# Earlier names of custagg's DP wrappers: they work but warn on each access
+# (custagg.privacy.wrappers.EARLIER_NAMES: TF Privacy's classes of the same
+# names take other arguments).
+_EARLIER = ("DPAdagradGaussianOptimizer", "DPAdamGaussianOptimizer",
+            "DPGradientDescentGaussianOptimizer", "DPMomentumGaussianOptimizer",
+            "make_gaussian_optimizer_class")
 
-__all__ = (["__version__"] + list(_API) + list(_SUBMODULES)
+__all__ = (["__version__"] + list(_API) + list(_EARLIER) + list(_SUBMODULES)
            + list(_LAZY_SUBMODULES))
 
 
@@ -116,6 +93,9 @@ def __getattr__(name):
     if name in _API or name in _SUBMODULES:
         _load()
         return globals()[name]
+    if name in _EARLIER:
+        wrappers = importlib.import_module("custagg.privacy.wrappers")
+        return wrappers.earlier_name(__name__, name)
     if name in _LAZY_SUBMODULES:
         # import_module binds the submodule on this package as it loads.
         return importlib.import_module("custagg." + name)
@@ -124,39 +104,3 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
-
-
-class _PublicPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds and loads the public module paths of `_PUBLIC_PATHS`.
-
-    `create_module` imports the module where it lives and returns that very
-    object (so nothing runs twice and `isinstance` checks see one class);
-    `exec_module` only restores the module's own `__spec__`, which the
-    import system overwrote with the public path's, and binds
-    `_PUBLIC_EXTRAS`. The import system then registers the module under the
-    public name in sys.modules and on this package.
-    """
-
-    def find_spec(self, fullname, path=None, target=None):
-        del path, target  # Only the name decides.
-        if fullname not in _PUBLIC_PATHS:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec):
-        module = importlib.import_module(_PUBLIC_PATHS[spec.name])
-        spec.loader_state = module.__spec__
-        return module
-
-    def exec_module(self, module):
-        public = module.__spec__
-        module.__spec__ = public.loader_state
-        source, names = _PUBLIC_EXTRAS.get(public.name, (None, ()))
-        if source is not None:
-            defining = importlib.import_module(source)
-            for name in names:
-                setattr(module, name, getattr(defining, name))
-
-
-if not any(isinstance(f, _PublicPaths) for f in sys.meta_path):
-    sys.meta_path.append(_PublicPaths())

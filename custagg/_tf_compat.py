@@ -53,6 +53,8 @@ from tensorflow.python.util import object_identity  # noqa: F401
 # (nest.map_structure_up_to), which tf.nest does not export.
 from tensorflow.python.util import nest  # noqa: F401
 
+from custagg import op_kinds
+
 # pylint: disable=protected-access
 
 TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
@@ -61,20 +63,13 @@ TF_VERSION = tuple(int(p) for p in tf.__version__.split(".")[:2])
 gradient_registry = getattr(ops, "gradient_registry", None) or \
     ops._gradient_registry
 
-# Ops that read only their input's shape (or dtype), never its values: an
-# edge into one of them carries no gradient and no example's data. TF 2.12
-# and 2.15 add a `Shape` of the reshaped tensor in the `Reshape` gradient
-# (2.18 and 2.21 do not), so a backward pass already in the graph changes
-# consumer counts there; counts that prove something skip these
-# (`value_consumers`). `ZerosLike`/`OnesLike` are what backward passes put
-# on outputs that get no gradient.
-SHAPE_ONLY_OPS = frozenset(
-    ["Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"])
-
-
 def value_consumers(t):
-    """The ops that read the values of tensor `t` (not only its shape)."""
-    return [c for c in t.consumers() if c.type not in SHAPE_ONLY_OPS]
+    """The ops that read the values of tensor `t` (not only its shape:
+    `op_kinds.SHAPE_ONLY`). TF 2.12 and 2.15 add a `Shape` of the reshaped
+    tensor in the `Reshape` gradient (2.18 and 2.21 do not), so a backward
+    pass already in the graph changes consumer counts there; counts that
+    prove something skip these."""
+    return [c for c in t.consumers() if c.type not in op_kinds.SHAPE_ONLY]
 
 
 def made_by_backward_pass(op):

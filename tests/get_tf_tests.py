@@ -1,6 +1,6 @@
 """Copies TensorFlow's own gradient test files into custagg's cache.
 
-tests/test_tf_gradients_suite.py runs these files (unchanged) with
+tests/traversal/test_tf_gradients_suite.py runs these files (unchanged) with
 custagg in place of TF's gradient functions. They are TF's (Apache-2.0),
 not custagg's, and are never committed here: this script copies them from a
 TF source checkout into a cache outside the repository.

@@ -1,6 +1,6 @@
 """Checks every public per-example function against one tf.gradients per example.
 
-Shared by tests/test_edge_cases.py and tests/test_randomized.py (and
+Shared by tests/test_edge_cases.py and tests/traversal/test_randomized.py (and
 `forms_behind`, by the plan == execution tests). The
 reference is TF's own traversal (`tf.compat.v1.gradients(loss[i], x)` for
 each example i, built for the batch size that is fed, so it also serves
@@ -219,3 +219,52 @@ def assert_exact(values, label, rtol):
     for j, s in enumerate(sums):
         testing.assert_close(clipped[j], s, rtol,
                              "%s clipped[%d]" % (label, j))
+
+
+def stacked(rows):
+    """`[B]` per-example gradient lists -> one `[B, ...]` array per x."""
+    return [np.stack(col) for col in zip(*rows)]
+
+
+def max_abs(arrays):
+    """The largest magnitude over `arrays` (0 when all are empty): the scale
+    on which entries zero up to rounding are judged."""
+    return max([float(np.max(np.abs(a))) if a.size else 0.0
+                for a in arrays] + [0.0])
+
+
+def check_model_values(values, clip_value, rtol, label, clip_rtol=None):
+    """A model's fetched `values` against its loop reference `values["ref"]`
+    (`[B]` lists of per-example gradients): "per_example", "clipped"
+    (sums, norms) at `clip_value`, and "per_example" and "norms" when
+    fetched. `clip_rtol` (default `rtol`) for the clipped sums."""
+    per_example = stacked(values["ref"])
+    # Entries zero up to rounding (an attention key bias) are judged on the
+    # scale of all the model's per-example gradients.
+    scale = max_abs(per_example)
+    for j, g in enumerate(per_example if "per_example" in values else ()):
+        testing.assert_close(values["per_example"][j], g, rtol,
+                             "%s per_example[%d]" % (label, j), scale)
+    norms = testing.numpy_norms(per_example)
+    sums, _ = testing.numpy_clipped(per_example, clip_value)
+    clipped, clip_norms = values["clipped"]
+    testing.assert_close(clip_norms, norms, rtol, label + " clip norms")
+    if "norms" in values:
+        testing.assert_close(values["norms"], norms, rtol, label + " norms")
+    sum_scale = max_abs(sums)
+    for j, s in enumerate(sums):
+        testing.assert_close(clipped[j], s, rtol if clip_rtol is None
+                             else clip_rtol,
+                             "%s clipped[%d]" % (label, j), sum_scale)
+
+
+def run_at_median_clip(sess, run, feed, clip):
+    """`sess.run(run, feed)` with `feed[clip]` = C, the median of the
+    reference's per-example norms (`run["ref"]`), so about half the
+    examples clip; 1 where that median is 0 (a loss of 0 at B=1). Runs
+    twice: the first run finds C."""
+    feed[clip] = 1.0
+    values = sess.run(run, feed)
+    feed[clip] = float(np.median(testing.numpy_norms(
+        stacked(values["ref"])))) or 1.0
+    return sess.run(run, feed)

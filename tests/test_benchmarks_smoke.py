@@ -210,10 +210,10 @@ def test_control_flow_preset():
 
 
 def test_tf1_models_benchmark_rows_and_table():
-    # Issue 24's benchmark (benchmarks/tf1_bench.py), in this process, on the
+    # Issue 24's benchmark (benchmarks/zoo.py, --tf1-models), in this process, on the
     # smallest model at the tests' size: a row with both timings, both
     # peaks and the plan's forms, and its table line. No timing assertion.
-    from benchmarks import tf1_bench
+    from benchmarks import zoo as tf1_bench
     row = tf1_bench.bench_model("word2vec", 4, repeats=1, threads=1,
                                 full=False)
     assert "error" not in row, row
@@ -229,89 +229,85 @@ def test_tf1_models_benchmark_rows_and_table():
 
 
 def test_input_pipelines_benchmark_rows_and_plans():
-    # Issue 23's benchmark (benchmarks/input_pipelines.py) at the tests'
-    # size: every source gives a row with both timings and the same plan as
-    # the placeholder (all rules on the MLP). No timing assertion.
-    from benchmarks import input_pipelines
-    rows = input_pipelines.run(batch=4, repeats=1, models=("mlp",),
-                               log=lambda *a: None)
-    assert [r["source"] for r in rows] == list(input_pipelines.SOURCES)
+    # Issue 23's benchmark (`python -m benchmarks.dp_step input_pipelines`)
+    # at the tests' size: every source gives a row with both timings and the
+    # same plan as the placeholder (all rules on the MLP). No timing assertion.
+    from benchmarks import dp_step
+    rows = dp_step.input_pipelines(batch=4, repeats=1, models=("mlp",),
+                                   log=lambda *a: None)
+    assert [r["source"] for r in rows] == list(dp_step.SOURCES)
     for r in rows:
         assert r["plain_s"] > 0 and r["dp_s"] > 0
         assert r["forms"] == {"rules": 6}, r
-    text = input_pipelines.markdown(rows)
+    text = dp_step.markdown("input_pipelines", rows)
     assert "| mlp | shuffle_batch_queue | 4 |" in text
 
 
-def test_before_after_cells_from_both_trees(tmp_path):
-    # Issue 23's before/after benchmark (benchmarks/before_after.py) with
-    # both trees = this tree, in this process: what each worker child runs
-    # (`execute`), then the cells and table from two rounds per tree. The
-    # same engine on both sides: equal medians, nothing "changed", the same
-    # plans, and the two trees' per-example norms agree. No timing assertion.
-    from benchmarks import before_after
-    from benchmarks.systems import tf_systems
-    ref = str(tmp_path / "ref.npz")
-    tf_systems.run_reference({"model": "mlp", "batch_size": 4, "ref_path": ref})
-    cfgs = [dict(suite="harness", model="mlp", batch_size=4, task="norms",
-                 system="custagg_auto", framework="tf", ref_path=ref),
-            dict(suite="zoo", model="mnist_softmax", batch_size=4, framework="tf")]
-    samples = []
-    for cfg in cfgs:
-        cfg.update(repeats=1, budget_s=0.0, threads=1)
-        runs = [before_after.execute(cfg) for _ in range(2)]
-        for r in runs:
-            assert r["status"] == "ok", r
-            assert r["custagg_file"].startswith(os.path.join(REPO, "custagg")), r
-        for tree, order in (("before", runs), ("after", runs[::-1])):
-            samples += [{"key": before_after.cfg_key(cfg), "tree": tree, "round": i,
-                         "result": r} for i, r in enumerate(order)]
-    cells = before_after.summarise(samples)
-    assert [(c["key"], c["measure"]) for c in cells] == [
-        ("harness/mlp/B4/norms", "norms"), ("zoo/mnist_softmax/B4", "norms"),
-        ("zoo/mnist_softmax/B4", "clip")]
-    for c in cells:
-        assert c["after_over_before"] == pytest.approx(1.0), c
-        assert c["changed"] is False and c["peak_changed"] is False, c
-        assert c["before"]["ratios"] and min(c["before"]["ratios"]) > 0
-        assert c["before"]["peak_ratio"] > 0
-        assert c["forms"]["before"] == c["forms"]["after"], c
-        assert set(c["forms"]["after"]) == {"rules"}, c
-    assert cells[0]["checks"] == {"before": ["pass"], "after": ["pass"]}
-    assert cells[0]["forms"]["after"] == {"rules": 6}        # MLP 784-256-256-10
-    meta = {"rounds": 2, "before": {"dir": REPO, "commit": "x"},
-            "after": {"dir": REPO, "commit": "x"}, "command": "cmd", "cpu": "cpu",
-            "cores": 2, "loadavg_start": (1.0, 1.0, 1.0)}
-    before_after.write(str(tmp_path), meta, samples)
-    assert meta["zoo_norms_rel_err_after_vs_before"]["zoo/mnist_softmax/B4"] < 1e-6
-    text = (tmp_path / "before_after.md").read_text()
-    assert "| zoo | mnist_softmax | 4 | clip |" in text and "**changed**" not in text
-    with open(str(tmp_path / "before_after.json")) as f:
-        assert len(json.load(f)["samples"]) == 8
+def test_dp_step_modes_rows():
+    # The other modes of benchmarks.dp_step at the tests' size: one row per
+    # step, the base step's ratio 1. No timing assertion.
+    from benchmarks import dp_step
+    quiet = dict(repeats=1, log=lambda *a: None)
+    rows = dp_step.microbatches(configs=[("mlp", 8)], **quiet)
+    assert [(r["dynamic"], r["microbatches"]) for r in rows] == [
+        (False, 8), (False, 2), (False, 1), (True, 8), (True, 2), (True, 1)]
+    rows = dp_step.adaptive_clipping(batch=8, models=("mlp",), **quiet)
+    assert [r["query"] for r in rows] == list(dp_step.QUERIES)
+    assert rows[0]["ratio_to_fixed"] == 1.0
+    assert "| mlp | 8 | adaptive |" in dp_step.markdown("adaptive_clipping", rows)
 
 
-def test_before_after_changed_needs_more_than_the_spread():
-    from benchmarks import before_after
-    tol = before_after.TIME_TOLERANCE
-    assert before_after._changed([1.0, 1.1, 1.05], [1.5, 1.6, 1.55], tol) is True
-    # Medians 0.1 apart, but one tree's rounds range over 0.3: noise.
-    assert before_after._changed([1.0, 1.3, 1.1], [1.2, 1.2, 1.25], tol) is False
-    # Beyond the ranges, but within the relative floor.
-    assert before_after._changed([1.0, 1.0], [1.03, 1.03], tol) is False
-    assert before_after._changed([1.0], [2.0], tol) is None     # one round: no spread
-
-
-def test_before_after_plan_and_arguments(capsys):
-    from benchmarks import before_after, zoo_models
-    args = before_after.parse_args([REPO])
-    cfgs = before_after.plan(args)
-    harness = [c for c in cfgs if c["suite"] == "harness"]
-    assert len(harness) == 3 * 2 * 3 and {c["system"] for c in harness} == {"custagg_auto"}
-    assert sorted({c["batch_size"] for c in harness if c["model"] == "lstm"}) == [32, 64]
-    assert len(cfgs) - len(harness) == 2 * len(zoo_models.ZOO) - len(before_after.ZOO_SKIP)
+def test_peers_preset():
+    from benchmarks import run
+    from benchmarks.systems import SYSTEMS
+    args = run.parse_args(["--peers"])
+    assert args.models == ["mlp", "cnn", "text", "lstm", "gru", "transformer"]
+    assert args.batch_sizes == [32, 128, 512] and args.tasks == ["clip", "dpsgd"]
+    assert args.stem == "peers" and run.parse_args([]).stem == "results"
+    assert {"custagg_auto", "opacus_ghost", "opacus", "jax_privacy", "tfp_fast"} == set(
+        args.systems)
+    # Each peer runs in its own framework's worker (its own interpreter).
+    assert {SYSTEMS[s].framework for s in args.systems} == {"tf", "torch", "jax", "keras"}
     with pytest.raises(SystemExit):
-        before_after.parse_args([str(REPO) + "/docs"])
-    assert "holds no custagg/__init__.py" in capsys.readouterr().err
+        run.parse_args(["--peers", "--quick"])
+
+
+def test_peers_run_writes_its_table(tmp_path):
+    """`--peers` end to end with custagg alone (the peers' interpreters are
+    not in the test environment): peers.json and peers.md, whose cells are
+    the time and memory ratios of the records beside them."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--peers", "--models", "mlp", "--batch-sizes",
+         "8", "--systems", "custagg_auto", "--repeats", "1", "--budget", "0", "--out",
+         str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(str(tmp_path / "peers.json")) as f:
+        records = json.load(f)
+    assert [(r["task"], r["status"], r["check"]) for r in records] == [
+        ("clip", "ok", "pass"), ("dpsgd", "ok", "pass")]
+    text = (tmp_path / "peers.md").read_text()
+    for r in records:
+        assert "| mlp | 8 | %.2fx / %.2fx |" % (r["ratio_to_floor"], r["peak_ratio"]) in text
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_peers_table_lists_each_failure_with_its_error(tmp_path):
+    from benchmarks import report
+    rec = {k: None for k in KEYS}
+    rec.update(model="mlp", batch_size=32, task="clip", system="custagg_auto", status="ok",
+               note="", ratio_to_floor=1.2, peak_ratio=0.95, check="pass")
+    bad = dict(rec, model="cnn", system="tfp_fast", status="failed", ratio_to_floor=None,
+               note="NotImplementedError: Layer Conv2D is not in the registry")
+    report.write_peers(str(tmp_path / "p.md"), [rec, dict(bad, task="dpsgd"), bad],
+                       {"command": "x", "versions": {"keras": {"tensorflow": "2.15.1"}}})
+    text = (tmp_path / "p.md").read_text()
+    assert "| mlp | 32 | 1.20x / 0.95x |  |" in text
+    assert "| cnn | 32 |  | fails |" in text
+    assert ("- `tfp_fast` on cnn B=32 dpsgd, cnn B=32 clip: NotImplementedError: Layer "
+            "Conv2D is not in the registry") in text
+    assert "keras: tensorflow 2.15.1" in text
 
 
 def test_run_all_lists_every_benchmark_with_an_existing_entry_point():
@@ -319,7 +315,7 @@ def test_run_all_lists_every_benchmark_with_an_existing_entry_point():
     todo = run_all.benchmarks(peers="/p/python", tfp="/t/python")
     names = [t[0] for t in todo]
     assert len(names) == len(set(names))
-    assert {"harness", "control_flow", "zoo", "tf1_models",
+    assert {"harness", "control_flow", "peers", "zoo", "tf1_models",
             "tf_privacy_compare"} <= set(names)
     for name, argv, alone, outputs in todo:
         if argv[1] == "-m":
@@ -331,7 +327,10 @@ def test_run_all_lists_every_benchmark_with_an_existing_entry_point():
             assert os.path.exists(os.path.join(REPO, argv[1])), name
         assert outputs, name
     harness = dict((t[0], t) for t in todo)["harness"]
-    assert "jax=/p/python" in harness[1] and harness[2]
+    assert "jax=/p/python-jax/bin/python" in harness[1] and harness[2]
+    peers = dict((t[0], t) for t in todo)["peers"]
+    assert "--peers" in peers[1] and "keras=/t/python" in peers[1]
+    assert "peers" not in [t[0] for t in run_all.benchmarks()]
     # Without a TF 2.15 interpreter TF Privacy's comparison is left out.
     assert "tf_privacy_compare" not in [t[0] for t in run_all.benchmarks()]
 

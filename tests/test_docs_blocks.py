@@ -205,19 +205,40 @@ def test_main_job_sample_shows_the_total_the_cli_prints():
                      r"graph, training and check [\d.]+ s\)$", sample, re.M)
 
 
-def test_readme_first_screen_has_keras2_and_test_times():
-    """What a TF1 user needs before the first program: how Keras 2 layers
-    work on TF >= 2.16, and how long the test commands take."""
+def test_readme_first_screen_says_what_custagg_does():
+    """The README's first screen says what custagg does and shows the two
+    commands; how long they take and how Keras 2 layers work on TF >= 2.16
+    are on docs/install.md, which the first screen links."""
     readme = _read("README.md")
     first = readme[:readme.index("## Why")]
-    assert "TF_USE_LEGACY_KERAS=1" in first and "tf-keras" in first
-    assert "tf.compat.v1.layers" in first
-    assert "TIMING" not in first
-    assert re.search(r"default suite.*?: about \d+ min", " ".join(
-        first.split()))
-    assert "-m slow" in first
+    assert len(first.split("\n")) <= 45
+    flat = " ".join(first.split())
+    for said in ("per-example gradients", "clipped sums", "DP-SGD",
+                 "custagg.gradients", "custagg.privacy",
+                 "python -m custagg", "python -m pytest -q -n 2",
+                 "docs/install.md"):
+        assert said in flat, said
+    assert not re.search(r"\d+ min\b", flat)   # times are on docs/install.md
+    install = " ".join(_read("docs/install.md").split())
+    assert "TF_USE_LEGACY_KERAS=1" in install and "tf-keras" in install
+    assert "tf.compat.v1.layers" in install
+    assert re.search(r"default suite.*?: about \d+ min", install)
+    assert "-m slow" in install
     # The slow set is run by CI right after the README's command.
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
     assert re.search(r"^(\w+=\S+ )*python -m pytest -q -n 2 -m slow$", ci,
                      re.M)
+
+
+@pytest.mark.parametrize("page, least", [("docs/benchmarks.md", 36), ("README.md", 6)])
+def test_peer_tables_are_the_results_files_rows(page, least):
+    """The tables of custagg beside the DP peers (between a page's `peers`
+    markers) are benchmarks/results/peers.md's rows, verbatim."""
+    text = _read(page)
+    block = text[text.index("<!-- peers:start -->"):text.index("<!-- peers:end -->")]
+    rows = [l for l in block.split("\n") if l.startswith("| ") and "x / " in l]
+    assert len(rows) >= least, "%s: the peers table lost its rows" % page
+    results = _read("benchmarks/results/peers.md").split("\n")
+    for row in rows:
+        assert row in results, "%s: not in benchmarks/results/peers.md: %s" % (page, row)

@@ -4,9 +4,9 @@ that go one way through the layers of docs/architecture.md -- at any depth,
 so a lazy import inside a function (or a module `__getattr__` re-exporting
 another layer's names) cannot hide an upward edge.
 
-Private modules (`rules/_reduce.py`, `privacy/_query_fast.py`) serve their
-own package only; `custagg._tf_compat` (TensorFlow's internals behind one
-module, docs/tf-releases.md) and `custagg._version` serve every layer.
+Private modules (`rules/_reduce.py`) serve their own package only;
+`custagg._tf_compat` (TensorFlow's internals behind one module,
+docs/tf-releases.md) and `custagg._version` serve every layer.
 The scan reads the source (ast): nothing is imported.
 """
 
@@ -146,20 +146,20 @@ def cycles(edges, modules):
 # The layers, bottom first (docs/architecture.md). A module may import
 # modules of its own layer and of the layers below it, never above. Each
 # entry is a module or a package prefix; the longest matching prefix names a
-# module's layer. `training` is split around `privacy`: TF Privacy's DP
-# classes build on the optimizers' helpers, and the multi-worker wrapper
-# also takes those classes.
+# module's layer. No layer is split: `privacy` (all of DP) sits above
+# `training` (the non-DP wrappers it builds on); the public paths
+# `custagg.optimizers` and `custagg.distributed` re-export both from above.
 LAYERS = [
     ("shared", ["custagg._tf_compat", "custagg._version", "custagg.errors",
-                "custagg.sparse"]),
+                "custagg.sparse", "custagg.op_kinds"]),
     ("graph", ["custagg.graph"]),
     ("traversal", ["custagg.traversal"]),
     ("batch_axis", ["custagg.batch_axis"]),
     ("rules", ["custagg.rules"]),
     ("per_example", ["custagg.per_example"]),
-    ("training", ["custagg.training", "custagg.training.optimizers"]),
+    ("training", ["custagg.training"]),
     ("privacy", ["custagg.privacy"]),
-    ("training above privacy", ["custagg.training.distributed"]),
+    ("public paths", ["custagg.optimizers", "custagg.distributed"]),
     ("tools", ["custagg.install", "custagg.testing"]),
     ("public API", ["custagg"]),
     ("application", ["custagg.app", "custagg.__main__"]),
@@ -202,9 +202,23 @@ def upward_imports(modules):
     return findings
 
 
+def _imports_inside(fn):
+    """Whether the function `fn` (an AST node) imports anything itself."""
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            return True
+        name = (node.id if isinstance(node, ast.Name) else
+                node.attr if isinstance(node, ast.Attribute) else None)
+        if name in ("import_module", "__import__"):
+            return True
+    return False
+
+
 def module_getattr_hooks(modules):
     """Modules other than the package's own __init__ defining a module-level
-    `__getattr__`: a lazy re-export hides an import edge from any scan."""
+    `__getattr__` that imports: a lazy re-export hides an import edge from
+    any scan. (A hook that only returns what its module imported at the top,
+    e.g. custagg.optimizers' warning earlier names, hides none.)"""
     found = []
     for module, path in sorted(modules.items()):
         if module == "custagg":
@@ -212,7 +226,8 @@ def module_getattr_hooks(modules):
         with open(path) as f:
             tree = ast.parse(f.read(), path)
         if any(isinstance(node, ast.FunctionDef) and
-               node.name == "__getattr__" for node in tree.body):
+               node.name == "__getattr__" and _imports_inside(node)
+               for node in tree.body):
             found.append(module)
     return found
 
@@ -240,6 +255,12 @@ def test_the_layer_scan_finds_a_lazy_upward_import(tmp_path):
         "def __getattr__(name):\n"
         "    from custagg.privacy import dp\n"
         "    return getattr(dp, name)\n")
+    # A hook returning only what its module imported at the top is no
+    # hidden edge (the scan reads that import).
+    (pkg / "graph" / "names.py").write_text(
+        "from custagg.graph import walks\n"
+        "def __getattr__(name):\n"
+        "    return getattr(walks, name)\n")
     modules = _modules(str(pkg))
     assert upward_imports(modules) == [
         "custagg.graph.walks (layer graph) imports custagg.privacy.dp "
@@ -249,29 +270,108 @@ def test_the_layer_scan_finds_a_lazy_upward_import(tmp_path):
     assert not cycles(edges, modules)  # what the circle check alone misses
 
 
-def test_public_module_paths_are_the_layer_modules():
-    """`custagg.optimizers` and `custagg.distributed` are public paths with
-    no file behind them: the same module objects as their homes in
-    `training/`, with TF Privacy's short names bound on the optimizers."""
+# Public paths whose code lives in a layer folder: small modules that only
+# re-export (docs/architecture.md, "Public paths"). Such a module is not a
+# shim (a leftover where a module used to be): it is where users import
+# from, and it defines nothing.
+PUBLIC_PATHS = ("optimizers", "distributed")
+
+
+def _reexports(path):
+    """{name: source module} of a module made of imports only (besides its
+    docstring and `__all__`); raises AssertionError on anything else."""
+    import custagg
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names = {}
+    for i, node in enumerate(tree.body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(
+                node.value, ast.Constant) and isinstance(node.value.value,
+                                                         str):
+            continue
+        if isinstance(node, ast.Assign) and [
+                getattr(t, "id", None) for t in node.targets] == ["__all__"]:
+            continue
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            # Earlier names that warn (privacy.wrappers.EARLIER_NAMES); it
+            # imports nothing (test_no_module_getattr_outside_the_package_
+            # init).
+            names.update(dict.fromkeys(custagg._EARLIER,
+                                       "custagg.privacy.wrappers"))
+            continue
+        assert isinstance(node, ast.ImportFrom), (
+            "%s line %d: a public-path module only re-exports (from ... "
+            "import ...); define things in their layer's module."
+            % (path, node.lineno))
+        for a in node.names:
+            if not (a.asname or a.name).startswith("_"):
+                names[a.asname or a.name] = node.module
+    return names
+
+
+@pytest.mark.parametrize("public", PUBLIC_PATHS)
+def test_public_module_paths_only_reexport(public):
+    """`custagg.optimizers` and `custagg.distributed` are real modules that
+    re-export: every public name is the very object of its home module
+    (one class per name: `custagg.optimizers.DPOptimizer is
+    custagg.privacy.wrappers.DPOptimizer`), and `__all__` lists them."""
     import importlib
-    import sys
 
     import custagg
-    from custagg.optimizers import DPAdamOptimizer
+    path = os.path.join(ROOT, "custagg", public + ".py")
+    names = _reexports(path)
+    module = importlib.import_module("custagg." + public)
+    assert getattr(custagg, public) is module
+    assert sorted(module.__all__) == sorted(names)
+    for name, home in names.items():
+        if name in custagg._EARLIER:
+            continue   # test_earlier_names_warn_and_name_the_wrappers
+        assert getattr(module, name) is getattr(
+            importlib.import_module(home), name), name
+
+
+def test_public_names_agree():
+    """A name offered at two public places is one object; TF Privacy's
+    short names are the query-based classes."""
+    import custagg
+    from custagg import optimizers
     from custagg.privacy import dp_optimizer
-    for public, home in [("optimizers", "training.optimizers"),
-                         ("distributed", "training.distributed")]:
-        module = importlib.import_module("custagg." + public)
-        assert module is importlib.import_module("custagg." + home)
-        assert sys.modules["custagg." + public] is module
-        assert getattr(custagg, public) is module
-        assert module.__spec__.name == "custagg." + home
-        assert not os.path.exists(os.path.join(ROOT, "custagg",
-                                               public + ".py"))
-    assert DPAdamOptimizer is dp_optimizer.DPAdamOptimizer
-    assert custagg.optimizers.DPGradientDescentOptimizer is \
+    for name in custagg.__all__:
+        if name in custagg._EARLIER:
+            continue   # they warn on access: test_earlier_names_warn
+        if hasattr(optimizers, name) and name not in custagg._SUBMODULES:
+            assert getattr(custagg, name) is getattr(optimizers, name), name
+    assert optimizers.DPAdamOptimizer is dp_optimizer.DPAdamOptimizer
+    assert optimizers.DPGradientDescentOptimizer is \
         dp_optimizer.DPGradientDescentOptimizer
+    # TF Privacy's classes of the wrappers' earlier names are subclasses of
+    # the TF1 class.
+    assert dp_optimizer.DPAdamGaussianOptimizer.__name__ == \
+        "DPAdamGaussianOptimizer"
     assert callable(custagg.gradients)  # the function, not traversal's module
+
+
+def test_earlier_names_warn_and_name_the_wrappers():
+    """custagg's DP wrappers' earlier names (TF Privacy's class names, other
+    classes) still give the wrappers, with a FutureWarning naming both."""
+    import warnings
+    import custagg
+    from custagg import optimizers
+    from custagg.privacy import wrappers
+    assert set(custagg._EARLIER) == set(wrappers.EARLIER_NAMES)
+    for module in (custagg, optimizers):
+        for old, new in wrappers.EARLIER_NAMES.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = getattr(module, old)
+            assert got is getattr(wrappers, new), old
+            msgs = [str(w.message) for w in caught
+                    if issubclass(w.category, FutureWarning)]
+            assert len(msgs) == 1, (old, msgs)
+            assert new in msgs[0] and "dp_optimizer." + old in msgs[0], \
+                msgs[0]
+    with pytest.raises(AttributeError, match="NoSuchOptimizer"):
+        optimizers.NoSuchOptimizer  # pylint: disable=pointless-statement
 
 
 def test_no_private_names_across_modules():
@@ -312,7 +412,8 @@ def test_the_scan_finds_what_it_forbids(tmp_path):
                                  "vectorized", "registry", "loop_rules",
                                  "shortcuts", "cli", "datasets", "_walk",
                                  "gradients", "aggregation", "op_gradients",
-                                 "slice_recognizer", "optimizers",
-                                 "distributed", "recompute"])
+                                 "slice_recognizer", "recompute",
+                                 "training/distributed",
+                                 "privacy/_query_fast"])
 def test_moved_modules_left_no_shim(old):
     assert not os.path.exists(os.path.join(ROOT, "custagg", old + ".py"))

@@ -346,6 +346,31 @@ def test_unknown_rank_input_is_refused(graph):
     assert "shapeless" in str(plan) and "unknown rank" in str(plan), str(plan)
 
 
+def test_a_loop_counted_from_shapes_only_does_not_vary(graph):
+    """A loop condition that reads the batch only through ops that read a
+    shape (`op_kinds.SHAPE_ONLY`: `Shape`, `OnesLike`, ...) runs the same
+    number of iterations in every per-example copy, so pfor may take the
+    copies (`copies.varying_loop` is None); one that reads the values
+    varies. (copies' own set lacked `ZerosLike`/`OnesLike`: such a loop
+    was sent to the while loop over examples.)"""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+
+    def loss_of(n):
+        _, acc = tf.while_loop(lambda i, a: i < n,
+                               lambda i, a: (i + 1, a + x), [0, x])
+        return tf.reduce_sum(acc, 1)
+
+    def varying(loss):
+        return copies.varying_loop(copies.Forward(
+            [x], graph.get_operations(), loss, None, None))
+
+    by_shape = loss_of(tf.cast(tf.reduce_sum(tf.raw_ops.OnesLike(x=x)),
+                               tf.int32))
+    assert varying(by_shape) is None
+    by_value = loss_of(tf.cast(tf.reduce_max(x), tf.int32))
+    assert varying(by_value) is not None
+
+
 def test_copies_that_disagree_with_the_batch_take_the_exact_form(graph):
     """An interaction no analysis sees (a batch sum inside a loop body): the
     run-time check (the copies' losses against the batch's, or the

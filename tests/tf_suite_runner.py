@@ -17,7 +17,7 @@ process-wide):
 
 TF's test files are not part of custagg (Apache-2.0, kept with their license
 header where they are stored); this script reads one from wherever it is
-(see tests/test_tf_gradients_suite.py for where it looks) and changes
+(see tests/traversal/test_tf_gradients_suite.py for where it looks) and changes
 nothing in it. For copies older than the installed TF, names TF has since
 moved are set back as aliases before the file is loaded, in every
 implementation alike (`_old_names`): `ops.Tensor` (now `tensor.Tensor`),

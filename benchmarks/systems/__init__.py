@@ -25,6 +25,7 @@ _ABC = ("grads", "norms", "dpsgd")
 # The clipped sum alone, for custagg, the TF vectorized baseline (the
 # issue-3 comparison) and the vmap peers (issue 11); Opacus on dpsgd only.
 _ABC_CLIP = ("grads", "norms", "clip", "dpsgd")
+_CD = ("clip", "dpsgd")
 
 SYSTEMS = collections.OrderedDict((s.name, s) for s in [
     System("custagg_auto", "tf", _ABC_CLIP + ("custom",), False,
@@ -52,12 +53,16 @@ SYSTEMS = collections.OrderedDict((s.name, s) for s in [
     System("jax_vmap", "jax", _ABC_CLIP, False, "JAX jit(vmap(grad)) on the same weights"),
     System("torch_func", "torch", _ABC_CLIP, False,
            "torch.func vmap(grad) with functional_call on the same weights"),
-    System("opacus", "torch", _ABC, False,
-           "Opacus GradSampleModule (hooks; functorch fallback for custom modules); "
-           "dpsgd via DPOptimizer"),
+    System("opacus", "torch", _ABC_CLIP, False, 'Opacus GradSampleModule (grad_sample_mode='
+           '"hooks"; functorch fallback for custom modules); clip, dpsgd via DPOptimizer'),
+    # Issue 37: the DP peers in their fastest configurations (docs/benchmarks.md).
+    System("opacus_ghost", "torch", _CD, False,
+           'Opacus 1.6 ghost clipping (grad_sample_mode="ghost")'),
+    System("jax_privacy", "jax", _CD, False, "JAX Privacy clipping.clipped_grad under jit"),
+    System("tfp_fast", "keras", _CD, False, "TF Privacy 0.9 Keras fast gradient clipping, TF 2.15"),
 ])
 
-PEER_FRAMEWORKS = ("jax", "torch")
+PEER_FRAMEWORKS = ("jax", "torch", "keras")
 
 
 def system(name):

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from benchmarks import common, memory, models
+from benchmarks import common, models
 
 
 def _dense(h, w, b):
@@ -170,6 +170,11 @@ def run(cfg):
                 for n, k in zip(names, keys)}
 
     key = jax.random.PRNGKey(0)
+    if cfg.get("system") == "jax_privacy":
+        built = _jax_privacy(jax, jnp, loss_vec, task, clip, key)
+        if isinstance(built, dict):
+            return built
+        clip_task, dpsgd_task = built
     if task == "grads":
         fn, args = grads_task, (params, x, y)
     elif task == "norms":
@@ -204,23 +209,43 @@ def run(cfg):
         out = (compiled(*args) if task == "clip"
                else compiled(params, x, y, key, jnp.float32(0.0)))
         values = {"csum/" + n: np.asarray(out[n]) for n in names}
-    check, check_err, check_key = common.compare(values, sig)
+    return common.measured(
+        sig, values, call(compiled, args), call(floor, (params, x, y)), cfg, first_run_ms,
+        lambda: (_xla_peak_bytes(floor), _xla_peak_bytes(compiled)), build_s=build_s,
+        floor_system="jax.jit(jax.grad(sum(loss)))",
+        peak_method="XLA buffer assignment: compiled.memory_analysis() temp + output bytes",
+        framework_version="jax %s (jaxlib %s)%s" % (
+            jax.__version__, _jaxlib_version(), _jax_privacy_version(cfg)))
 
-    median_ms, floor_ms, repeats = common.time_against_floor(
-        call(compiled, args), call(floor, (params, x, y)), cfg["repeats"], cfg["budget_s"],
-        first_run_ms)
-    peak, floor_peak = _xla_peak_bytes(compiled), _xla_peak_bytes(floor)
-    return {
-        "status": "ok", "note": "",
-        "build_s": build_s, "n_ops": None, "first_run_ms": first_run_ms,
-        "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
-        "check": check, "check_err": check_err, "check_key": check_key, "repeats": repeats,
-        "floor_system": "jax.jit(jax.grad(sum(loss)))",
-        "peak_mb": memory.mb(peak), "floor_peak_mb": memory.mb(floor_peak),
-        "peak_ratio": peak / float(floor_peak) if peak and floor_peak else None,
-        "peak_method": "XLA buffer assignment: compiled.memory_analysis() temp + output bytes",
-        "framework_version": "jax %s (jaxlib %s)" % (jax.__version__, _jaxlib_version()),
-    }
+
+def _jax_privacy(jax, jnp, loss_vec, task, clip, key):
+    """JAX Privacy 2.x's own clipped sum (`clipping.clipped_grad`: vmap over
+    the examples, clip, sum; under the caller's jit) and, for the DP step,
+    its Gaussian privatizer (`noise_addition.gaussian_privatizer`)."""
+    try:
+        from jax_privacy import clipping, noise_addition
+    except ImportError as e:
+        return {"status": "skipped", "note": "jax-privacy not installed (%s)" % e}
+    if task not in ("clip", "dpsgd"):
+        return {"status": "skipped", "note": "jax_privacy runs clip and dpsgd only"}
+    clipped = clipping.clipped_grad(lambda p, xb, yb: loss_vec(p, xb, yb).sum(),
+                                    l2_clip_norm=clip, batch_argnums=(1, 2))
+
+    def dpsgd_task(p, xb, yb, key, noise_multiplier):
+        g = clipped(p, xb, yb)
+        privatizer = noise_addition.gaussian_privatizer(stddev=noise_multiplier * clip,
+                                                        prng_key=key)
+        noisy, _ = privatizer.update(g, privatizer.init(g))
+        return noisy
+
+    return clipped, dpsgd_task
+
+
+def _jax_privacy_version(cfg):
+    if cfg.get("system") != "jax_privacy":
+        return ""
+    from importlib import metadata
+    return ", jax-privacy " + metadata.version("jax-privacy")
 
 
 def _xla_peak_bytes(compiled):

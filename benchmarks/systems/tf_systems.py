@@ -357,41 +357,20 @@ def run(cfg):
         init = tf.compat.v1.global_variables_initializer()
 
     feed = {x: x_np, y: y_np, f: sig["factors"]}
-    threads = cfg.get("threads", 0)
-    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads,
-                                      inter_op_parallelism_threads=threads)
-    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+    with common.session(graph, cfg.get("threads", 0)) as sess:
         sess.run(init)
         floor_first_ms = common.timed_ms(lambda: sess.run(floor, feed))
         first_run_ms = common.timed_ms(lambda: sess.run(built.fetch, feed))
-
-        check_feed = dict(feed)
-        check_feed[noise_scale] = 0.0
-        values = sess.run(dict(built.check), check_feed)
+        values = sess.run(dict(built.check), {**feed, noise_scale: 0.0})
         var_shapes = {n: v.shape.as_list() for n, v in zip(ctx.names, var_list)}
         values = {k: common.dense_value(v, var_shapes.get(k.split("/", 1)[-1]))
                   for k, v in values.items()}
-        check, check_err, check_key = common.compare(values, sig)
-
-        median_ms, floor_ms, repeats = common.time_against_floor(
-            lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
-            cfg["repeats"], cfg["budget_s"], first_run_ms)
-
-        # Peak memory: one traced step each, after the timed ones (tracing
-        # slows a step; the timings above are untraced).
-        floor_peak, _ = memory.step_peak_bytes(sess, floor, feed)
-        peak, _ = memory.step_peak_bytes(sess, built.fetch, feed)
-
-    return {
-        "status": "ok", "note": built.note,
-        "build_s": build_s, "n_ops": n_ops, "first_run_ms": first_run_ms,
-        "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
-        "check": check, "check_err": check_err, "check_key": check_key,
-        "peak_mb": memory.mb(peak), "floor_peak_mb": memory.mb(floor_peak),
-        "peak_ratio": peak / float(floor_peak) if floor_peak else None,
-        "peak_method": "tf step_stats allocation records (benchmarks/memory.py)",
-        "repeats": repeats, "floor_build_s": floor_build_s, "floor_n_ops": floor_n_ops,
-        "floor_first_run_ms": floor_first_ms, "floor_system": "tf.compat.v1.gradients(sum(loss))",
-        "framework_version": "tensorflow " + tf.__version__,
-        "batch_axis": "dynamic" if dynamic else "static",
-    }
+        return common.measured(
+            sig, values, lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
+            cfg, first_run_ms, lambda: (memory.step_peak_bytes(sess, floor, feed)[0],
+                                        memory.step_peak_bytes(sess, built.fetch, feed)[0]),
+            note=built.note, build_s=build_s, n_ops=n_ops, floor_build_s=floor_build_s,
+            floor_n_ops=floor_n_ops, floor_first_run_ms=floor_first_ms,
+            floor_system="tf.compat.v1.gradients(sum(loss))",
+            framework_version="tensorflow " + tf.__version__,
+            batch_axis="dynamic" if dynamic else "static")

@@ -12,7 +12,7 @@ Floor (same process): plain module, loss.sum().backward().
 """
 import numpy as np
 
-from benchmarks import common, memory, models
+from benchmarks import common, models
 
 
 def _build_module(torch, model):
@@ -287,7 +287,7 @@ def run(cfg):
         floor_module.zero_grad(set_to_none=True)
         ce(floor_module(x), y, reduction="none").sum().backward()
 
-    runner = (_torch_func if system == "torch_func" else _opacus)(
+    runner = {"torch_func": _torch_func, "opacus": _opacus, "opacus_ghost": _opacus_ghost}[system](
         torch, model, task, make_module(torch, model), x, y, clip, batch_size)
     if isinstance(runner, dict):
         return runner
@@ -304,21 +304,12 @@ def run(cfg):
     else:
         values = {"csum/" + n: _to_tf_layout(out[mapping[n][0]], mapping[n][1], False)
                   for n in names}
-    check, check_err, check_key = common.compare(values, sig)
-    median_ms, floor_ms, repeats = common.time_against_floor(
-        timed_fn, floor_fn, cfg["repeats"], cfg["budget_s"], first_run_ms)
-    peak, floor_peak = _profiled_peak_bytes(torch, timed_fn), _profiled_peak_bytes(torch, floor_fn)
-    return {
-        "status": "ok", "note": "",
-        "build_s": build_s, "n_ops": None, "first_run_ms": first_run_ms,
-        "median_ms": median_ms, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms,
-        "check": check, "check_err": check_err, "check_key": check_key, "repeats": repeats,
-        "floor_system": "torch loss.sum().backward()",
-        "peak_mb": memory.mb(peak), "floor_peak_mb": memory.mb(floor_peak),
-        "peak_ratio": peak / float(floor_peak) if peak and floor_peak else None,
-        "peak_method": "torch.profiler profile_memory=True: running sum of [memory] events",
-        "framework_version": "torch %s%s" % (torch.__version__, version),
-    }
+    return common.measured(
+        sig, values, timed_fn, floor_fn, cfg, first_run_ms,
+        lambda: (_profiled_peak_bytes(torch, floor_fn), _profiled_peak_bytes(torch, timed_fn)),
+        build_s=build_s, floor_system="torch loss.sum().backward()",
+        peak_method="torch.profiler profile_memory=True: running sum of [memory] events",
+        framework_version="torch %s%s" % (torch.__version__, version))
 
 
 def _profiled_peak_bytes(torch, fn):
@@ -400,7 +391,7 @@ def _opacus(torch, model, task, module, x, y, clip, batch_size):
     t0 = time.perf_counter()
     gsm = GradSampleModule(module, batch_first=True, loss_reduction="sum")
     opt = None
-    if task == "dpsgd":
+    if task in ("clip", "dpsgd"):
         opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0),
                           noise_multiplier=common.NOISE_MULTIPLIER, max_grad_norm=clip,
                           expected_batch_size=batch_size, loss_reduction="sum")
@@ -413,7 +404,7 @@ def _opacus(torch, model, task, module, x, y, clip, batch_size):
         ce(gsm(x), y, reduction="none").sum().backward()
 
     def timed_fn():
-        if task == "dpsgd":
+        if task in ("clip", "dpsgd"):   # clip: the optimizer's clipped sum, noise 0
             opt.zero_grad(set_to_none=True)
             ce(gsm(x), y, reduction="none").sum().backward()
             opt.step()
@@ -430,7 +421,56 @@ def _opacus(torch, model, task, module, x, y, clip, batch_size):
             return "norms", timed_fn().detach().numpy()
         opt.noise_multiplier = 0.0
         timed_fn()
-        opt.noise_multiplier = common.NOISE_MULTIPLIER
+        opt.noise_multiplier = _noise(task)
         return "csum", {k: p.grad.detach().numpy().copy() for k, p in named}
 
     return timed_fn, check_fn, build_s, ", opacus " + opacus.__version__
+
+
+def _noise(task):
+    return common.NOISE_MULTIPLIER if task == "dpsgd" else 0.0
+
+
+def _opacus_ghost(torch, model, task, module, x, y, clip, batch_size):
+    """Opacus 1.6 ghost clipping, as `PrivacyEngine.make_private(...,
+    grad_sample_mode="ghost")` wires it: GradSampleModuleFastGradientClipping
+    (ghost norms where a layer has them, per-sample gradients elsewhere),
+    DPOptimizerFastGradientClipping and the loss wrapper whose backward()
+    runs the two passes (norms, then the clip-weighted gradient)."""
+    if task not in ("clip", "dpsgd"):
+        return {"status": "skipped", "note": "opacus_ghost runs clip and dpsgd only"}
+    try:
+        import opacus
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    except ImportError as e:
+        return {"status": "skipped", "note": "opacus (>= 1.5) not installed (%s)" % e}
+    import time
+    t0 = time.perf_counter()
+    gsm = GradSampleModuleFastGradientClipping(module, batch_first=True, loss_reduction="sum",
+                                               max_grad_norm=clip, use_ghost_clipping=True)
+    opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=0.0),
+                                          noise_multiplier=_noise(task), max_grad_norm=clip,
+                                          expected_batch_size=batch_size, loss_reduction="sum")
+    criterion = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"),
+                                           loss_reduction="sum")
+    build_s = time.perf_counter() - t0
+    named = [(k[len("_module."):] if k.startswith("_module.") else k, p)
+             for k, p in gsm.named_parameters()]
+
+    def timed_fn():
+        opt.zero_grad(set_to_none=True)
+        criterion(gsm(x), y).backward()
+        if task == "dpsgd":
+            opt.step()
+
+    def check_fn():
+        opt.noise_multiplier = 0.0
+        opt.zero_grad(set_to_none=True)
+        criterion(gsm(x), y).backward()
+        opt.step()
+        opt.noise_multiplier = _noise(task)
+        return "csum", {k: p.grad.detach().numpy().copy() for k, p in named}
+
+    return timed_fn, check_fn, build_s, ", opacus %s (ghost)" % opacus.__version__

@@ -39,7 +39,7 @@ import os
 import sys
 import time
 
-# Mirrors custagg.per_example.STRATEGIES (tests/test_cli.py checks they agree),
+# Mirrors custagg.per_example.STRATEGIES (tests/app/test_cli.py checks they agree),
 # so that `--help` and flag errors need no TensorFlow.
 STRATEGIES = ("auto", "rules", "pfor", "loop")
 MODELS = ("softmax", "mlp", "cnn")
@@ -112,6 +112,15 @@ FLAGS = [
     ("clipping and DP-SGD", "--noise-multiplier",
      "noise std / C for --aggregation dpsgd",
      dict(type=_float(0.0, False), default=1.1, metavar="Z")),
+    ("clipping and DP-SGD", "--target-epsilon",
+     "dpsgd: choose the noise multiplier whose epsilon at --delta after "
+     "--epochs is at most this (RDP, Poisson sampling at q = B/n; replaces "
+     "--noise-multiplier)", dict(type=_float(0.0, True), metavar="EPS")),
+    ("clipping and DP-SGD", "--delta",
+     "dpsgd: the delta of the printed epsilon and of --target-epsilon "
+     "(default: 1/n, n the training images)",
+     dict(type=_number(float, "a number in (0, 1)", lambda v: 0 < v < 1),
+          metavar="DELTA")),
     ("clipping and DP-SGD", "--num-microbatches",
      "clip / dpsgd: microbatches per batch, must divide the batch size "
      "(default: one example each)", dict(_POSITIVE, metavar="M")),
@@ -188,6 +197,13 @@ def check_args(parser, args):
         if args.batch_size % args.num_microbatches:
             parser.error("--num-microbatches %d must divide --batch-size %d"
                          % (args.num_microbatches, args.batch_size))
+    for flag in ("target_epsilon", "delta"):
+        if getattr(args, flag) is not None and args.aggregation != "dpsgd":
+            parser.error("--%s applies to --aggregation dpsgd, not %s"
+                         % (flag.replace("_", "-"), args.aggregation))
+    if args.target_epsilon is not None and args.distributed is not None:
+        parser.error("--target-epsilon is for one process; with "
+                     "--distributed pass --noise-multiplier")
     if args.dataset == "digits" and args.data_dir is not None:
         parser.error("--data-dir is for MNIST; it cannot be used with "
                      "--dataset digits")

@@ -32,8 +32,8 @@ from custagg.app import train
 from custagg.app.models import build_model
 from custagg.app.models import class_balanced_factors
 from custagg.app.models import per_example_loss
-from custagg.training import distributed
-from custagg.training import optimizers as opt_lib
+from custagg import distributed
+from custagg import optimizers as opt_lib
 
 # Bound on a non-chief's wait for the chief's initialization.
 READY_TIMEOUT_S = 600

@@ -20,7 +20,7 @@ from custagg.app.cli import DEFAULT_LEARNING_RATE
 from custagg.app.models import build_model
 from custagg.app.models import class_balanced_factors
 from custagg.app.models import per_example_loss
-from custagg.training import optimizers as opt_lib
+from custagg import optimizers as opt_lib
 
 
 
@@ -140,6 +140,8 @@ def _run(args, out):
         raise UsageError("--batch-size %d is larger than the %d training "
                           "images" % (bsz, len(data.x_train)))
     lr = learning_rate(args)
+    if getattr(args, "target_epsilon", None) is not None:
+        args.noise_multiplier = _calibrate(args, len(data.x_train), bsz, say)
     counts = np.bincount(data.y_train, minlength=data.num_classes)
     class_weights = 1.0 / np.maximum(counts, 1)
 
@@ -222,6 +224,8 @@ def _run(args, out):
                     args.epochs, describe_epsilon(
                         args, len(data.x_train), bsz, args.epochs, pld=True)))
                 say(_privacy_statement(args, len(data.x_train), bsz))
+                if getattr(args, "target_epsilon", None) is not None:
+                    say(_reached(args, len(data.x_train), bsz))
             status = 0
             if not args.no_check:
                 status = _check(args, say, sess, data,
@@ -245,10 +249,12 @@ def describe_epsilon(args, n, batch_size, epochs, pld=False):
     q = B/n, ceil(epochs * n / B) steps, epochs counted as its tutorial
     does); with `pld`, dp-accounting's PLD figure too."""
     from custagg.privacy import accounting  # pylint: disable=g-import-not-at-top
-    delta = 1.0 / n
+    delta = _delta(args, n)
     eps, order = accounting.compute_dp_sgd_privacy(
         n, batch_size, args.noise_multiplier, epochs, delta)
-    text = "epsilon %.3f at delta 1/%d (RDP order %s" % (eps, n, order)
+    text = "epsilon %.3f at delta %s (RDP order %s" % (
+        eps, "1/%d" % n if getattr(args, "delta", None) is None else
+        "%g" % delta, order)
     if pld:
         text += "; PLD accountant: %.3f" % accounting.compute_dp_sgd_privacy(
             n, batch_size, args.noise_multiplier, epochs, delta,
@@ -262,6 +268,39 @@ def describe_epsilon(args, n, batch_size, epochs, pld=False):
                        figures["example_epsilon_poisson"]))
 
 
+def _delta(args, n):
+    """--delta, else 1/n."""
+    delta = getattr(args, "delta", None)
+    return 1.0 / n if delta is None else delta
+
+
+def _calibrate(args, n, batch_size, say):
+    """The noise multiplier for --target-epsilon (RDP, Poisson sampling at
+    q = B/n, `ceil(epochs n / B)` steps: `compute_dp_sgd_privacy`'s
+    count), printed."""
+    from custagg.privacy import budget  # pylint: disable=g-import-not-at-top
+    delta = _delta(args, n)
+    try:
+        sigma = budget.noise_multiplier_for(
+            args.target_epsilon, delta, batch_size / n, epochs=args.epochs)
+    except ValueError as e:
+        raise UsageError("--target-epsilon %g: %s" % (args.target_epsilon,
+                                                       e)) from None
+    say("noise multiplier chosen for --target-epsilon %g at delta %g: %.6g "
+        "(RDP, Poisson sampling at q = %d/%d, %d epochs)" % (
+            args.target_epsilon, delta, sigma, batch_size, n, args.epochs))
+    return sigma
+
+
+def _reached(args, n, batch_size):
+    from custagg.privacy import accounting  # pylint: disable=g-import-not-at-top
+    eps, _ = accounting.compute_dp_sgd_privacy(
+        n, batch_size, args.noise_multiplier, args.epochs, _delta(args, n))
+    return ("epsilon reached: %.6g at delta %g (target %g, noise multiplier "
+            "%.6g)" % (eps, _delta(args, n), args.target_epsilon,
+                       args.noise_multiplier))
+
+
 def _used_microbatching(args, batch_size):
     """Microbatches of more than one example double the sensitivity."""
     m = getattr(args, "num_microbatches", None)
@@ -272,7 +311,7 @@ def _privacy_statement(args, n, batch_size):
     """TF Privacy's privacy statement for the run, at delta = 1/n."""
     from custagg.privacy import accounting  # pylint: disable=g-import-not-at-top
     return accounting.compute_dp_sgd_privacy_statement(
-        n, batch_size, args.epochs, args.noise_multiplier, 1.0 / n,
+        n, batch_size, args.epochs, args.noise_multiplier, _delta(args, n),
         used_microbatching=_used_microbatching(args, batch_size)).rstrip()
 
 

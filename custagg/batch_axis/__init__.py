@@ -22,7 +22,6 @@ Imports go one way: `custagg.graph` <- `proof_values` <- `table` <-
 from custagg.batch_axis.rowwise import NotProved
 from custagg.batch_axis.rowwise import Unexplained
 from custagg.batch_axis.rowwise import prove as prove_rowwise
-from custagg.batch_axis.separation import LOOP_TYPES
 from custagg.batch_axis.separation import coupling
 from custagg.batch_axis.separation import propagate
 from custagg.batch_axis.separation import step
@@ -39,19 +38,20 @@ from custagg.batch_axis.sources import untraced
 from custagg.batch_axis.table import ELEMENTWISE
 from custagg.batch_axis.table import MIXES
 from custagg.batch_axis.table import NO_BATCH
-from custagg.batch_axis.table import RANDOM
 from custagg.batch_axis.table import Folded
 from custagg.batch_axis.table import ListOf
 from custagg.batch_axis.table import Reason
 from custagg.batch_axis.table import Stacked
 from custagg.batch_axis.table import forward
 from custagg.batch_axis.table import known
+from custagg.batch_axis.table import mixes_text
 from custagg.batch_axis.table import normalize
 
 __all__ = [
-    "NotProved", "Unexplained", "untraced", "prove_rowwise", "LOOP_TYPES", "coupling", "propagate",
+    "NotProved", "Unexplained", "untraced", "prove_rowwise", "coupling", "propagate",
     "step", "walk_body", "BatchAxes", "batch_region", "brings_data",
     "data_region", "infer", "inverse",
     "is_leaf", "no_sources_reason", "ELEMENTWISE", "MIXES", "NO_BATCH",
-    "RANDOM", "Folded", "ListOf", "Reason", "Stacked", "forward", "known", "normalize",
+    "Folded", "ListOf", "Reason", "Stacked", "forward", "known", "mixes_text",
+    "normalize",
 ]

@@ -48,6 +48,7 @@ import collections
 import tensorflow as tf
 
 from custagg import graph
+from custagg import op_kinds
 from custagg.batch_axis import separation
 from custagg.batch_axis import symbolic_shapes
 from custagg.batch_axis import table
@@ -71,18 +72,13 @@ class Unexplained(Exception):
     the op."""
 
 
-_CALLS = graph.CALL_TYPES
 _ELEMENTWISE = table.ELEMENTWISE
-_BATCH_MATMUL = frozenset(["BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
 # (op type, input index) of TensorList element shapes: used only to make
 # unset items (zeros of that shape), so a batch size there is accepted when
 # it is the items' batch axis.
 _ELEMENT_SHAPE = {("TensorListGetItem", 2), ("TensorListPopBack", 1),
                   ("TensorListStack", 1), ("TensorListGather", 2),
                   ("TensorListFromTensor", 1)}
-# Ops the loss may wait for through control edges: they fail or print, and
-# change no value (dynamic_rnn asserts its sequence lengths' shape).
-_HARMLESS_EFFECTS = frozenset(["Assert", "PrintV2"])
 
 
 def prove(inputs, ops, loss):
@@ -115,7 +111,7 @@ def _waited_for(outputs):
     """The ops `outputs` wait for, through data and control edges (not into
     what a harmless effect, an assert, checks)."""
     return graph.upstream(outputs, control=True,
-                          stop_types=_HARMLESS_EFFECTS)
+                          stop_types=op_kinds.HARMLESS_EFFECTS)
 
 
 def _control_effects(batch_inputs, outputs, where):
@@ -127,7 +123,7 @@ def _control_effects(batch_inputs, outputs, where):
     for t in outputs:
         data |= graph.ancestors(t)
     for op in _waited_for(outputs) - data:
-        if op in touched and op.type not in _HARMLESS_EFFECTS:
+        if op in touched and op.type not in op_kinds.HARMLESS_EFFECTS:
             raise NotProved("%s depends on batch data and %s waits for it "
                             "through a control dependency"
                             % (op_text(op), where))
@@ -178,14 +174,14 @@ class _Interpreter(object):
 
     def op(self, op, ins):
         """The outputs' values of `op` given its inputs' (`ins`)."""
-        if op.type in graph.V1_CONTROL_FLOW:
+        if op.type in op_kinds.V1_CONTROL_FLOW:
             raise NotProved("%s is v1 control flow, which the proof does not "
                             "follow" % op_text(op))
-        if op.type in table.RANDOM:
+        if op.type in op_kinds.RANDOM:
             raise NotProved("%s draws random numbers" % op_text(op))
-        if op.type in graph.LOOP_TYPES:
+        if op.type in op_kinds.V2_LOOPS:
             return self.loop(op, ins)
-        if op.type in _CALLS:
+        if op.type in op_kinds.CALLS:
             return self.call(op, ins)
         if all(v in (None, SAME) for v in ins):
             return [SAME] * len(op.outputs)
@@ -245,7 +241,7 @@ class _Interpreter(object):
         for index, v in enumerate(ins):
             if isinstance(v, Dims) and (op.type, index) in _ELEMENT_SHAPE:
                 self.batch_at(op, v, _item_axis(op, ins[0]))
-        if (op.type in _ELEMENTWISE or op.type in _BATCH_MATMUL) and \
+        if (op.type in _ELEMENTWISE or op.type in op_kinds.BATCH_MATMULS) and \
                 len(op.inputs) > 1:
             self.no_broadcast(op, ins, result[0])
         self.no_hidden_rows(op, ins, result)
@@ -296,7 +292,7 @@ class _Interpreter(object):
         folded = isinstance(out.desc, table.Folded)
         axis = out.desc.axis if folded else out.desc
         out_rank = op.outputs[0].shape.rank
-        if op.type in _BATCH_MATMUL and out_rank is not None and \
+        if op.type in op_kinds.BATCH_MATMULS and out_rank is not None and \
                 axis >= out_rank - 2:
             return      # a matrix axis: MatMul's own table placed it
         for index, (t, v) in enumerate(zip(op.inputs, ins)):

@@ -18,13 +18,12 @@ import collections
 import tensorflow as tf
 
 from custagg import graph
+from custagg import op_kinds
 from custagg.batch_axis import symbolic_shapes
 from custagg.batch_axis import table
 from custagg.batch_axis.table import MIXES
 from custagg.batch_axis.table import NO_BATCH
 from custagg.batch_axis.table import Reason
-
-LOOP_TYPES = graph.LOOP_TYPES
 
 
 def propagate(op, index, desc, shapes=None, data=False):
@@ -40,7 +39,7 @@ def propagate(op, index, desc, shapes=None, data=False):
       `MIXES`; or one descriptor for every output; or a list with one per
       output (`NO_BATCH` where that output does not depend on the input).
     """
-    if op.type in LOOP_TYPES:
+    if op.type in op_kinds.V2_LOOPS:
         out, _ = _while(op, index, table.normalize(op.inputs[index], desc),
                         data)
         return out
@@ -204,9 +203,7 @@ def step(op, t, desc, outs, shapes=None, data=False):
             continue
         out_desc = propagate(op, index, desc, shapes, data)
         if out_desc is MIXES:
-            return [], Reason(
-                "op '%s' (type %s) mixes examples or is not known to keep "
-                "them apart" % (op.name, op.type), op)
+            return [], Reason(table.mixes_text(op), op)
         for out in outs:
             here = (out_desc[out.value_index]
                     if isinstance(out_desc, list) else out_desc)

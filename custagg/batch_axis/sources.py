@@ -45,24 +45,13 @@ import weakref
 import tensorflow as tf
 
 from custagg import graph
+from custagg import op_kinds
 from custagg.batch_axis import separation
 from custagg.batch_axis import symbolic_shapes
 from custagg.batch_axis import table
 from custagg.batch_axis.table import MIXES
 from custagg.batch_axis.table import NO_BATCH
 from custagg.batch_axis.table import Reason
-
-# Ops that make a value from a shape and a fill value (zeros for an RNN's
-# first state, an empty list to fill): reached with the batch, their rows
-# are all equal and made, not read -- neither a source nor a stop. Whether
-# a copy of one example makes them right is the row-wise proof's question
-# (it follows the batch size into their shapes).
-_MAKERS = frozenset(["Fill", "TensorListReserve", "EmptyTensorList",
-                     "TensorArrayV3"])
-
-# Where a feed replaces a default value: the rows are taken there, not
-# from the default (a pipeline wrapped in placeholder_with_default).
-_FEED_POINTS = frozenset(["PlaceholderWithDefault"])
 
 
 class BatchAxes(collections.namedtuple(
@@ -104,9 +93,9 @@ def _handle_or_scalar(t):
 def is_leaf(op):
     """Whether `op`'s outputs take their rows from none of its inputs (see
     the module): a leaf reached with a batch descriptor is a source."""
-    if op.type in _FEED_POINTS:
-        return True
-    if table.known(op) or op.type in graph.LOOP_TYPES:
+    if op.type in op_kinds.FEED_POINTS:
+        return True     # a feed's rows, not its default's
+    if table.known(op) or op.type in op_kinds.V2_LOOPS:
         return False
     return all(_handle_or_scalar(t) for t in op.inputs)
 
@@ -124,7 +113,7 @@ def inverse(op, out_index, desc, shapes=None, _depth=0):
       input, a frozenset of descriptors (empty: that input carries no
       batch).
     """
-    if not (table.known(op) or op.type in graph.LOOP_TYPES):
+    if not (table.known(op) or op.type in op_kinds.V2_LOOPS):
         return MIXES
     shapes = shapes if shapes is not None else symbolic_shapes.ShapeCache()
     want = table.normalize(op.outputs[out_index], desc)
@@ -184,7 +173,7 @@ def _mixes_inside(op, index, desc):
     """For a loop: whether the batch at input `index` (`desc`) is kept by
     some op of the body before one mixes it (for messages: a weight fails
     at its first use, data the body mixes flows some way first)."""
-    if op.type not in graph.LOOP_TYPES or op.inputs[index].dtype in (
+    if op.type not in op_kinds.V2_LOOPS or op.inputs[index].dtype in (
             tf.resource, tf.variant):
         return False
     why = separation.loop_reason(op, index, desc)
@@ -234,7 +223,11 @@ def _infer(loss):
         seen.add((t.ref(), desc))
         axes[t.ref()].add(desc)
         op = t.op
-        if op.type in _MAKERS:
+        if op.type in op_kinds.MAKERS:
+            # Rows made from a shape (zeros, an empty list): all equal,
+            # made, not read -- neither a source nor a stop. Whether a copy
+            # of one example makes them right is the row-wise proof's
+            # question (it follows the batch size into their shapes).
             continue
         if is_leaf(op):
             # A list made empty (TensorArray, TensorListReserve) holds no
@@ -245,13 +238,11 @@ def _infer(loss):
         ins = inverse(op, t.value_index, desc, shapes)
         if ins is MIXES:
             blocked_tensors.append(t)
-            if op.type in graph.LOOP_TYPES:
+            if op.type in op_kinds.V2_LOOPS:
                 text = "op '%s' (type %s) mixes examples%s" % (
                     op.name, op.type, _inside(op, desc))
             else:
-                text = ("op '%s' (type %s) is not in the batch-axis table, "
-                        "so which of its inputs hold examples is not known"
-                        % (op.name, op.type))
+                text = table.mixes_text(op)
             blocked.append(Reason(text, op))
             continue
         for inp, descs in zip(op.inputs, ins):
@@ -285,7 +276,7 @@ def _infer(loss):
 def _inside(op, like):
     """For a loop: what in its body mixes examples (for the first input
     the body keeps the batch of before mixing it), as a clause; else ""."""
-    if op.type not in graph.LOOP_TYPES:
+    if op.type not in op_kinds.V2_LOOPS:
         return ""
     for i, inp in enumerate(op.inputs):
         cands = table.candidates(inp, like)
@@ -335,22 +326,6 @@ def batch_region(loss, loss_ancestors=None, batch_axes=None):
         [t for op in ops for t in op.outputs], within=loss_ancestors)
 
 
-# Leaves whose value no feed or input pipeline changes: constants and
-# variables (a variable's value is a parameter, the same whichever examples
-# are fed), and the lookup tables an initializer fills.
-_SHARED_LEAVES = frozenset("""
-Const VarHandleOp VariableV2 Variable HashTableV2 HashTable
-MutableHashTableV2 MutableHashTableOfTensorsV2 MutableDenseHashTableV2
-""".split())
-
-# Stateful ops that only read a variable through its handle: whatever
-# makes the handle (a VarHandleOp, a handle captured by a `tf.function`), the
-# value read is a variable's. Their other inputs (a gather's ids) carry
-# whatever data they hold as usual.
-_VARIABLE_READS = frozenset(["ReadVariableOp", "ResourceGather",
-                             "ResourceGatherNd"])
-
-
 def brings_data(op):
     """Whether `op` may bring data into the graph that no input of it
     holds: a feed (a placeholder that is not a scalar), an input pipeline
@@ -358,13 +333,13 @@ def brings_data(op):
     read of a variable (a random draw, a `py_function`). Constants,
     variables and scalars fed as hyperparameters (`keep_prob`, a learning
     rate: one value for the whole batch) bring none."""
-    if op.type in _SHARED_LEAVES:
+    if op.type in op_kinds.SHARED_LEAVES:
         return False
     if all(_handle_or_scalar(t) for t in op.outputs):
         return False
-    if op.type in _FEED_POINTS or not op.inputs:
+    if op.type in op_kinds.FEED_POINTS or not op.inputs:
         return True
-    if op.type in _VARIABLE_READS:
+    if op.type in op_kinds.VARIABLE_READS:
         return False
     return bool(getattr(op.op_def, "is_stateful", True))
 
@@ -394,12 +369,11 @@ def data_region(loss_ancestors):
 
 def no_sources_reason(batch_axes):
     """A sentence saying why no source was found (for errors)."""
-    found = ("walking back from axis 0 of the loss '%s' reached no "
-             "placeholder, iterator, queue, variable or constant holding one "
-             "row per example" % batch_axes.loss.name)
     if not batch_axes.blocked:
-        return "no batch data feeds the loss: " + found
-    return ("batch coupling (or an op custagg does not know) between the "
-            "batch data and the loss: %s; %s; the fast forms assume "
-            "examples do not interact" % (
-                "; ".join(batch_axes.blocked[:3]), found))
+        return ("no batch data feeds the loss: walking back from axis 0 of "
+                "the loss '%s' reached no placeholder, iterator, queue, "
+                "variable or constant holding one row per example"
+                % batch_axes.loss.name)
+    return ("walking back from axis 0 of the loss '%s', the static analysis "
+            "stopped before the batch data at: %s" % (
+                batch_axes.loss.name, "; ".join(batch_axes.blocked[:3])))

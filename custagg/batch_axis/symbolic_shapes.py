@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 
 import tensorflow as tf
+
+from custagg import op_kinds
 from custagg._tf_compat import tensor_util
 
 
@@ -107,7 +109,7 @@ class ShapeCache(object):
             return _merge(static, self._split(op))
         if op.type == "MatMul" and t.value_index == 0:
             return _merge(static, self._matmul(op))
-        if (op.type in _SAME_SHAPE and t.value_index == 0 and op.inputs
+        if (op.type in op_kinds.SAME_SHAPE and t.value_index == 0 and op.inputs
                 and op.inputs[0].dtype != tf.resource):
             inner = self.shape(op.inputs[0])
             if inner is not None and (static is None or
@@ -328,16 +330,6 @@ def _merge(static, dims):
         return list(dims)
     return [s if (d is None or (s.static is not None and d.static is None))
             else d for s, d in zip(static, dims)]
-
-
-# Ops whose output 0 has the shape of input 0.
-_SAME_SHAPE = frozenset("""
-Abs Acos Asin Atan Cast Ceil Cos Cosh Elu Erf Exp Expm1 Floor Identity
-Log Log1p LeakyRelu Neg Reciprocal Relu Relu6 Round Rsqrt Selu Sigmoid Sign
-Sin Sinh Softplus Softsign Sqrt Square StopGradient Tan Tanh Snapshot
-PreventGradient CheckNumerics EnsureShape Gelu Softmax LogSoftmax
-FusedBatchNorm FusedBatchNormV2 FusedBatchNormV3 BiasAdd
-""".split())
 
 
 def _v_shape(cache, op):

@@ -4,13 +4,11 @@ Nothing here knows about batches or gradients of examples; `batch_axis`
 and the per-example engine build on it. `copier` (the `Copier` of
 forward-pass ops: one object per copy job, no module state) and `pfor`
 (`chunked_pfor`) are imported by module. Imports go one way: `graph`
-imports only TensorFlow and `custagg._tf_compat`.
+imports only TensorFlow, `custagg._tf_compat` and `custagg.op_kinds`
+(the named kinds of op types: `op_kinds.V2_LOOPS` ...).
 """
 
-from custagg.graph.functions import CALL_TYPES
 from custagg.graph.functions import FunctionNotFound
-from custagg.graph.functions import LOOP_TYPES
-from custagg.graph.functions import V1_CONTROL_FLOW
 from custagg.graph.functions import func_graph
 from custagg.graph.functions import is_accumulator
 from custagg.graph.functions import own_loop_variables
@@ -24,8 +22,8 @@ from custagg.graph.walks import in_creation_order
 from custagg.graph.walks import upstream
 
 __all__ = [
-    "CALL_TYPES", "FunctionNotFound", "LOOP_TYPES", "V1_CONTROL_FLOW",
-    "func_graph", "is_accumulator", "own_loop_variables", "ancestors", "blocks_gradient",
+    "FunctionNotFound", "func_graph", "is_accumulator", "own_loop_variables",
+    "ancestors", "blocks_gradient",
     "depth_first", "downstream", "gradient_paths", "has_replaced_gradient",
     "in_creation_order", "upstream",
 ]

@@ -23,13 +23,12 @@ import numpy as np
 import tensorflow as tf
 
 from custagg import _tf_compat
+from custagg import op_kinds
 from custagg.graph import functions
 from custagg.graph import walks
 
 # Attrs a copy must not take: colocation with the original's neighbours.
 _DROP_ATTRS = frozenset(["_class"])
-# Convolutions copied with their EXPLICIT padding as a tf.pad (copy_op).
-_EXPLICIT_PADDING_OPS = frozenset(["Conv2D", "DepthwiseConv2dNative"])
 
 
 class CannotCopy(ValueError):
@@ -90,7 +89,7 @@ class Copier(object):
                     done.add(inner)
                     self.rebuild_v1_while(inner, mapping)
                 continue
-            if op.type in ("While", "StatelessWhile"):
+            if op.type in op_kinds.V2_LOOPS:
                 outs = self.rebuild_while(op, mapping, [
                     k for k, o in enumerate(op.outputs) if o.ref() in read])
             else:
@@ -297,8 +296,8 @@ class Copier(object):
         merges = [sw.inputs[0].op for sw in switches]
         enters = [m.inputs[0].op for m in merges]
         nexts = [m.inputs[1].op for m in merges]
-        if any(m.type not in ("Merge", "RefMerge") for m in merges) or \
-                any(e.type not in ("Enter", "RefEnter") for e in enters):
+        if any(m.type not in op_kinds.V1_MERGES for m in merges) or \
+                any(e.type not in op_kinds.V1_ENTERS for e in enters):
             raise CannotCopy("the v1 while loop '%s' has a layout custagg "
                              "does not know" % ctxt.name,
                              exits[0].op if exits else None)
@@ -318,7 +317,7 @@ class Copier(object):
                                                nexts))
         constants = {}
         entering = [op for op in ops
-                    if op.type in ("Enter", "RefEnter") and
+                    if op.type in op_kinds.V1_ENTERS and
                     op not in loop_ops and
                     _tf_compat.control_flow_context(op) is ctxt]
         if not self.one_row:
@@ -401,7 +400,7 @@ def pads_explicitly(op):
     """Whether `op` is a convolution with EXPLICIT padding and TF's own
     gradient (no override), which `Copier.copy_op` writes as a tf.pad and
     VALID padding."""
-    if op.type not in _EXPLICIT_PADDING_OPS:
+    if op.type not in op_kinds.EXPLICIT_PADDING_CONVS:
         return False
     node_def = _tf_compat.node_def(op)
     return node_def.attr["padding"].s == b"EXPLICIT" and \

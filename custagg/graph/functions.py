@@ -4,17 +4,6 @@ from __future__ import annotations
 
 from custagg import _tf_compat
 
-# v2 loops: one FuncGraph for the body, one for the condition.
-LOOP_TYPES = frozenset(["While", "StatelessWhile"])
-# Function calls: one FuncGraph, attr "f".
-CALL_TYPES = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
-# v1 control flow (Enter/Exit frames, v1 cond): each passes its data
-# through unchanged (a Merge picks one input whole, a Switch forwards it to
-# one side).
-V1_CONTROL_FLOW = frozenset([
-    "Enter", "RefEnter", "Exit", "RefExit", "Merge", "RefMerge", "Switch",
-    "RefSwitch", "NextIteration", "RefNextIteration"])
-
 
 class FunctionNotFound(ValueError):
     """An op's function attr names no function of its graph (or of the

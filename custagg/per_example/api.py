@@ -74,6 +74,10 @@ def _check_loss(per_example_loss, fn_name):
             "terms." % (fn_name, type(per_example_loss).__name__))
     errors.check_graph_tensor(per_example_loss, "per_example_loss", fn_name)
     loss = tf.convert_to_tensor(per_example_loss)
+    if loss.shape.rank is None and loss.dtype.is_floating:
+        # `[B]` unless run time says otherwise (`tf.squeeze` of a `[B, 1]`
+        # prediction: a batch of one squeezes to a scalar): checked there.
+        return _rank_checked(loss, fn_name)
     if loss.shape.rank != 1:
         raise ValueError(
             "%s: per_example_loss must have shape [B], one loss per example; "
@@ -83,6 +87,24 @@ def _check_loss(per_example_loss, fn_name):
     if not loss.dtype.is_floating:
         raise TypeError("%s: per_example_loss must be floating point; got %s."
                         % (fn_name, loss.dtype.name))
+    return loss
+
+
+def _rank_checked(loss, fn_name):
+    """`loss` of unknown static rank as a `[B]` tensor, with a run-time
+    check that it has rank 1 (a step whose loss has another rank stops
+    with the check's message)."""
+    message = (
+        "%s: per_example_loss must have shape [B], one loss per example "
+        "(its static rank is unknown, so this is checked at run time). Give "
+        "it a static rank: tf.squeeze(p, axis=-1) rather than tf.squeeze(p), "
+        "or tf.reshape(loss, [-1]) when each example has one loss; got shape"
+        % fn_name)
+    check = tf.debugging.Assert(tf.equal(tf.rank(loss), 1),
+                                [message, tf.shape(loss)])
+    with tf.control_dependencies([check]):
+        loss = tf.identity(loss)
+    loss.set_shape([None])
     return loss
 
 

@@ -1,221 +1,46 @@
-"""Builds what a plan calls for: the rules' shared backward pass, the other
-forms' per-example gradients, and each quantity (per-example gradients,
-squared norms, weighted and squared sums) from whichever form x has.
+"""Builds what a plan calls for: the other forms' per-example gradients,
+and each quantity (per-example gradients, squared norms, weighted and
+squared sums) from whichever form x has.
 
-* `SharedPass`: one backward pass of the summed loss to the outputs of every
-  rule op (and every loop the loop rules read), giving each rule its
-  `RuleContext`.
 * `Engine`: quantity dispatch. Rules reduce each quantity from their
-  contexts (`norm_algebra` for xs with several terms, `chains` through ops
-  without batch data); other forms materialize `[B, *x]` once per form
-  (`Engine.materialized`), falling back as the form says when its build is
-  refused (`forms.base.is_refusal`). The plan is never changed: fallbacks
-  are recorded in `Engine.built` and logged.
+  contexts in the rules' one backward pass (`shared_pass.SharedPass`;
+  `norm_algebra` for xs with several terms, `chains` through ops without
+  batch data); the certified rules do so under a `tf.cond` on the run-time
+  certificate (`certificate.Certificate`), else the exact form; other
+  forms materialize `[B, *x]` once per form (`Engine.materialized`),
+  falling back as the form says when its build is refused
+  (`forms.base.is_refusal`). The plan is never changed: fallbacks are
+  recorded in `Engine.built` and logged.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 
 import tensorflow as tf
 
+from custagg import op_kinds
 from custagg import sparse
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
-from custagg.graph import walks
 from custagg.traversal.aggregation import AggregationMethod
 from custagg.traversal.gradients import gradients
 from custagg.per_example import chains as chains_lib
 from custagg.per_example import norm_algebra
 from custagg.per_example import planning
+from custagg.per_example.certificate import Certificate
 from custagg.per_example.forms import EXACT as FORMS_EXACT
 from custagg.per_example.forms import FORMS
 from custagg.per_example.forms import REFUSAL_TYPES
 from custagg.per_example.forms import is_refusal
-from custagg.per_example.forms import loop_rules
-from custagg.per_example.forms import rows as rows_lib
 from custagg.per_example.forms import rules as rules_form
+from custagg.per_example.shared_pass import SharedPass
+from custagg.per_example.shared_pass import first_line
 from custagg.rules import registry as registry_lib
 from custagg.rules import outer as outer_lib
 from custagg.rules import segments as segments_lib
 
 _LOG = logging.getLogger("custagg")
-
-
-class SharedPass(object):
-    """The rules' one backward pass, shared by every x on rules."""
-
-    def __init__(self, plan):
-        self.plan = plan
-        self._contexts = None
-        self._one = None
-        self._loss = plan.loss
-        # Inside a `tf.cond` branch (the certified rules): the contexts'
-        # caches for that branch only, so a tensor a rule caches there is
-        # never read from outside it (`Engine._branch`).
-        self.branch_caches = None
-        self._folds = {}
-
-    def _build(self):
-        self._contexts = {}
-        found = list(rules_form.rule_consumers(
-            c for x in self.plan.assignments if x.strategy == "rules"
-            for c in x.consumers))
-        consumers = [c for c in found if isinstance(c, rules_form.Consumer)]
-        uses = [c for c in found if isinstance(c, loop_rules.LoopUse)]
-        one = None
-        if uses:
-            # The tapped loops and the loss recomputed from them: one
-            # forward and one backward pass of each loop (the certificate
-            # checks rows of the same recomputed graph: `tensor_of`).
-            with tf.name_scope("per_example_rules"):
-                one, why = loop_rules.one_pass(uses, self.plan.loss)
-            if one is None:
-                _LOG.info("custagg: the loop rules run their loops twice: %s",
-                          first_line(why if isinstance(why, Exception)
-                                     else ValueError(str(why))))
-        self._one = one
-        if one is None:
-            loss, batch, op_of = self.plan.loss, self.plan.batch_size, \
-                (lambda op: op)
-        else:
-            # B from the recomputed loss: the original's shape would run
-            # the original loop.
-            loss, op_of = one.loss, one.op_of
-            batch = self.plan.batch_size if isinstance(
-                self.plan.batch_size, int) else tf.shape(loss)[0]
-        self._loss = loss
-        ops = [op_of(c.op) for c in consumers]
-        outs = [op.outputs[0] for op in ops]
-        # Today's path: the rebuilt loops are seeded with the loss's
-        # gradient at the loops' outputs, from the same backward pass.
-        targets = loop_rules.cotangent_targets(uses) if one is None else []
-        eps = [] if one is None else one.eps
-        # Rules that read the gradient at other tensors too (nce_loss's
-        # gather: the sampled logits) get it from the same pass.
-        extras = [list(c.rule.extra_targets(registry_lib.RuleContext(
-            op, c.index, None, batch))) for c, op in zip(consumers, ops)]
-        flat = [t for ts in extras for t in ts]
-        with tf.name_scope("per_example_rules"):
-            grads = gradients(loss, outs + targets + eps + flat) \
-                if outs or targets or eps else []
-        n = len(outs) + len(targets)
-        extra_grads = grads[n + len(eps):]
-        for c, op, g, ts in zip(consumers, ops, grads, extras):
-            cache = {}
-            if ts:
-                got, extra_grads = extra_grads[:len(ts)], \
-                    extra_grads[len(ts):]
-                cache["extra"] = [tf.zeros_like(t) if e is None
-                                  else sparse.dense(e)
-                                  for t, e in zip(ts, got)]
-            ctx = None if g is None else registry_lib.RuleContext(
-                op, c.index, sparse.dense(g), batch, cache)
-            self._contexts[(c.op, c.index)] = ctx
-        if uses:
-            if one is None:
-                seeds = {t.ref(): g if g is None or t.dtype == tf.variant
-                         else sparse.dense(g)
-                         for t, g in zip(targets, grads[len(outs):n])}
-                outers = loop_rules.build(uses, seeds, batch)
-            else:
-                outers = one.build(grads[n:n + len(eps)], batch)
-            for u in uses:
-                outer, dense = outers[(u.op, u.index)]
-                self._contexts[(u.op, u.index)] = loop_rules.LoopContext(
-                    u.op, u.index, None, batch,
-                    {"outer": outer, "dense": dense, "param": u.value})
-
-    def one_pass(self):
-        """The loop rules' `OnePass` (its loops the only ones run), or None
-        (no loop rules, or today's two passes)."""
-        if self._contexts is None:
-            self._build()
-        return self._one
-
-    def built_one_pass(self):
-        """`one_pass()` if the shared pass is built already, else None
-        (never builds it: a caller inside a `tf.cond` branch must not)."""
-        return None if self._contexts is None else self._one
-
-    def batch_size(self):
-        """B as the plan has it (an int when static), else from the loss
-        the shared pass differentiates (`rows`)."""
-        b = self.plan.batch_size
-        return b if isinstance(b, int) else self.rows()
-
-    def loss(self):
-        """The `[B]` loss the shared pass differentiates: the plan's, or
-        where the loops were rebuilt (`one_pass`) the loss recomputed from
-        them."""
-        if self._contexts is None:
-            self._build()
-        return self._loss
-
-    def tensor_of(self, t):
-        """`t` in the graph of `loss()`: its copy where it lies after a
-        rebuilt loop, else `t`."""
-        if self._contexts is None:
-            self._build()
-        return t if self._one is None else self._one.tensor_of(t)
-
-    def rows(self):
-        """B as a scalar tensor, from the loss the shared pass
-        differentiates (never the original's where the loops were rebuilt:
-        its shape would run the original loops)."""
-        if self._contexts is None:
-            self._build()
-        return tf.shape(self._loss)[0]
-
-    def context(self, c):
-        """The `RuleContext` of one rule consumer, or None when the loss's
-        gradient does not reach it."""
-        if self._contexts is None:
-            self._build()
-        return self._in_branch(c, self._contexts[(c.op, c.index)])
-
-    def _in_branch(self, c, ctx):
-        if ctx is None or self.branch_caches is None:
-            return ctx
-        # What the cache held before the branch (built outside it) stays
-        # readable; what the branch adds stays in the branch.
-        cache = self.branch_caches.setdefault((c.op, c.index),
-                                              dict(ctx.cache or {}))
-        return ctx._replace(cache=cache)
-
-    def contexts(self, a):
-        """(rule, RuleContext) pairs of an x planned as "rules" (its chains
-        apart); consumers the loss's gradient does not reach are left out."""
-        if self._contexts is None:
-            self._build()
-        out = []
-        for c in a.consumers:
-            if isinstance(c, rules_form.Chain):
-                continue
-            ctx = self._in_branch(c, self._contexts[(c.op, c.index)])
-            if ctx is None:
-                continue
-            rule = loop_rules.RULE if isinstance(c, loop_rules.LoopUse) \
-                else c.rule
-            if a.form == "certified" and self.fold(c) is not None:
-                rule = FoldedRows(rule)
-            out.append((rule, ctx))
-        return out
-
-    def fold(self, c):
-        """The `rows.RowFold` of a rule consumer's rows (a certified rule
-        on `[B*T, ...]` rows of a proved fold), or None."""
-        key = (c.op, c.index)
-        if key not in self._folds:
-            fold = None
-            if isinstance(c, rules_form.Consumer):
-                start, axis = c.rule.coupling_start(registry_lib.RuleContext(
-                    c.op, c.index, None, None))
-                if start is c.op.outputs[0] and isinstance(axis, int):
-                    fold = rows_lib.fold_of(start, axis, self.plan.loss)
-            self._folds[key] = fold
-        return self._folds[key]
 
 
 def x_shape(a):
@@ -701,251 +526,10 @@ def _same_kind(t, like):
     return tf.cast(sparse.dense(t), like.dtype)
 
 
-# Relative tolerance of the certificate's row check, by the gradients'
-# dtype (see `Certificate`).
-CERTIFICATE_RTOL = {tf.float64: 1e-11, tf.float32: 1e-4,
-                    tf.float16: 1e-2, tf.bfloat16: 1e-2}
-# Rows whose gradient is below this fraction of the largest row's are
-# checked against that fraction of the largest row (rounding in a tiny
-# row is relative to the terms it was summed from, not to itself).
-CERTIFICATE_FLOOR = 1e-3
-
-
-class Certificate(object):
-    """The run-time certificate of separation for rule ops (`consumers`).
-
-    For a rule op with output z (`[R, ...]`, rows mapped to examples by
-    the rule: row r of example r, or `r // T` for `[B*T, ...]` rows of a
-    folded dense layer), the rules need d loss_i / d z_r = 0 unless row r
-    belongs to example i. With `g1 = d(sum_i loss_i)/dz` (the shared
-    pass's) and `gc = d(sum_i c_i loss_i)/dz` (ONE more backward pass, to
-    these z only, seeded with c ~ U[1, 2]^B), that holds iff
-    `gc_r = c_pi(r) * g1_r` for every row. A rule op passes when, for every
-    example b,
-
-        max|gc_b - c_b g1_b| <= rtol * (s_b + CERTIFICATE_FLOOR * max_b' s_b')
-
-    with `s_b = max(max|gc_b|, c_b max|g1_b|)` over example b's rows and
-    rtol `CERTIFICATE_RTOL[dtype]`. A NaN fails. docs/strategies.md gives
-    the argument for the draw and the error a passing check admits.
-    """
-
-    def __init__(self, engine, consumers):
-        # The loss the shared pass differentiates, and the rule ops' and
-        # loop outputs' copies in its graph where the loops were rebuilt:
-        # the check reads the rows the rules read, and the original loops
-        # do not run.
-        shared = engine.shared
-        loss = shared.loss()
-        batch = tf.shape(loss)[0]
-        # Per consumer, the tensors its check reads: (tensor, g1 or None,
-        # axis, start). A rule op: its output, with g1 from the shared
-        # pass. A loop use: the loop's outputs after the loop
-        # (`LoopUse.checks`), whose g1 one more unseeded pass to those
-        # tensors only gives.
-        points = collections.OrderedDict()
-        by_consumer = {}
-        for c in consumers:
-            key = (c.op, c.index)
-            if key in by_consumer:
-                continue
-            by_consumer[key] = []
-            # (Also builds the shared pass here, outside any tf.cond, so
-            # the rules' contexts are the graph's own.)
-            ctx = engine.shared.context(c)
-            if isinstance(c, loop_rules.LoopUse):
-                for t, axis in c.checks or ():
-                    t = shared.tensor_of(t)
-                    points.setdefault(t.ref(), [t, None, axis, t])
-                    by_consumer[key].append(t.ref())
-                continue
-            if ctx is None:
-                continue    # no gradient reaches it: nothing to certify
-            out = ctx.op.outputs[0]
-            if out.ref() not in points:
-                axis, start = _rows(c, shared.fold(c))
-                points[out.ref()] = [out, ctx.grad, axis,
-                                     shared.tensor_of(start)]
-            by_consumer[key].append(out.ref())
-        self._ok = {}
-        if not points:
-            return
-        with tf.name_scope("certificate"):
-            seed = tf.random.uniform([batch], 1.0, 2.0, dtype=loss.dtype)
-            keys = list(points)
-            missing = [k for k in keys if points[k][1] is None]
-            if missing:
-                for k, g in zip(missing, gradients(
-                        loss, [points[k][0] for k in missing])):
-                    points[k][1] = g
-            gcs = gradients(loss, [points[k][0] for k in keys], grad_ys=seed)
-            ok_at = {}
-            ancestors = set(walks.upstream([loss]))
-            for k, gc in zip(keys, gcs):
-                out, g1, axis, start = points[k]
-                ok_at[k] = tf.constant(True) if gc is None or g1 is None \
-                    else _rows_agree(sparse.dense(g1), sparse.dense(gc), seed,
-                                     axis, start, batch,
-                                     path_rtol(out, ancestors))
-        for key, refs in by_consumer.items():
-            oks = [ok_at[r] for r in refs]
-            if oks:
-                self._ok[key] = oks[0] if len(oks) == 1 else \
-                    tf.reduce_all(tf.stack(oks))
-
-    def ok_of(self, consumers):
-        """Scalar bool: the check holds at every op of `consumers`."""
-        oks = [self._ok[(c.op, c.index)] for c in consumers
-               if (c.op, c.index) in self._ok]
-        if not oks:
-            return tf.constant(True)
-        return tf.reduce_all(tf.stack(oks)) if len(oks) > 1 else oks[0]
-
-
-def _rows(c, fold=None):
-    """(axis, start): the axis of the rule op's output z whose index is the
-    example's, and the tensor whose batch axis must hold B examples. For a
-    fold read past the unfold (`[B*T, ...]` rows of a dense layer on
-    `[B, T, D]`), the rows are example-major: z reshaped to `[B, -1]` has
-    one row per example, and `start` (the unfolded `[B, T, K]`) says B.
-    The same for a proved fold before the rule (`fold`, a `rows.RowFold`:
-    the rules sum rows by r // T, `FoldedRows`): `start` is the folded
-    `[B, T..., D]`, whose axis 0 must hold B, so that z's `B*T` rows
-    reshaped to `[B, -1]` put row r at example r // T."""
-    if fold is not None:
-        return 0, fold.source
-    ctx = registry_lib.RuleContext(c.op, c.index, None, None)
-    start, axis = c.rule.coupling_start(ctx)
-    if start is not c.op.outputs[0]:
-        return 0, start
-    return axis, start
-
-
-def path_rtol(t, ancestors):
-    """The certificate's rtol for rows read at `t`: that of the least
-    precise floating dtype among `t` and the tensors between it and the
-    loss (`ancestors`: the ops the loss depends on). The seeded pass's
-    gradient crosses them, rounded to their precision: a float64 model
-    whose loss goes through float32 (`tf.compat.v1.losses` computes in
-    float32) has float32 gradients there, and its seeds `c_b` come out
-    rounded to 1e-8, so the float64 rtol would fail every step."""
-    rtol = CERTIFICATE_RTOL.get(t.dtype.base_dtype, 1e-4)
-    seen, stack = set(), [t]
-    while stack:
-        for op in stack.pop().consumers():
-            if op in seen or op not in ancestors:
-                continue
-            seen.add(op)
-            for o in op.outputs:
-                if o.dtype.is_floating:
-                    rtol = max(rtol, CERTIFICATE_RTOL.get(o.dtype.base_dtype,
-                                                          1e-4))
-                stack.append(o)
-    return rtol
-
-
-def _rows_agree(g1, gc, seed, axis, start, batch, rtol):
-    """Scalar bool: `gc_b == seed_b * g1_b` for every example b, within the
-    tolerance of `Certificate`; False when the rule's rows are not the
-    batch's examples at this step (a sampled path's rows). `rtol`:
-    `path_rtol` of the rows' tensor."""
-    rows_ok = tf.equal(tf.shape(start)[axis], batch)
-    return tf.cond(rows_ok, lambda: _agree(g1, gc, seed, axis, batch, rtol),
-                   lambda: tf.constant(False))
-
-
-def _agree(g1, gc, seed, axis, batch, rtol):
-    if axis != 0:
-        perm = [axis] + [k for k in range(g1.shape.rank) if k != axis]
-        g1, gc = tf.transpose(g1, perm), tf.transpose(gc, perm)
-    g1 = tf.reshape(g1, [batch, -1])
-    gc = tf.reshape(gc, [batch, -1])
-    c = tf.cast(seed, g1.dtype)[:, None]
-    gap = tf.reduce_max(tf.abs(gc - c * g1), axis=1)
-    scale = tf.maximum(tf.reduce_max(tf.abs(gc), axis=1),
-                       tf.reduce_max(tf.abs(c * g1), axis=1))
-    floor = CERTIFICATE_FLOOR * tf.reduce_max(
-        tf.concat([scale, tf.zeros([1], scale.dtype)], 0))
-    return tf.reduce_all(gap <= rtol * (scale + floor))
-
-
-class FoldedRows(registry_lib.Rule):
-    """A rule on `R = B*T` rows of an example-major fold (`rows.RowFold`),
-    read per example: the wrapped rule takes each row for an example, and
-    example b's gradient is the sum of rows bT ... bT + T - 1 (the map
-    r // T the certificate checks), so each per-example quantity is the
-    wrapped rule's quantity of B consecutive groups of rows (the microbatch
-    identities `group_squared_norms`, `Outer.grouped`), and a weighted sum
-    weights row r by c_{r // T}. Only built inside the certified branch,
-    where the certificate has checked that the fold's axis 0 holds B.
-    """
-
-    def __init__(self, rule):
-        self.rule = rule
-        self.reads_other_inputs = rule.reads_other_inputs
-        self.passes_gradient_to = rule.passes_gradient_to
-
-    @staticmethod
-    def _inner(ctx):
-        # The wrapped rule's row-level cache apart from this one's
-        # (both would use the key "per_example").
-        if ctx.cache is None:
-            return ctx
-        return ctx._replace(cache=ctx.cache.setdefault("rows", {}))
-
-    @staticmethod
-    def _batch(ctx):
-        b = tf.get_static_value(ctx.batch_size)
-        return int(b) if b is not None else ctx.batch_size
-
-    def unsupported(self, ctx):
-        return self.rule.unsupported(ctx)
-
-    def output_batch_axis(self, ctx):
-        return 0
-
-    def per_example(self, ctx):
-        return registry_lib.group_sum(
-            self.rule.per_example(self._inner(ctx)), self._batch(ctx))
-
-    def squared_norms(self, ctx):
-        outer = self.outer(ctx)
-        if outer is not None:
-            return outer.squared_norms()
-        return self.rule.group_squared_norms(self._inner(ctx),
-                                             self._batch(ctx))
-
-    def group_squared_norms(self, ctx, num_groups):
-        # M groups of B/M examples are M groups of R/M consecutive rows.
-        return self.rule.group_squared_norms(self._inner(ctx), num_groups)
-
-    def weighted_sum(self, ctx, weights):
-        rows = tf.shape(ctx.grad)[0]
-        per_row = tf.repeat(weights, rows // tf.shape(weights)[0])
-        return self.rule.weighted_sum(self._inner(ctx), per_row)
-
-    def outer(self, ctx):
-        outer = self.rule.outer(self._inner(ctx))
-        if outer is None:
-            return None
-        batch = self._batch(ctx)
-        if isinstance(batch, int):
-            return outer.grouped(batch)
-        d, k = outer.a.shape[2], outer.g.shape[2]
-        grouped = outer_lib.Outer(
-            tf.reshape(outer.a, [batch, -1, tf.compat.dimension_value(d)
-                                 or tf.shape(outer.a)[2]]),
-            tf.reshape(outer.g, [batch, -1, tf.compat.dimension_value(k)
-                                 or tf.shape(outer.g)[2]]),
-            outer.to_param)
-        grouped._choose_at_run_time = True
-        return grouped
-
-
 def _gathered(x_tensor):
     """Whether rows of x are gathered (an embedding table): its summed
     gradient is then `IndexedSlices`, which a backward pass keeps."""
-    return any(op.type in ("ResourceGather", "GatherV2", "Gather") and
+    return any(op.type in op_kinds.GATHERS and
                op.inputs[0] is x_tensor for op in x_tensor.consumers())
 
 
@@ -957,16 +541,6 @@ def _sum_parts(parts):
     if all(isinstance(p, indexed_slices_lib.IndexedSlices) for p in parts):
         return sparse.concat_slices(parts)
     return tf.add_n([sparse.dense(p) for p in parts])
-
-
-def first_line(e):
-    """The line of an exception's text that says what went wrong."""
-    lines = [l.strip() for l in str(e).strip().split("\n") if l.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line:
-            return line[:300]
-    return (lines[0] if lines else type(e).__name__)[:300]
-
 
 def group_count(groups):
     """M (an int) or U (a scalar tensor) for a grouping."""

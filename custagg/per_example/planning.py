@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from custagg import batch_axis
 from custagg import graph as graph_lib
+from custagg import op_kinds
 from custagg.graph.copier import CannotCopy
 from custagg.per_example.forms import CHAINS
 from custagg.per_example.forms import FORMS
@@ -50,13 +51,17 @@ class Assignment(object):
       forward: the forward pass to copy (`forms.copies.Forward`), for the
         "recompute" and "recompute-loop" forms.
       blocker: the op that kept x off a cheaper form, when one op did.
+      causes: the refusals of `reason` without what is particular to x
+        (`batch_axis.Reason.cause`): `str(plan)` prints each cause once,
+        with the xs it holds up.
     """
 
     __slots__ = ("x", "tensor", "strategy", "reason", "consumers", "form",
-                 "boundaries", "blocker", "forward", "_frozen")
+                 "boundaries", "blocker", "forward", "causes", "_frozen")
 
     def __init__(self, x, tensor, strategy, reason=None, consumers=(),
-                 form=None, boundaries=None, blocker=None, forward=None):
+                 form=None, boundaries=None, blocker=None, forward=None,
+                 causes=()):
         set_ = object.__setattr__
         set_(self, "x", x)
         set_(self, "tensor", tensor)
@@ -68,6 +73,7 @@ class Assignment(object):
         set_(self, "boundaries", boundaries)
         set_(self, "blocker", blocker)
         set_(self, "forward", forward)
+        set_(self, "causes", tuple(causes))
         set_(self, "_frozen", True)
 
     def __setattr__(self, name, value):
@@ -83,7 +89,7 @@ class Assignment(object):
             return self
         return Assignment(self.x, tensor, self.strategy, self.reason,
                           self.consumers, self.form, self.boundaries,
-                          self.blocker, self.forward)
+                          self.blocker, self.forward, self.causes)
 
     @property
     def name(self):
@@ -140,16 +146,35 @@ class Plan(object):
         return [a for a in self.assignments if a.form in SLOW_FORMS]
 
     def __str__(self):
+        """One line per x (its form, and the numbers of the causes that
+        kept it off cheaper ones), then each cause once with the xs it
+        holds up."""
         lines = ["per-example plan (strategy=%r):" % self.requested]
+        causes = {}     # cause -> (number, [x names]), in order found
         for a in self.assignments:
-            lines.append("  %-40s %s" % (a.name, describe(a)))
+            refs = []
+            for cause in a.causes:
+                number, names = causes.setdefault(
+                    cause, (len(causes) + 1, []))
+                names.append(a.name)
+                refs.append("(%d)" % number)
+            lines.append("  %-40s %s%s" % (
+                a.name, describe(a, reason=False),
+                "  [why: %s]" % " ".join(refs) if refs else ""))
+        if causes:
+            lines.append("why not a cheaper form (each cause once, with the "
+                         "variables it holds up):")
+            for cause, (number, names) in causes.items():
+                lines.append("  (%d) %s" % (number, cause))
+                lines.append("      holds up: %s" % ", ".join(names))
         return "\n".join(lines)
 
     __repr__ = __str__
 
 
-def describe(a, form=None):
-    """One line: what builds x's per-example gradients, and why."""
+def describe(a, form=None, reason=True):
+    """One line: what builds x's per-example gradients, and (with
+    `reason`) why."""
     form = form or a.form
     if a.strategy is None:
         what = "unconnected (None)"
@@ -174,7 +199,7 @@ def describe(a, form=None):
                 if a.forward.unproven is None else
                 " (checked against the batch's losses at run time: "
                 "not proved apart, %s)" % a.forward.unproven)
-    if a.reason:
+    if a.reason and reason:
         what += "  [%s]" % a.reason
     return what
 
@@ -248,16 +273,18 @@ def make_plan(loss, xs, tensors, strategy, registry):
             # As tf.gradients: None where no gradient reaches x.
             assignments.append(Assignment(x, t, None))
             continue
-        reasons, blocker, said = [], None, set()
+        reasons, causes, blocker, said = [], [], None, set()
         for form in CHAINS[strategy]:
             try:
                 choice = form.plan(t, ctx)
             except Refused as r:
                 # The certified rules refuse, mostly, for the rules' own
                 # reason (no rule for an op): said once.
-                if str(r.reason) not in said:
+                cause = getattr(r.reason, "cause", str(r.reason))
+                if cause not in said:
                     reasons.append(form.refused_as + str(r.reason))
-                    said.add(str(r.reason))
+                    causes.append(form.refused_as + cause)
+                    said.add(cause)
                 blocker = blocker or r.op
                 if strategy == "rules":
                     raise ValueError(
@@ -269,12 +296,13 @@ def make_plan(loss, xs, tensors, strategy, registry):
                 continue
             if choice.note:
                 reasons.append(choice.note)
+                causes.append(choice.note)
             f = choice.form
             assignments.append(Assignment(
                 x, t, f.strategy, "; ".join(reasons) or None,
                 consumers=choice.consumers, form=f.name,
                 boundaries=choice.boundaries, blocker=blocker,
-                forward=choice.forward))
+                forward=choice.forward, causes=causes))
             break
         else:   # the last form of every chain takes any x
             raise AssertionError("custagg: no form took %s: %s" % (
@@ -324,7 +352,8 @@ def warn_slow(plan, assignments=None, forms=None):
 
 def _fix_hint(op):
     """The cheapest fix for a blocking op, in the user's terms ("" if none)."""
-    if op.type.startswith("FusedBatchNorm") or op.type in ("Mean", "Sum"):
+    if op.type.startswith("FusedBatchNorm") or \
+            op.type in op_kinds.SUM_REDUCTIONS:
         return ("batch statistics mix examples: per-example gradients are "
                 "exact but cost a pass per example; layer normalization, or "
                 "batch normalization in inference mode, keeps them apart")

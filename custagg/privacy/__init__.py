@@ -29,6 +29,18 @@ Migrating from TensorFlow Privacy is a change of import:
   `number_of_users` and `users_per_batch` the ε of user-level clipping).
 * User-level DP: the optimizers take `group_ids=` (a `[B]` tensor of user
   ids; each user's examples clipped together), docs/privacy.md section 6.
+* The guarantee end to end (docs/privacy.md section 7): `NoiseStream` (the
+  optimizers' checkpointed noise: a restore never repeats a draw),
+  `PrivacyBudget` / `PrivacyBudgetHook` (ε of the steps the run took,
+  across restarts), `noise_multiplier_for` (σ for a target ε), and
+  `sampling.poisson_batches` / `sampling.PoissonSampler` (the sampling the
+  accounting assumes).
+
+All of custagg's DP lives here: `core` (the one clip-and-noise core every
+DP optimizer calls), `wrappers` (`custagg.DPOptimizer`, `ClippedOptimizer`),
+`dp_optimizer` / `dp_optimizer_vectorized` (TF Privacy's faces) and
+`distributed` (public as `custagg.distributed`); docs/architecture.md,
+"Inside `privacy/`".
 """
 
 from custagg.privacy import accounting
@@ -39,6 +51,16 @@ from custagg.privacy import gaussian_query
 from custagg.privacy.accounting import compute_dp_sgd_privacy
 from custagg.privacy.accounting import compute_dp_sgd_privacy_statement
 from custagg.privacy.gaussian_query import GaussianSumQuery
+from custagg.privacy import budget
+from custagg.privacy import noise
+from custagg.privacy import sampling
+from custagg.privacy.budget import PrivacyBudget
+from custagg.privacy.budget import PrivacyBudgetHook
+from custagg.privacy.budget import dp_sgd_epsilon
+from custagg.privacy.budget import noise_multiplier_for
+from custagg.privacy.noise import NoiseStream
+from custagg.privacy.sampling import PoissonSampler
+from custagg.privacy.sampling import poisson_batches
 
 # TF Privacy's module name for the accountant function.
 compute_dp_sgd_privacy_lib = accounting
@@ -46,4 +68,7 @@ compute_dp_sgd_privacy_lib = accounting
 __all__ = ["accounting", "compute_dp_sgd_privacy",
            "compute_dp_sgd_privacy_lib", "compute_dp_sgd_privacy_statement",
            "dp_optimizer", "dp_optimizer_vectorized", "dp_query",
-           "gaussian_query", "GaussianSumQuery"]
+           "gaussian_query", "GaussianSumQuery", "budget", "PrivacyBudget",
+           "PrivacyBudgetHook", "dp_sgd_epsilon", "noise_multiplier_for",
+           "noise", "NoiseStream", "sampling", "PoissonSampler",
+           "poisson_batches"]

@@ -10,6 +10,14 @@ Mirrors `tensorflow_privacy.privacy.optimizers.dp_optimizer` (0.9.0):
         learning_rate=0.15)
     train_op = opt.minimize(loss=vector_loss, global_step=global_step)
 
+As with TF Privacy, the ε of a run (`compute_dp_sgd_privacy`,
+`custagg.privacy.PrivacyBudgetHook`) assumes Poisson-sampled batches
+(`custagg.privacy.sampling`); with fixed-size shuffled batches, track the
+run with `PrivacyBudget(..., sampling="shuffle")`, which claims no
+amplification by sampling. The noise is drawn from a stream whose key and
+counter are saved with checkpoints (`custagg.privacy.noise`): a restored
+run never repeats a draw.
+
 Same names, arguments and behaviour:
 
 * `make_optimizer_class(cls)` returns a subclass of the TF1 optimizer class
@@ -31,6 +39,8 @@ Same names, arguments and behaviour:
   Variables that cannot be differentiated (a string variable) get `None`.
 * `apply_gradients` before any `compute_gradients` raises `AssertionError`
   (`custagg.optimizers.ComputeGradientsNotCalledError`).
+* These classes are thin faces on custagg's clip-and-noise core
+  (`custagg.privacy.core`), as `custagg.DPOptimizer` is.
 
 What differs, by design: the per-microbatch gradients of a Gaussian sum
 query (custagg's `GaussianSumQuery` or TF Privacy's) come from custagg's
@@ -38,12 +48,13 @@ one-pass clipped sum (microbatch norms from the rules' group forms, never
 materializing the `[M, ...]` microbatch gradients where a form exists;
 see docs/privacy.md), not from a loop of M backward passes, so
 `unroll_microbatches` and `while_loop_parallel_iterations` do not change
-the graph for them (they are accepted; other DPQuery objects still run one
-`accumulate_record` per microbatch -- except normalized, nested
-(per-layer) and adaptive-clip queries of custagg's `dp_query` package,
-which get norms and clipped sums from the rules too (see
-`custagg.privacy._query_fast`) -- in a Python loop when
-`unroll_microbatches=True` and M is static, else a `tf.while_loop`). Eagerly (TF Privacy's
+the graph for them (they are accepted). Every query with a
+`ClippedSumForm` (`DPQuery.clipped_sum_form`: normalized, nested
+(per-layer) and adaptive-clip queries of custagg's `dp_query` package, or
+a user's own) gets norms and clipped sums from the rules too; other
+DPQuery objects still run one `accumulate_record` per microbatch, in a
+Python loop when `unroll_microbatches=True` and M is static, else a
+`tf.while_loop` (`custagg.privacy.core`). Eagerly (TF Privacy's
 callable loss, optionally with a `gradient_tape`) the microbatch gradients
 come from the tape and go through the query record by record. `cls` must be a `tf.compat.v1.train.Optimizer` subclass, not a
 Keras optimizer class.
@@ -54,10 +65,12 @@ from __future__ import annotations
 from absl import logging
 import tensorflow as tf
 
-from custagg.per_example import api as per_example_api
-from custagg.training import optimizers as _opt
-from custagg.privacy import _query_fast as _fast
-from custagg.privacy import gaussian_query
+from custagg.privacy import checks
+from custagg.privacy import core
+from custagg.privacy import noise as noise_lib
+from custagg.privacy.dp_query import dp_query
+from custagg.privacy.dp_query import gaussian_query
+from custagg.training import optimizers as training
 
 __all__ = [
     "make_optimizer_class", "make_gaussian_optimizer_class",
@@ -86,7 +99,7 @@ def make_optimizer_class(cls):
     Raises:
       TypeError: `cls` is not a TF1 optimizer class (e.g. a Keras one).
     """
-    _opt.check_tf1_optimizer_class(cls, "make_optimizer_class")
+    checks.check_tf1_optimizer_class(cls, "make_optimizer_class")
     if cls.compute_gradients.__code__ is not _V1.compute_gradients.__code__:
         # TF Privacy's warning, word for word (its tests check it).
         logging.warning(
@@ -103,11 +116,11 @@ def make_optimizer_class(cls):
                      group_ids=None, **kwargs):  # pylint: disable=keyword-arg-before-vararg
             super().__init__(*args, **kwargs)
             self._dp_sum_query = dp_sum_query
-            self._num_microbatches = _check_microbatches(num_microbatches,
-                                                         type(self).__name__)
+            self._num_microbatches = checks.check_microbatches(
+                num_microbatches, type(self).__name__, allow_tensor=True)
             # User-level DP (custagg's addition; keyword only): each user
             # one microbatch, see custagg.optimizers.DPOptimizer.
-            self._group_ids = _opt.check_group_ids(
+            self._group_ids = checks.check_group_ids(
                 group_ids, num_microbatches, type(self).__name__)
             self._unroll_microbatches = bool(unroll_microbatches)
             self._while_loop_parallel_iterations = int(
@@ -118,21 +131,41 @@ def make_optimizer_class(cls):
             self._was_compute_gradients_called = False
             self._dp_norms = None
 
+        num_microbatches = training.read_only(
+            "_num_microbatches",
+            "M, the number of microbatches (None: one example each).")
+
         @property
         def global_state(self):
             """The query's global state after the last `compute_gradients`
             (graph tensors; for adaptive queries the values that step
             writes to the state variables). E.g.
             `query.derive_metrics(opt.global_state)["clip"]`."""
-            return _opt.computed(self._global_state, self, "global_state")
+            return training.computed(self._global_state, self,
+                                     "global_state")
 
         @property
         def per_microbatch_norms(self):
             """`[M]` global L2 norms of the microbatch gradients before
             clipping, from the last `compute_gradients` (Gaussian queries)."""
-            return _opt.computed(self._dp_norms, self, "per_microbatch_norms",
-                                 "compute_gradients() with a Gaussian sum "
-                                 "query")
+            return training.computed(
+                self._dp_norms, self, "per_microbatch_norms",
+                "compute_gradients() with a Gaussian sum query")
+
+        def hand_over_noise(self):
+            """Stops this optimizer adding noise; returns `dtype -> sigma`,
+            the noise the caller now adds once itself
+            (`custagg.distributed`: after the replicas' aggregation), or
+            None, leaving the optimizer as it was, when the query is not a
+            Gaussian sum query (its noise is made inside
+            `get_noised_result` and cannot move). The query is replaced by
+            a `GaussianSumQuery` of the same clip and zero noise."""
+            params = core.gaussian_sum_params(self._dp_sum_query)
+            if params is None:
+                return None
+            clip, stddev = params
+            self._dp_sum_query = gaussian_query.GaussianSumQuery(clip, 0.0)
+            return lambda dtype: tf.cast(stddev, dtype)
 
         def compute_gradients(self, loss, var_list=None,
                               gate_gradients=_GATE_OP,
@@ -161,18 +194,18 @@ def make_optimizer_class(cls):
                     % name)
             if self._global_state is None:
                 self._global_state = self._initial_state()
-            loss, grad_loss = _opt.per_example_loss_vector(loss, grad_loss,
-                                                           name)
+            loss, grad_loss = training.per_example_loss_vector(
+                loss, grad_loss, name)
             if grad_loss is not None:
                 loss = loss * tf.stop_gradient(grad_loss)
             var_list = _var_list(var_list, name)
-            live = [v for v in var_list if _opt.differentiable(v)]
+            live = [v for v in var_list if training.differentiable(v)]
             grads = [None] * len(var_list)
             if live:
                 with tf.name_scope(self._name + "_dp_gradients"):
                     live_grads = self._dp_gradients(loss, live)
                 it = iter(live_grads)
-                grads = [next(it) if _opt.differentiable(v) else None
+                grads = [next(it) if training.differentiable(v) else None
                          for v in var_list]
             if gate_gradients == _V1.GATE_GRAPH:
                 present = [i for i, g in enumerate(grads) if g is not None]
@@ -185,7 +218,7 @@ def make_optimizer_class(cls):
                             name=None):
             """`cls.apply_gradients`, after checking that compute_gradients
             ran (AssertionError otherwise, as in TF Privacy)."""
-            _opt.check_compute_gradients_called(self)
+            checks.check_compute_gradients_called(self)
             return super().apply_gradients(grads_and_vars,
                                            global_step=global_step, name=name)
 
@@ -194,8 +227,8 @@ def make_optimizer_class(cls):
             variables when it changes between steps (adaptive clipping), so
             it carries over from one `session.run` to the next."""
             state = self._dp_sum_query.initial_global_state()
-            if tf.executing_eagerly() or not _fast.has_adaptive_state(
-                    self._dp_sum_query):
+            form = dp_query.clipped_sum_form_of(self._dp_sum_query)
+            if tf.executing_eagerly() or form is None or not form.adaptive:
                 return state
             with tf.name_scope(self._name + "_dp_query_state"):
                 self._state_variables = [
@@ -221,18 +254,43 @@ def make_optimizer_class(cls):
             with tf.control_dependencies(updates):
                 return [None if g is None else tf.identity(g) for g in grads]
 
+        def _gaussian_noise(self, stddev, dtype):
+            """`core.noised_mean`'s noise: None when the query's stddev is
+            statically 0 (noise handed over: no draw, no stream variables),
+            else `(stddev, this optimizer's checkpointed noise stream)`."""
+            if tf.get_static_value(stddev) == 0:
+                return None
+            stream = noise_lib.stream_of(self, self._name + "_noise",
+                                         owner=self)
+            return tf.cast(stddev, dtype), lambda: stream
+
         def _dp_gradients(self, loss, var_list):
-            params = gaussian_query.gaussian_sum_params(self._dp_sum_query)
-            if params is not None:
-                return self._gaussian_gradients(loss, var_list, *params)
-            if _fast.plan(self._dp_sum_query) is not None:
+            """The core's step for this query: Gaussian (noise drawn by the
+            core), another query with a `ClippedSumForm` (noise by the
+            query), or any other query (records accumulated)."""
+            query = self._dp_sum_query
+            form = dp_query.clipped_sum_form_of(query)
+            owner = type(self).__name__
+            if form is not None and form.gaussian:
+                clip, stddev = core.gaussian_sum_params(query)
+                dtype = loss.dtype
+                grads, self._dp_norms, _ = core.noised_mean(
+                    loss, var_list, tf.cast(clip, dtype),
+                    self._num_microbatches, "auto", owner, self._group_ids,
+                    lambda: self._gaussian_noise(stddev, dtype))
+                return grads
+            if form is not None:
                 self._global_state_read = self._global_state
-                grads, new_state, self._dp_norms = _fast.fast_gradients(
-                    self._dp_sum_query, self._global_state, loss, var_list,
-                    self._num_microbatches, type(self).__name__,
-                    group_ids=self._group_ids)
+                grads, new_state, self._dp_norms = core.query_step(
+                    query, form, self._global_state, loss, var_list,
+                    self._num_microbatches, owner, group_ids=self._group_ids)
                 return self._save_state(new_state, grads)
-            return self._query_gradients(loss, var_list)
+            grads, self._global_state = core.accumulated_step(
+                query, self._global_state, loss, var_list,
+                self._num_microbatches, owner, group_ids=self._group_ids,
+                unroll=self._unroll_microbatches,
+                parallel_iterations=self._while_loop_parallel_iterations)
+            return grads
 
         def _eager_gradients(self, loss, var_list, grad_loss, tape, name):
             """TF Privacy's eager path: `loss` a callable (evaluated under
@@ -319,64 +377,10 @@ def make_optimizer_class(cls):
                    for s in tf.nest.flatten(sums)]
             return list(zip(out, var_list))
 
-        def _gaussian_gradients(self, loss, var_list, clip, stddev):
-            """One-pass clipped sum (no per-microbatch loop) plus noise."""
-            dtype = loss.dtype
-            sums, num_units, self._dp_norms, _ = _opt.clipped_microbatch_sum(
-                loss, var_list, tf.cast(clip, dtype), self._num_microbatches,
-                "auto", type(self).__name__, group_ids=self._group_ids)
-            stddev = tf.cast(stddev, dtype)
-            sums = [None if g is None else tf.convert_to_tensor(g)
-                    for g in sums]
-            return [None if g is None else
-                    (g + noise) / tf.cast(num_units, g.dtype)
-                    for g, noise in zip(sums, _opt.noise_after(sums, stddev))]
-
-        def _query_gradients(self, loss, var_list):
-            """Any DPQuery: per-microbatch records, one accumulate_record
-            each, then the query's noised result."""
-            query = self._dp_sum_query
-            per_unit, num_units = _microbatch_gradients(
-                loss, var_list, self._num_microbatches, self._group_ids,
-                type(self).__name__)
-            present = [i for i, g in enumerate(per_unit) if g is not None]
-            records = [per_unit[i] for i in present]
-            params = query.derive_sample_params(self._global_state)
-            state = query.initial_sample_state([var_list[i] for i in present])
-            static_m = tf.get_static_value(num_units)
-            if self._unroll_microbatches and static_m is not None:
-                for m in range(int(static_m)):
-                    state = query.accumulate_record(
-                        params, state, [r[m] for r in records])
-            else:
-                def body(m, state):
-                    return [m + 1, query.accumulate_record(
-                        params, state, [tf.gather(r, m) for r in records])]
-                _, state = tf.while_loop(
-                    lambda m, _: m < num_units, body,
-                    [tf.constant(0), state],
-                    parallel_iterations=self._while_loop_parallel_iterations)
-            result = query.get_noised_result(state, self._global_state)
-            sums, self._global_state = result[0], result[1]
-            out = [None] * len(var_list)
-            for i, s in zip(present, tf.nest.flatten(sums)):
-                out[i] = s / tf.cast(num_units, s.dtype)
-            return out
-
-    return _named(DPOptimizerClass, cls, "DP%sOptimizer",
-                  "Differentially private subclass of "
-                  "`tf.compat.v1.train.%s` taking a DPQuery (`dp_sum_query`) "
-                  "first; see `custagg.privacy.dp_optimizer`.")
-
-
-def _named(klass, cls, name_pattern, doc_pattern):
-    """`klass` named after `cls` as TF Privacy names it: `name_pattern` with
-    cls's name less its "Optimizer" suffix, `doc_pattern` with cls's name."""
-    base = cls.__name__[:-len("Optimizer")] if cls.__name__.endswith(
-        "Optimizer") else cls.__name__
-    klass.__name__ = klass.__qualname__ = name_pattern % base
-    klass.__doc__ = doc_pattern % cls.__name__
-    return klass
+    return checks.named_after(
+        DPOptimizerClass, cls, "DP%sOptimizer",
+        "Differentially private subclass of `tf.compat.v1.train.%s` taking "
+        "a DPQuery (`dp_sum_query`) first; see `custagg.privacy.dp_optimizer`.")
 
 
 def make_gaussian_optimizer_class(cls):
@@ -398,10 +402,10 @@ def make_gaussian_optimizer_class(cls):
                      *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
             owner = type(self).__name__
             # Checked before the product below, so a bad value is named.
-            _opt.check_positive(l2_norm_clip, "l2_norm_clip", owner,
-                                 allow_zero=True)
-            _opt.check_positive(noise_multiplier, "noise_multiplier",
-                                 owner, allow_zero=True)
+            checks.check_positive(l2_norm_clip, "l2_norm_clip", owner,
+                                  allow_zero=True)
+            checks.check_positive(noise_multiplier, "noise_multiplier",
+                                  owner, allow_zero=True)
             self._l2_norm_clip = l2_norm_clip
             self._noise_multiplier = noise_multiplier
             self._base_optimizer_class = cls
@@ -419,28 +423,10 @@ def make_gaussian_optimizer_class(cls):
                            "num_microbatches": self._num_microbatches})
             return config
 
-    return _named(DPGaussianOptimizerClass, cls, "DP%sGaussianOptimizer",
-                  "DP-SGD with the Gaussian mechanism around "
-                  "`tf.compat.v1.train.%s`; see `custagg.privacy.dp_optimizer`.")
-
-
-def _check_microbatches(num_microbatches, owner):
-    if num_microbatches is None:
-        return None
-    if isinstance(num_microbatches, (tf.Tensor, tf.Variable)):
-        value = tf.get_static_value(num_microbatches)
-        if value is None:
-            raise TypeError(
-                "%s: num_microbatches must be a Python int (or None for one "
-                "example per microbatch); a tensor whose value is known only "
-                "at run time is not supported." % owner)
-        num_microbatches = value
-    if isinstance(num_microbatches, bool) or int(num_microbatches) != \
-            num_microbatches or num_microbatches < 1:
-        raise ValueError("%s: num_microbatches must be a positive int "
-                         "dividing the batch size, or None; got %r."
-                         % (owner, num_microbatches))
-    return int(num_microbatches)
+    return checks.named_after(
+        DPGaussianOptimizerClass, cls, "DP%sGaussianOptimizer",
+        "DP-SGD with the Gaussian mechanism around `tf.compat.v1.train.%s`; "
+        "see `custagg.privacy.dp_optimizer`.")
 
 
 def _var_list(var_list, fn):
@@ -461,37 +447,6 @@ def _var_list(var_list, fn):
         raise ValueError("%s: no variables to optimize (var_list is empty and "
                          "the graph has no trainable variables)." % fn)
     return unique
-
-
-def _microbatch_gradients(loss, var_list, num_microbatches, group_ids=None,
-                          owner=""):
-    """Gradients of each microbatch's mean loss, `[M, *v.shape]` (or None),
-    and M as an int32 scalar tensor; with `group_ids` each user's, `[U,
-    ...]` (users in order of first appearance)."""
-    if group_ids is not None:
-        segments, checks = per_example_api.group_segments(loss, group_ids,
-                                                          owner)
-        with tf.control_dependencies(checks):
-            loss, _ = _opt.user_mean_loss(loss, group_ids, owner)
-        per_example = per_example_api.per_example_gradients(loss, var_list)
-        return [None if g is None else segments.sum(tf.convert_to_tensor(g))
-                for g in per_example], segments.count
-    per_example = per_example_api.per_example_gradients(loss, var_list)
-    batch = tf.shape(loss)[0]
-    m = batch if num_microbatches is None else tf.constant(num_microbatches)
-    check = tf.debugging.assert_equal(
-        batch % m, 0, message="num_microbatches must divide the batch size")
-    out = []
-    with tf.control_dependencies([check]):
-        for g in per_example:
-            if g is None:
-                out.append(None)
-                continue
-            g = tf.convert_to_tensor(g)
-            shape = tf.shape(g)[1:]
-            out.append(tf.reduce_mean(
-                tf.reshape(g, tf.concat([[m, -1], shape], 0)), axis=1))
-    return out, m
 
 
 AdagradOptimizer = tf.compat.v1.train.AdagradOptimizer

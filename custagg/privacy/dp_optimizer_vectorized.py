@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from custagg.privacy import checks
 from custagg.privacy import dp_optimizer
 from custagg.privacy.dp_query import gaussian_query
 
@@ -65,15 +66,11 @@ def make_vectorized_optimizer_class(cls):
             super().__init__(query, num_microbatches, False, 10, *args,
                              **kwargs)
 
-    short = cls.__name__[:-len("Optimizer")] if cls.__name__.endswith(
-        "Optimizer") else cls.__name__
-    VectorizedDPOptimizerClass.__name__ = "VectorizedDP%sOptimizer" % short
-    VectorizedDPOptimizerClass.__qualname__ = VectorizedDPOptimizerClass.__name__
-    VectorizedDPOptimizerClass.__doc__ = (
+    return checks.named_after(
+        VectorizedDPOptimizerClass, cls, "VectorizedDP%sOptimizer",
         "Vectorized DP-SGD (Gaussian mechanism) around "
         "`tf.compat.v1.train.%s`; see `custagg.privacy."
-        "dp_optimizer_vectorized`." % cls.__name__)
-    return VectorizedDPOptimizerClass
+        "dp_optimizer_vectorized`.")
 
 
 VectorizedDPAdagradOptimizer = make_vectorized_optimizer_class(AdagradOptimizer)

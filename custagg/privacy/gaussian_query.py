@@ -16,23 +16,8 @@ one pass (no per-microbatch loop). Other DPQuery objects go through their own
 
 from __future__ import annotations
 
+from custagg.privacy.core import gaussian_sum_params
 from custagg.privacy.dp_query.gaussian_query import GaussianSumQuery
 
 __all__ = ["GaussianSumQuery", "gaussian_sum_params"]
 
-
-def gaussian_sum_params(query):
-    """`(l2_norm_clip, stddev)` of a Gaussian sum query, else None.
-
-    Recognizes custagg's `GaussianSumQuery` and TF Privacy's class of the
-    same name (by module and name, so TF Privacy need not be importable
-    here); any other DPQuery gives None.
-    """
-    cls = type(query)
-    if cls.__name__ != "GaussianSumQuery":
-        return None
-    if not (isinstance(query, GaussianSumQuery) or
-            cls.__module__.startswith("tensorflow_privacy.")):
-        return None
-    state = query.initial_global_state()
-    return state.l2_norm_clip, state.stddev

@@ -44,5 +44,7 @@ def rule_reason(op, k, registry, batch_size, loss, loss_ancestors):
             return batch_axis.Reason(
                 "batch coupling between op '%s' and the loss: %s; "
                 "per-example rules assume examples do not interact"
-                % (op.name, coupled), getattr(coupled, "op", None))
+                % (op.name, coupled), getattr(coupled, "op", None),
+                cause="no static proof that examples stay apart from the "
+                      "rule ops to the loss: %s" % coupled)
     return None

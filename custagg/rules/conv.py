@@ -1,4 +1,6 @@
-"""Rules for convolution filters: `Conv2D` and `DepthwiseConv2dNative`.
+"""Rules for convolution filters: `Conv2D` and `DepthwiseConv2dNative`
+(registered by `conv_views`, which also views transposed and space-to-batch
+convolutions through them).
 
 A convolution is a matmul of image patches with the flattened filter:
 `z[b, p, :] = patches[b, p, :] @ W.reshape(kh*kw*Cin, Cout)`, so example b's
@@ -18,7 +20,7 @@ patches in that order):
   measured here.
 * offsets: one batched matmul per filter offset (static H and W); for
   depthwise filters with more than a few channels this beats the folded
-  call (see `DepthwiseConv2dRule`).
+  call (see `depthwise.DepthwiseConv2dRule`).
 * patches: `tf.image.extract_patches`, then one batched matmul.
 
 Norms and weighted sums keep memory bounded (issue 26: the whole-batch
@@ -65,33 +67,33 @@ from custagg.rules import registry
 from custagg.rules import outer as _outer
 from custagg.rules import _reduce
 
-def _nhwc(t, data_format):
+def nhwc(t, data_format):
     return tf.transpose(t, [0, 2, 3, 1]) if data_format == "NCHW" else t
 
 
-def _hw(values, data_format):
+def hw(values, data_format):
     values = list(values)
     return values[2:4] if data_format == "NCHW" else values[1:3]
 
 
-def _explicit_hw_pads(op, data_format):
+def explicit_hw_pads(op, data_format):
     """The op's explicit paddings of H and W: `[[top, bottom], [left, right]]`.
 
     `explicit_paddings` lists (before, after) per dimension in the op's own
     data_format order.
     """
     pads = list(op.get_attr("explicit_paddings"))
-    return _hw([pads[i:i + 2] for i in range(0, 8, 2)], data_format)
+    return hw([pads[i:i + 2] for i in range(0, 8, 2)], data_format)
 
 
-def _fold_batch(t, data_format, channels, batch):
+def fold_batch(t, data_format, channels, batch):
     """`[B, H, W, C]` (or `[B, C, H, W]`) -> `[1, H, W, B*C]`, channel b*C + c."""
     t = tf.transpose(t, [2, 3, 0, 1] if data_format == "NCHW" else [1, 2, 0, 3])
     hw = tf.shape(t)[:2]
     return tf.reshape(t, tf.concat([[1], hw, [batch * channels]], 0))
 
 
-def _folded_kernels_available():
+def folded_kernels_available():
     """Whether the folded (grouped / batch-1 depthwise) form should be used.
 
     TF's own CPU kernels reject a Conv2D filter with fewer input channels
@@ -115,25 +117,42 @@ def _folded_kernels_available():
     return _tf_compat.is_mkl_enabled()
 
 
-class _ChunkOp(object):
-    """A convolution op seen on a chunk of its examples: the op's attributes
-    and filter, the chunk's rows of the image (`inputs[0]`). The forms read
-    only these, so they build the chunk's per-example gradients unchanged.
-    `max_batch`: the chunk's largest size when static (the forms size their
-    temporaries by it), else None."""
+class ConvView(object):
+    """A convolution op as the forms see it: its attributes and filter, and
+    an image (`inputs[0]`) that may be another tensor than the op's own.
+    The forms read only these, so on a view they build the view's
+    per-example gradients unchanged. Used for a chunk of the op's examples
+    (the chunk's rows of the image) and by `conv_views` (a transposed
+    convolution seen as the Conv2D it is the input gradient of; the rows
+    of a space-to-batch convolution regrouped per example).
 
-    def __init__(self, op, image, max_batch):
+    Args:
+      op: the op (or another view) whose attributes are read.
+      image: the view's `inputs[0]`.
+      max_batch: the view's largest batch when static (the forms size
+        their temporaries by it), else None.
+      filter: the view's `inputs[1]` (default: the op's).
+      attrs: attribute values that replace the op's (`{"padding":
+        b"VALID"}`).
+      op_type: the view's op type (default: the op's).
+    """
+
+    def __init__(self, op, image, max_batch, filter=None, attrs=None,
+                 op_type=None):
         self._op = op
-        self.inputs = [image, op.inputs[1]]
-        self.type = op.type
+        self.inputs = [image, op.inputs[1] if filter is None else filter]
+        self.type = op_type or op.type
         self.name = op.name
         self.max_batch = max_batch
+        self._attrs = dict(attrs or {})
 
     def get_attr(self, name):
+        if name in self._attrs:
+            return self._attrs[name]
         return self._op.get_attr(name)
 
 
-def _batch_bound(ctx):
+def batch_bound(ctx):
     """The batch size the forms size their temporaries by: a chunk's
     largest size, the static B, or None."""
     bound = getattr(ctx.op, "max_batch", None)
@@ -142,7 +161,7 @@ def _batch_bound(ctx):
     return tf.compat.dimension_value(ctx.op.inputs[0].shape[0])
 
 
-def _scale_rows(t, c):
+def scale_rows(t, c):
     """`c_b * t[b]` for `t` `[B, ...]`, `c` `[B]`: as `[B, -1] * c[:, None]`,
     TF's fast 2-D broadcast (a rank-4 broadcasting Mul took 3x as long:
     [256, 14, 14, 32] float32, 1 thread, 3.0 against 0.9 ms)."""
@@ -150,23 +169,30 @@ def _scale_rows(t, c):
     return tf.reshape(rows * c[:, None], tf.shape(t))
 
 
-class _ConvBase(registry.Rule):
+def filter_unsupported(ctx, formats=("NHWC", "NCHW")):
+    """A convolution rule's static checks: the parameter is the filter
+    (input 1), of static shape, and the op's data_format one of `formats`;
+    None when they pass, else the reason."""
+    if ctx.input_index != 1:
+        return "the parameter is the image, not the filter"
+    if _outer.static_dims(ctx.param) is None:
+        return "the filter shape is not static"
+    fmt = ctx.op.get_attr("data_format").decode()
+    if fmt not in formats:
+        return "data_format %s" % fmt
+    return None
+
+
+class ConvBase(registry.Rule):
 
     def unsupported(self, ctx):
-        if ctx.input_index != 1:
-            return "the parameter is the image, not the filter"
-        if _outer.static_dims(ctx.param) is None:
-            return "the filter shape is not static"
-        fmt = ctx.op.get_attr("data_format").decode()
-        if fmt not in ("NHWC", "NCHW"):
-            return "data_format %s" % fmt
-        return None
+        return filter_unsupported(ctx)
 
     def _attrs(self, ctx):
         op = ctx.op
         fmt = op.get_attr("data_format").decode()
-        strides = _hw(op.get_attr("strides"), fmt)
-        dilations = _hw(op.get_attr("dilations"), fmt)
+        strides = hw(op.get_attr("strides"), fmt)
+        dilations = hw(op.get_attr("dilations"), fmt)
         padding = op.get_attr("padding").decode()
         return fmt, strides, dilations, padding
 
@@ -174,16 +200,16 @@ class _ConvBase(registry.Rule):
         """`[B, P, kh*kw*Cin]` patches and `[B, P, C_out]` output gradients."""
         fmt, strides, dilations, padding = self._attrs(ctx)
         kh, kw = _outer.static_dims(ctx.param)[:2]
-        x = _nhwc(ctx.op.inputs[0], fmt)
+        x = nhwc(ctx.op.inputs[0], fmt)
         if padding == "EXPLICIT":
-            x = tf.pad(x, [[0, 0]] + _explicit_hw_pads(ctx.op, fmt) + [[0, 0]])
+            x = tf.pad(x, [[0, 0]] + explicit_hw_pads(ctx.op, fmt) + [[0, 0]])
             padding = "VALID"
         patches = tf.image.extract_patches(
             x, sizes=[1, kh, kw, 1], strides=[1] + strides + [1],
             rates=[1] + dilations + [1], padding=padding)
         batch = tf.shape(x)[0]
         patches = tf.reshape(patches, [batch, -1, tf.shape(patches)[3]])
-        g = _nhwc(ctx.grad, fmt)
+        g = nhwc(ctx.grad, fmt)
         g = tf.reshape(g, [batch, -1, tf.shape(g)[3]])
         return patches, g
 
@@ -199,8 +225,8 @@ class _ConvBase(registry.Rule):
         """
         fmt, strides, dilations, padding = self._attrs(ctx)
         kh, kw = _outer.static_dims(ctx.param)[:2]
-        x = _nhwc(ctx.op.inputs[0], fmt)
-        g = _nhwc(ctx.grad, fmt)
+        x = nhwc(ctx.op.inputs[0], fmt)
+        g = nhwc(ctx.grad, fmt)
         in_hw = [tf.compat.dimension_value(d) for d in x.shape[1:3]]
         out_hw = [tf.compat.dimension_value(d) for d in g.shape[1:3]]
         if None in in_hw or None in out_hw:
@@ -214,7 +240,7 @@ class _ConvBase(registry.Rule):
                 total = max((n_out - 1) * s + (k - 1) * d + 1 - n_in, 0)
                 pads.append([total // 2, total - total // 2])
             else:
-                pads.append(_explicit_hw_pads(ctx.op, fmt)[axis])
+                pads.append(explicit_hw_pads(ctx.op, fmt)[axis])
         x = tf.pad(x, [[0, 0]] + pads + [[0, 0]])
         batch = tf.shape(x)[0]
         cin = tf.compat.dimension_value(x.shape[3])
@@ -273,14 +299,14 @@ class _ConvBase(registry.Rule):
         a scalar int32 tensor), >= 1."""
         fmt = ctx.op.get_attr("data_format").decode()
         x = ctx.op.inputs[0]
-        out_hw = [tf.compat.dimension_value(d) for d in _hw(ctx.grad.shape,
+        out_hw = [tf.compat.dimension_value(d) for d in hw(ctx.grad.shape,
                                                              fmt)]
         image = x.shape[1:].num_elements()
         if None not in out_hw and image is not None:
             per = self._chunk_elements_per_example(
                 ctx, out_hw[0] * out_hw[1], image)
             return max(1, self._CHUNK_MAX_ELEMENTS // per)
-        positions = tf.reduce_prod(_hw(tf.unstack(tf.shape(ctx.grad)), fmt))
+        positions = tf.reduce_prod(hw(tf.unstack(tf.shape(ctx.grad)), fmt))
         per = self._chunk_elements_per_example(
             ctx, positions, tf.reduce_prod(tf.shape(x)[1:]))
         return tf.maximum(1, self._CHUNK_MAX_ELEMENTS // per)
@@ -289,7 +315,7 @@ class _ConvBase(registry.Rule):
         """The context of examples `start:stop`: the same op attributes and
         filter, the chunk's rows of the image and of dz, no cache."""
         size = self._chunk_size(ctx)
-        chunk_op = _ChunkOp(ctx.op, ctx.op.inputs[0][start:stop],
+        chunk_op = ConvView(ctx.op, ctx.op.inputs[0][start:stop],
                             size if isinstance(size, int) else None)
         return registry.RuleContext(chunk_op, ctx.input_index,
                                     ctx.grad[start:stop], stop - start, None)
@@ -305,7 +331,13 @@ class _ConvBase(registry.Rule):
         def body(start, acc):
             stop = tf.minimum(start + chunk, batch)
             part = fn(self._chunk_context(ctx, start, stop), start, stop)
-            return stop, combine(acc, part)
+            acc = combine(acc, part)
+            if invariant.is_fully_defined():
+                # A part of unknown static shape broadcast onto a
+                # one-element accumulator leaves `[None]` (see
+                # `chunk_clip_parts`): the loop needs the invariant back.
+                acc = tf.reshape(acc, invariant)
+            return stop, acc
 
         _, acc = tf.compat.v1.while_loop(
             lambda start, _: start < batch, body, [tf.constant(0), initial],
@@ -354,19 +386,40 @@ class _ConvBase(registry.Rule):
         x_size = x.shape[1:].num_elements()
         g_size = ctx.grad.shape[1:].num_elements()
         if x_size is not None and g_size is not None and x_size < g_size:
-            return self._backprop_filter(ctx, ctx.grad, x=_scale_rows(x, c))
-        return self._backprop_filter(ctx, _scale_rows(ctx.grad, c))
+            return self._backprop_filter(ctx, ctx.grad, x=scale_rows(x, c))
+        return self._backprop_filter(ctx, scale_rows(ctx.grad, c))
 
     # --- clipped sums from the norms' chunks ---------------------------------
 
+    # The chunk kernels' share of a clipped sum (`f @ kernels` and its
+    # accumulation) costs a pass over the per-example kernels, about 1.6 ns
+    # per filter element and example (1 thread, float32, measured at
+    # [5, 5, 128, 256] and [3, 3, 64, 64]); the weighted backprop-filter
+    # call it replaces costs P multiply-adds per filter element and example
+    # (P output positions; 0.021-0.035 ns each, the same shapes). Below
+    # this many positions the chunk loop costs more than the call it saves
+    # (a DCGAN generator's 7x7 transposed convolutions, B=64: clipped sum
+    # 1.24x the aggregated gradient with them in the loop, 1.02x without).
+    _CHUNK_CLIP_MIN_POSITIONS = 64
+
     def chunk_clip_ready(self, ctx):
-        """Whether a clipped sum may take this op's weighted sum from the
+        """Whether a clipped sum should take this op's weighted sum from the
         per-example kernels its chunked norms build anyway
         (`chunk_clip_parts`), instead of a second backprop-filter call: not
-        where the norms take the Gram form (they build no kernels) nor
-        where the per-example gradients exist already (one tensordot)."""
-        return not self.has_per_example(ctx) and not self._chunk_takes_gram(
-            ctx)
+        where the norms take the Gram form (they build no kernels), nor
+        where the per-example gradients exist already (one tensordot), nor
+        where the op's output positions are too few or not static (the
+        pass over the kernels then costs more than the call:
+        `_CHUNK_CLIP_MIN_POSITIONS`)."""
+        if self.has_per_example(ctx) or self._chunk_takes_gram(ctx):
+            return False
+        fmt = ctx.op.get_attr("data_format").decode()
+        positions = ctx.grad.shape[1:].num_elements()
+        channels = tf.compat.dimension_value(
+            ctx.grad.shape[1 if fmt == "NCHW" else 3])
+        if positions is None or not channels:
+            return False
+        return positions // channels > self._CHUNK_CLIP_MIN_POSITIONS
 
     def _chunk_takes_gram(self, ctx):
         del ctx
@@ -384,8 +437,17 @@ class _ConvBase(registry.Rule):
         kernels the chunked norms build (`_chunk_kernel_parts`). The norms'
         kernels, reused, cost a `[c] x [c, K]` product where the weighted
         sum cost a filter gradient of the whole batch (about the norms'
-        FLOPs again)."""
-        return self._chunk_kernel_parts(self._chunk_context(ctx, start, stop))
+        FLOPs again).
+
+        The share has the static shape `[K]` (K the filter's size) whatever
+        the chunk: it is a `tf.while_loop` variable, and a share whose
+        static shape the forms leave unknown would turn a `[1]` filter's
+        `[1]` sum into `[None]` after one iteration (broadcasting), which
+        the loop rejects at graph construction."""
+        squared, weigh = self._chunk_kernel_parts(
+            self._chunk_context(ctx, start, stop))
+        size = ctx.param.shape.num_elements()
+        return squared, lambda f: tf.reshape(weigh(f), [size])
 
     def _chunk_kernel_parts(self, chunk):
         rows = tf.reshape(self._chunk_per_example(chunk),
@@ -400,385 +462,3 @@ class _ConvBase(registry.Rule):
                 c[start:stop], self._chunk_per_example(chunk), axes=1),
             tf.zeros(_outer.static_dims(ctx.param), ctx.grad.dtype),
             lambda acc, part: acc + part, ctx.param.shape)
-
-
-@registry.register_rule("Conv2D")
-class Conv2DRule(_ConvBase):
-    """`Conv2D` filter `[kh, kw, Cin, Cout]`; per-example `[B, kh, kw, Cin, Cout]`."""
-
-    def _grouped_per_example(self, ctx, norms_only=False):
-        """`[B, kh, kw, Cin, Cout]` from one grouped backprop-filter call.
-
-        Folding the batch into the channels turns B images `[H, W, Cin]`
-        into one `[1, H, W, B*Cin]`, and their output gradients into
-        `[1, H', W', B*Cout]`. A convolution with B groups (filter
-        `[kh, kw, Cin, B*Cout]`: group b reads input channels of image b
-        and writes output channels of image b) is then exactly B separate
-        convolutions, and its filter gradient is the B per-example filter
-        gradients side by side. One kernel call at about the cost of the
-        summed filter gradient, against `kh*kw` small batched matmuls (the
-        offset form, 2-3x slower on a CPU) or B calls (TF's pfor converter
-        loops). Returns None where the kernels cannot run it: another dtype
-        than float32, or no oneDNN (see `_folded_kernels_available`).
-        `norms_only`: the `[B]` squared norms instead.
-        """
-        if not self._grouped_runs(ctx):
-            return None
-        fmt, strides, dilations, padding = self._attrs(ctx)
-        kh, kw, cin, cout = _outer.static_dims(ctx.param)
-        x = ctx.op.inputs[0]
-        batch = tf.shape(x)[0]
-        x = _fold_batch(x, fmt, cin, batch)
-        g = _fold_batch(ctx.grad, fmt, cout, batch)
-        if padding == "EXPLICIT":
-            x = tf.pad(x, [[0, 0]] + _explicit_hw_pads(ctx.op, fmt) + [[0, 0]])
-            padding = "VALID"
-        grouped = tf.raw_ops.Conv2DBackpropFilter(
-            input=x, filter_sizes=tf.stack([kh, kw, cin, batch * cout]),
-            out_backprop=g, strides=[1] + strides + [1],
-            use_cudnn_on_gpu=ctx.op.get_attr("use_cudnn_on_gpu"),
-            padding=padding, data_format="NHWC",
-            dilations=[1] + dilations + [1])
-        # [kh, kw, Cin, B*Cout], channel b*Cout + o -> [B, kh, kw, Cin, Cout].
-        if norms_only == "kernel_major":
-            return tf.reshape(grouped, tf.stack([kh * kw * cin, batch, cout]))
-        grouped = tf.reshape(grouped, tf.stack([kh, kw, cin, batch, cout]))
-        if norms_only:
-            # Squares summed over every axis but B without the transpose:
-            # over the leading kh*kw*Cin rows by a matmul with ones, then
-            # over each example's Cout (a strided reduction over the middle
-            # axes is several times slower than the transpose).
-            rows = tf.reshape(grouped, tf.stack([kh * kw * cin, -1]))
-            sums = tf.matmul(tf.ones([1, kh * kw * cin], rows.dtype),
-                             tf.square(rows))
-            return tf.reduce_sum(tf.reshape(sums, tf.stack([batch, cout])),
-                                 axis=1)
-        return tf.transpose(grouped, [3, 0, 1, 2, 4])
-
-    def _grouped_runs(self, ctx):
-        return (ctx.op.inputs[0].dtype.base_dtype == tf.float32
-                and _folded_kernels_available())
-
-    def _offsets_per_example(self, ctx):
-        """`[B, kh, kw, Cin, Cout]` from one batched matmul per filter offset.
-
-        Example b's gradient at offset (i, j) is `window_b^T dz_b`
-        (`[Cin, Cout]`, see `_offset_windows`). This avoids
-        `extract_patches`, which is slow on the CPU. Returns None without
-        static spatial dims.
-        """
-        kh, kw, cin, cout = _outer.static_dims(ctx.param)
-        found = self._offset_windows(ctx)
-        if found is None:
-            return None
-        windows, g, batch, positions = found
-        g = tf.reshape(g, [batch, positions, cout])
-        parts = [tf.matmul(w, g, transpose_a=True) for w in windows]
-        return tf.reshape(tf.stack(parts, axis=1),
-                          [batch, kh, kw, cin, cout])
-
-    # The windows form builds `[B, P, kh*kw*Cin]` patches; above this many
-    # elements (or with a dynamic batch whose size is unknown here, judged
-    # at B = 256) the per-offset matmuls keep memory down.
-    _WINDOWS_MAX_ELEMENTS = 1 << 26
-    # One strided slice per filter offset: with strides, or with many
-    # offsets, the slices cost more than the grouped kernel call (TF
-    # Privacy's tutorial CNN, 8x8 / stride 2 and 4x4 / stride 2, B=256:
-    # norms 6.5x the aggregated gradient with windows, 2.3x without).
-    _WINDOWS_MAX_OFFSETS = 25
-    _WINDOWS_STRIDED = False
-
-    # Up to this many input channels the windows are stacked channels-first
-    # as whole [Cin, P] blocks: an NHWC concat interleaves Cin-wide pieces,
-    # which cost more than the matmul (B=256, 28x28, Cin=2: 20 ms of a
-    # 185 ms clipped-sum step).
-    _WINDOWS_CHANNELS_FIRST_MAX = 7
-
-    def _window_patches(self, ctx, any_filter=False):
-        """(patches, g, channels_first) from the offset windows side by side,
-        or None (no static spatial dims, or patches too big): patches are
-        `[B, P, kh*kw*Cin]` in the filter's (i, j, c) order, or
-        `[B, kh*kw*Cin, P]` when `channels_first`; g is `[B, P, Cout]`.
-        `any_filter`: where the windows decline (strided or large filters),
-        the patches from `extract_patches` in one op instead (channels last).
-        """
-        found = self._build_window_patches(ctx)
-        if found is None and any_filter:
-            patches, g = self._patches(ctx)
-            found = (patches, g, False)
-        return found
-
-    def _build_window_patches(self, ctx):
-        kh, kw, cin, cout = _outer.static_dims(ctx.param)
-        _, strides, _, _ = self._attrs(ctx)
-        if (max(strides) > 1 and not self._WINDOWS_STRIDED) or \
-                kh * kw > self._WINDOWS_MAX_OFFSETS:
-            return None
-        channels_first = cin <= self._WINDOWS_CHANNELS_FIRST_MAX
-        found = self._offset_windows(ctx, channels_first=channels_first)
-        if found is None:
-            return None
-        windows, g, batch, positions = found
-        if (_batch_bound(ctx) or 256) * positions * kh * kw * cin > \
-                self._WINDOWS_MAX_ELEMENTS:
-            return None
-        g = tf.reshape(g, [batch, positions, cout])
-        if channels_first:
-            patches = tf.reshape(tf.stack(windows, axis=1),
-                                 [batch, kh * kw * cin, positions])
-        else:
-            patches = tf.concat(windows, axis=2)
-        return patches, g, channels_first
-
-    def _windows_per_example(self, ctx):
-        """`[B, kh, kw, Cin, Cout]` from the window patches and one batched
-        matmul with dz. Measured on a 2-core x86 CPU at B=256 (28x28, Cin
-        1-2, Cout 32; 32 steps, Cin 64): 10-14 ms against 14-22 ms per
-        offset and 18-23 ms grouped; level at Cin 32 (5x5, 14x14).
-        None without static spatial dims or when the patches are too big.
-        """
-        found = self._window_patches(ctx)
-        if found is None:
-            return None
-        patches, g, channels_first = found
-        per = tf.matmul(patches, g, transpose_a=not channels_first)
-        return tf.reshape(per, [tf.shape(g)[0]] + _outer.static_dims(
-            ctx.param))
-
-    # The Gram form is taken when its cost times this factor is below the
-    # materialized one's (tests set 0 to force it).
-    _GRAM_FACTOR = 1
-
-    def _takes_gram(self, ctx, positions):
-        kh, kw, cin, cout = _outer.static_dims(ctx.param)
-        width = kh * kw * cin
-        return self._GRAM_FACTOR * positions * (width + cout) < width * cout
-
-    def _gram_norms(self, ctx):
-        """`[B]` squared norms `sum_{p,q} (a_p . a_q)(g_p . g_q)` over output
-        positions, or None. Cheaper than materializing when there are few
-        positions against the filter size, `P (kh kw Cin + Cout) < kh kw
-        Cin Cout` (a conv1d over a short sequence: P=30, 3x64 -> 64)."""
-        out_hw = [tf.compat.dimension_value(d) for d in _hw(
-            ctx.grad.shape, ctx.op.get_attr("data_format").decode())]
-        if None in out_hw or not self._takes_gram(ctx, out_hw[0] * out_hw[1]):
-            return None
-        patches, g, channels_first = self._window_patches(ctx,
-                                                          any_filter=True)
-        gram_a = tf.matmul(patches, patches, transpose_a=channels_first,
-                           transpose_b=not channels_first)    # [B, P, P]
-        gram_g = tf.matmul(g, g, transpose_b=True)
-        return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
-
-    def _outer(self, ctx):
-        patches, g = self._patches(ctx)
-        kh, kw, cin, cout = _outer.static_dims(ctx.param)
-        # extract_patches orders each patch as (kh, kw, Cin).
-        return _outer.Outer(patches, g,
-                            _outer.layout([kh, kw, cin], [cout], None))
-
-    def outer(self, ctx):
-        """`sum_p patch_bp (x) dz_bp` over output positions p, like the
-        bilinear rules: cross terms with other uses of the filter, and the
-        loop rules' sum over iterations, without materializing. None when
-        the image's channels are not the filter's Cin (a grouped
-        convolution: a patch would mix the groups)."""
-        fmt = ctx.op.get_attr("data_format").decode()
-        image = ctx.op.inputs[0]
-        if image.shape.rank != 4:
-            return None
-        channels = tf.compat.dimension_value(
-            image.shape[1 if fmt == "NCHW" else 3])
-        if channels != _outer.static_dims(ctx.param)[2]:
-            return None
-        return self._outer(ctx)
-
-    def per_example(self, ctx):
-        return self._first_form(ctx, ("windows", "grouped", "offsets"))
-
-    def _chunk_per_example(self, ctx):
-        """A chunk's per-example gradients: the grouped kernel call first
-        (where it runs; mnist_deep's 5x5x32x64 layer at B=256, 1 thread:
-        109 ms in chunks of 5, against 290 ms for the windows in chunks of
-        1, whose NHWC concat of 32-channel pieces dominates), then the
-        windows, offsets and patches."""
-        return self._first_form(ctx, ("grouped", "windows", "offsets"))
-
-    def _first_form(self, ctx, names):
-        for name in names:
-            per = getattr(self, "_%s_per_example" % name)(ctx)
-            if per is not None:
-                return per
-        return self._outer(ctx).per_example()
-
-    def _chunk_squared_norms(self, ctx):
-        # The Gram form (ghost norm) where it costs less than materializing
-        # (P^2 (K + C) < P K C: short sequences), else the per-example
-        # gradients: both exact for the chunk's examples.
-        norms = self._gram_norms(ctx)
-        if norms is None:
-            norms = self._grouped_per_example(ctx, norms_only=True)
-        if norms is not None:
-            return norms
-        return super(Conv2DRule, self)._chunk_squared_norms(ctx)
-
-    def _chunk_kernel_parts(self, chunk):
-        # The grouped call's kernels as they come, `[K, c, Cout]` (K =
-        # kh*kw*Cin), without the transpose to `[c, ...]`: the squares
-        # summed as `_grouped_per_example`'s norms are, and `sum_b f_b G_b`
-        # as one batched product `[1, c] x [K, c, Cout]`.
-        kernels = self._grouped_per_example(chunk, norms_only="kernel_major")
-        if kernels is None:
-            return super(Conv2DRule, self)._chunk_kernel_parts(chunk)
-        kh, kw, cin, cout = _outer.static_dims(chunk.param)
-        rows = tf.reshape(kernels, tf.stack([kh * kw * cin, -1]))
-        sums = tf.matmul(tf.ones([1, kh * kw * cin], rows.dtype),
-                         tf.square(rows))
-        squared = tf.reduce_sum(tf.reshape(sums, tf.stack([-1, cout])),
-                                axis=1)
-        return squared, lambda f: tf.reshape(
-            tf.matmul(f[None, None, :], kernels), [-1])
-
-    def _chunk_takes_gram(self, ctx):
-        out_hw = [tf.compat.dimension_value(d) for d in _hw(
-            ctx.grad.shape, ctx.op.get_attr("data_format").decode())]
-        return None not in out_hw and self._takes_gram(ctx,
-                                                       out_hw[0] * out_hw[1])
-
-    def _chunk_gram_elements(self, ctx, positions):
-        if not isinstance(positions, int) or not self._takes_gram(
-                ctx, positions):
-            return 0
-        cout = _outer.static_dims(ctx.param)[3]
-        return 2 * positions * positions + positions * cout
-
-    def _chunk_elements_per_example(self, ctx, positions, image):
-        # The grouped call (taken first where it runs, unless the Gram
-        # form is) builds no patches: folded copies of the image and dz,
-        # the kernels and their transpose.
-        gram = isinstance(positions, int) and self._takes_gram(ctx,
-                                                                positions)
-        if gram or not self._grouped_runs(ctx):
-            return super(Conv2DRule, self)._chunk_elements_per_example(
-                ctx, positions, image)
-        kh, kw, cin, cout = _outer.static_dims(ctx.param)
-        return image + positions * cout + 2 * kh * kw * cin * cout
-
-    def _backprop_filter(self, ctx, g, x=None):
-        fmt, _, _, padding = self._attrs(ctx)
-        op = ctx.op
-        return tf.raw_ops.Conv2DBackpropFilter(
-            input=op.inputs[0] if x is None else x,
-            filter_sizes=tf.shape(op.inputs[1]),
-            out_backprop=g, strides=op.get_attr("strides"),
-            use_cudnn_on_gpu=op.get_attr("use_cudnn_on_gpu"),
-            padding=padding,
-            explicit_paddings=op.get_attr("explicit_paddings"),
-            data_format=fmt, dilations=op.get_attr("dilations"))
-
-
-@registry.register_rule("DepthwiseConv2dNative")
-class DepthwiseConv2dRule(_ConvBase):
-    """Depthwise filter `[kh, kw, Cin, M]`; output channel `c * M + m`.
-
-    Example b's gradient: `sum_p patches[b, p, k, c] * dz[b, p, c, m]`,
-    per-example `[B, kh, kw, Cin, M]`.
-    """
-
-    # Below this many channels (Cin * M) the folded kernel call is the
-    # fastest form; above it, one batched matmul per offset (measured on a
-    # 2-core x86 CPU, B=256, 28x28: Cin*M = 2: folded 0.7 ms vs 5.5 ms;
-    # Cin*M = 64: 223 ms vs 89 ms).
-    _FOLDED_MAX_CHANNELS = 8
-
-    def chunk_clip_ready(self, ctx):
-        # Not in the clipped sums' joint chunk loop: the loop's chunk is
-        # the smallest of its convolutions', and a depthwise filter's (the
-        # windows of its many channels) drags the others' down while its
-        # own summed gradient is one cheap call. keras_separable B=64,
-        # 1 thread, clipped sum / aggregated gradient: 2.6x with neither
-        # in the loop, 2.6x with either alone, 3.2x with both.
-        del ctx
-        return False
-
-    def per_example(self, ctx):
-        _, _, dilations, _ = self._attrs(ctx)
-        kh, kw, cin, m = _outer.static_dims(ctx.param)
-        # TF's CPU depthwise backprop-filter kernels reject dilations.
-        folded_ok = max(dilations) == 1 and _folded_kernels_available()
-        if folded_ok and cin * m <= self._FOLDED_MAX_CHANNELS:
-            return self._folded_per_example(ctx)
-        per = self._offsets_per_example(ctx)
-        if per is not None:
-            return per
-        if folded_ok:
-            return self._folded_per_example(ctx)
-        patches, g = self._patches(ctx)
-        batch = tf.shape(patches)[0]
-        patches = tf.reshape(patches, [batch, -1, kh * kw, cin])
-        g = tf.reshape(g, [batch, -1, cin, m])
-        per = tf.einsum("bpkc,bpcm->bkcm", patches, g)
-        return tf.reshape(per, [batch, kh, kw, cin, m])
-
-    # Per example, the stacked windows `[kh*kw, Cin, P]` up to this many
-    # elements are contracted in one batched matmul; beyond it offset by
-    # offset (the stack holds kh*kw copies of the image). B=256, 28x28,
-    # Cin=32, M=2, 1 thread: stacked 344 ms, per offset 407 ms, per offset
-    # with each window transposed 519 ms (the summed kernel: 122 ms).
-    _STACKED_MAX_ELEMENTS = 1 << 18
-
-    def _offsets_per_example(self, ctx):
-        """`[B, kh, kw, Cin, M]`: channel by channel, batched matmuls
-        `[B*Cin, kh*kw, P] x [B*Cin, P, M]` (all offsets at once when the
-        stack is small, else one offset at a time); image and dz are
-        transposed to channels-first once."""
-        kh, kw, cin, m = _outer.static_dims(ctx.param)
-        found = self._offset_windows(ctx, channels_first=True)
-        if found is None:
-            return None
-        windows, g, batch, positions = found                 # [B, Cin, P]
-        g = tf.transpose(tf.reshape(g, [batch, positions, cin, m]),
-                         [0, 2, 1, 3])                        # [B, Cin, P, M]
-        if kh * kw * cin * positions <= self._STACKED_MAX_ELEMENTS:
-            per = tf.matmul(tf.stack(windows, axis=2), g)     # [B, Cin, K, M]
-        else:
-            per = tf.stack([tf.matmul(w[:, :, None, :], g)[:, :, 0, :]
-                            for w in windows], axis=2)       # [B, Cin, K, M]
-        per = tf.transpose(per, [0, 2, 1, 3])                 # [B, K, Cin, M]
-        return tf.reshape(per, [batch, kh, kw, cin, m])
-
-    def _folded_per_example(self, ctx):
-        """`[B, kh, kw, Cin, M]` from one depthwise backprop-filter call.
-
-        A depthwise convolution never mixes channels, so B images folded
-        into one `[1, H, W, B*Cin]` image (channel b*Cin + c) convolved with
-        a `[kh, kw, B*Cin, M]` filter are B independent convolutions; the
-        filter gradient of the folded call is the per-example gradients
-        side by side. Output channel (b*Cin + c)*M + m is exactly the
-        folded `[1, H', W', B*Cin*M]` output gradient.
-        """
-        fmt, strides, dilations, padding = self._attrs(ctx)
-        kh, kw, cin, m = _outer.static_dims(ctx.param)
-        x = ctx.op.inputs[0]
-        batch = tf.shape(x)[0]
-        x = _fold_batch(x, fmt, cin, batch)
-        g = _fold_batch(ctx.grad, fmt, cin * m, batch)
-        explicit = []
-        if padding == "EXPLICIT":
-            explicit = [0, 0] + sum(_explicit_hw_pads(ctx.op, fmt), []) + [0, 0]
-        folded = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=x, filter_sizes=tf.stack([kh, kw, batch * cin, m]),
-            out_backprop=g, strides=[1] + strides + [1], padding=padding,
-            explicit_paddings=explicit, data_format="NHWC",
-            dilations=[1] + dilations + [1])
-        folded = tf.reshape(folded, tf.stack([kh, kw, batch, cin, m]))
-        return tf.transpose(folded, [2, 0, 1, 3, 4])
-
-    def _backprop_filter(self, ctx, g, x=None):
-        fmt, _, _, padding = self._attrs(ctx)
-        op = ctx.op
-        return tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=op.inputs[0] if x is None else x, filter_sizes=tf.shape(op.inputs[1]),
-            out_backprop=g, strides=op.get_attr("strides"), padding=padding,
-            explicit_paddings=op.get_attr("explicit_paddings"),
-            data_format=fmt, dilations=op.get_attr("dilations"))

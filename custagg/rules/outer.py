@@ -55,12 +55,14 @@ class Outer(object):
 
     def grouped(self, num_groups):
         """The Outer of the M group gradients `sum_{b in m} G_b` (M =
-        `num_groups` groups of B/M consecutive examples; M must divide B).
+        `num_groups` groups of B/M consecutive examples; M, an int or a
+        scalar tensor, must divide B).
         With `num_groups` a `segments.Segments` (groups by fed ids), a
         `SegmentedOuter`."""
         if isinstance(num_groups, segments_lib.Segments):
             return SegmentedOuter(self, num_groups)
-        if num_groups == _static(self.a.shape[0]):
+        if isinstance(num_groups, int) and \
+                num_groups == _static(self.a.shape[0]):
             return self
         d, k = _static(self.a.shape[2]), _static(self.g.shape[2])
         a = tf.reshape(self.a, [num_groups, -1, d if d is not None else

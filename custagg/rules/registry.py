@@ -81,6 +81,16 @@ class RuleContext(collections.namedtuple(
         return self.op.inputs[1 - self.input_index]
 
 
+
+def cached(ctx, key, build):
+    """`build()`, once per context: kept in `ctx.cache[key]` when the
+    context has a cache (one shared pass), built afresh when it has none."""
+    if ctx.cache is None:
+        return build()
+    if key not in ctx.cache:
+        ctx.cache[key] = build()
+    return ctx.cache[key]
+
 class Rule(object):
     """Per-example maths of one op type (see the module docstring)."""
 
@@ -132,11 +142,7 @@ class Rule(object):
 
     def cached_per_example(self, ctx):
         """`per_example(ctx)`, built once per context when it has a cache."""
-        if ctx.cache is None:
-            return self.per_example(ctx)
-        if "per_example" not in ctx.cache:
-            ctx.cache["per_example"] = self.per_example(ctx)
-        return ctx.cache["per_example"]
+        return cached(ctx, "per_example", lambda: self.per_example(ctx))
 
     def has_per_example(self, ctx):
         """Whether per-example gradients were already built for `ctx`."""

@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import weakref
 
+from custagg import op_kinds
 from custagg._tf_compat import backprop_util
 from custagg._tf_compat import ops
 from custagg.rules import sparse_segments
-
-# Ops between a parameter and the op that uses it that the rules see through:
-# they change neither values nor (up to a reshape) layout.
-PASS_THROUGH = frozenset(["ReadVariableOp", "Identity", "Snapshot", "Cast",
-                          "ExpandDims", "Reshape", "Squeeze"])
 
 
 def gradient_override(op):
@@ -62,12 +58,14 @@ def _float_or_handle(t):
 def passes_through(op, k, live):
     """Whether the rules may see through input `k` of `op` to its output.
 
-    Besides `PASS_THROUGH`, a table lookup that feeds only sparse segment
-    reductions (`sparse_segments.lookup_into_segments`: feature columns'
+    Ops that keep the value (`op_kinds.KEEPS_VALUES`: between a parameter
+    and its user they change neither values nor, up to a reshape, layout),
+    and a table lookup that feeds only sparse segment reductions
+    (`sparse_segments.lookup_into_segments`: feature columns'
     `embedding_lookup_sparse`), whose rule keys rows by table row."""
     if k != 0 or op not in live:
         return False
-    if op.type not in PASS_THROUGH and not (
+    if op.type not in op_kinds.KEEPS_VALUES and not (
             sparse_segments.lookup_into_segments(op)):
         return False
     if gradient_override(op) is not None:

@@ -20,16 +20,10 @@ back.
 
 import tensorflow as tf
 from custagg import _tf_compat
+from custagg import op_kinds
 from custagg._tf_compat import tensor_util
 from custagg.rules import gather as gather_rules
 from custagg.rules import registry
-
-# (The `...WithNumSegments` variants would take the same rule; they are
-# left out until a model needs them.)
-_OPS = ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN")
-
-
-OP_TYPES = frozenset(_OPS)
 
 
 def lookup_into_segments(op):
@@ -39,7 +33,7 @@ def lookup_into_segments(op):
     The rules then see through it (`shortcuts.passes_through`): the
     gathered rows are not examples, but the segment rule reads the ids
     and keys each example's gradient rows by table row."""
-    if op.type not in ("ResourceGather", "GatherV2") or \
+    if op.type not in op_kinds.RULE_GATHERS or \
             op.get_attr("batch_dims") != 0:
         return False
     if op.type == "GatherV2":
@@ -54,23 +48,20 @@ def lookup_into_segments(op):
         if not consumers:
             return False
         for c in consumers:
-            if c.type in _IDENTITIES:       # embedding_lookup's Identity
+            if c.type in op_kinds.IDENTITIES:   # embedding_lookup's Identity
                 stack.append(c.outputs[0])
                 continue
-            if c.type not in OP_TYPES or c.inputs[0] is not t or \
-                    any(u is t for u in c.inputs[1:]):
+            if c.type not in op_kinds.SPARSE_SEGMENT_REDUCTIONS or \
+                    c.inputs[0] is not t or any(u is t for u in c.inputs[1:]):
                 return False
             ends.append(c)
     return bool(ends) and _table_dims(op) is not None
 
 
-_IDENTITIES = frozenset(["Identity", "Snapshot"])
-
-
 def _lookup_of(data):
     """The gather op behind `data` (through identities), or None."""
     t = data
-    while t.op.type in _IDENTITIES:
+    while t.op.type in op_kinds.IDENTITIES:
         t = t.op.inputs[0]
     return t.op if lookup_into_segments(t.op) else None
 
@@ -120,7 +111,7 @@ class _Entries(object):
             self.values, pos, tf.size(unique, out_type=tf.int64))
 
 
-@registry.register_rule(*_OPS)
+@registry.register_rule(*sorted(op_kinds.SPARSE_SEGMENT_REDUCTIONS))
 class SparseSegmentRule(registry.Rule):
     """Per-example gradient of `data`: `[B, U, *D]` (U rows of data); of
     the table `[B, V, *D]` when data is a lookup the rules see through

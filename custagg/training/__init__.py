@@ -1,13 +1,9 @@
-"""Training on custagg's gradients: optimizer wrappers and multi-worker steps.
+"""Training on custagg's gradients: the optimizer wrappers without DP.
 
-  optimizers   `PerExampleOptimizer`, `WeightedOptimizer`, `ClippedOptimizer`,
-               `DPOptimizer` (wrap any `tf.compat.v1.train` optimizer); public
-               as `custagg.optimizers`
-  distributed  DP optimizers on TF's distributed runtime; public as
-               `custagg.distributed`
+  optimizers   `PerExampleOptimizer` (`sum_i g_i`), `WeightedOptimizer`
+               (`sum_i f_i g_i`); wrap any `tf.compat.v1.train` optimizer
 
-`optimizers` sits below `custagg.privacy` (TF Privacy's DP classes are
-built on its helpers); `distributed` sits above it (it also wraps
-`custagg.privacy.dp_optimizer`'s Gaussian-query classes). See
-docs/architecture.md.
+The DP wrappers (`DPOptimizer`, `ClippedOptimizer`) and multi-worker DP
+training build on these in `custagg.privacy`; all are public as
+`custagg.optimizers` and `custagg.distributed`. See docs/architecture.md.
 """

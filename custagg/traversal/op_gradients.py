@@ -19,6 +19,7 @@ import contextlib
 import tensorflow as tf
 
 from custagg import _tf_compat
+from custagg import op_kinds
 from custagg._tf_compat import attr_value_pb2
 from custagg._tf_compat import default_gradient
 from custagg._tf_compat import gen_functional_ops
@@ -26,7 +27,7 @@ from custagg._tf_compat import ops
 
 
 def is_partitioned_call(op):
-    return op.type in ("PartitionedCall", "StatefulPartitionedCall")
+    return op.type in op_kinds.CALLS
 
 
 def lookup(op, src_graph):
@@ -69,7 +70,7 @@ def called_function(op, src_graph):
 
 
 def call(op, grad_fn, func, out_grads, graph, src_graph, gate, gradient_uid,
-         scope_name):
+         scope_name, skip=None):
     """The input gradients of `op` for its output gradients `out_grads`.
 
     Args:
@@ -83,6 +84,9 @@ def call(op, grad_fn, func, out_grads, graph, src_graph, gate, gradient_uid,
       gate: group the input gradients with `tf.tuple`.
       gradient_uid, scope_name: of this gradients call (colocation, the
         XLA scope of separately compiled gradients).
+      skip: indices of inputs whose gradients are not wanted, told to the
+        gradient function as `op.skip_input_indices` (as TF's eager tape
+        does; while_v2's gradient then leaves those captures out).
 
     Returns:
       A list with one gradient (or None) per input of `op` (While ops may
@@ -91,13 +95,19 @@ def call(op, grad_fn, func, out_grads, graph, src_graph, gate, gradient_uid,
     with tf.name_scope(op.name + "_grad"):
         with _tf_compat.original_op(src_graph, op):
             with _xla_scope(op, func, graph, scope_name):
-                if grad_fn is not None:
+                if grad_fn is not None and skip:
+                    op.skip_input_indices = skip
+                    try:
+                        in_grads = grad_fn(op, *out_grads)
+                    finally:
+                        del op.skip_input_indices
+                elif grad_fn is not None:
                     in_grads = grad_fn(op, *out_grads)
                 else:
                     in_grads = symbolic_gradient(op, out_grads)
             in_grads = (list(in_grads) if isinstance(in_grads, (list, tuple))
                         else [in_grads])
-            if op.type not in ("While", "StatelessWhile") and \
+            if op.type not in op_kinds.V2_LOOPS and \
                     len(in_grads) != len(op.inputs):
                 raise ValueError(
                     "Num gradients %d generated for op %s do not match "

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from custagg import _tf_compat
+from custagg import op_kinds
 from custagg._tf_compat import types_pb2
 
 
@@ -169,7 +170,7 @@ class SliceFinder(object):
         else:
             if op.graph is not self._graph:
                 return None
-            if kind in ("GatherV2", "Gather"):
+            if kind in op_kinds.VALUE_GATHERS:
                 index = self._gather_index(op, node_def)
             elif kind == "Unpack":
                 source, _, rank = self._source(op.inputs[0].name)

@@ -57,6 +57,7 @@ import custagg
 import per_example_reference
 from custagg import testing
 from custagg.batch_axis import table as table_lib
+from custagg.per_example import certificate as certificate_lib
 from custagg.per_example import engine as engine_lib
 from custagg.per_example.forms import rows as rows_lib
 
@@ -243,13 +244,17 @@ def test_plan_says_certified_and_why(graph, monkeypatch):
     _hide(monkeypatch, "Tanh")
     _, _, loss, xs = _model(roll=False)
     text = str(custagg.plan_per_example(loss, xs))
-    lines = [l for l in text.splitlines() if "w1" in l or "b1" in l]
+    lines = [l for l in text.splitlines() if l.startswith("  w1") or
+             l.startswith("  b1")]
     assert len(lines) == 2, text
     for line in lines:
         assert "rules (certified at run time) via" in line, text
-        # Why the static proof failed: the op it could not follow.
-        assert "Tanh" in line and "coupling" in line, text
-    w2 = [l for l in text.splitlines() if "w2" in l][0]
+    # Why the static proof failed, once: the op it could not follow, and
+    # the variables it holds up.
+    causes = text.split("why not a cheaper form")[1].splitlines()
+    assert [l for l in causes if "Tanh" in l and "static proof" in l], text
+    assert [l for l in causes if "holds up: w1:0, b1:0" in l], text
+    w2 = [l for l in text.splitlines() if l.startswith("  w2")][0]
     assert "certified" not in w2 and "rules via MatMul" in w2, text
 
 
@@ -262,8 +267,8 @@ def test_certificate_tolerances_are_documented():
     found = re.search(r"with `rtol` (\S+) for float64 and (\S+) for float32",
                       text)
     assert found, "docs/strategies.md no longer states the tolerances"
-    assert engine_lib.CERTIFICATE_RTOL[tf.float64] == float(found.group(1))
-    assert engine_lib.CERTIFICATE_RTOL[tf.float32] == float(found.group(2))
+    assert certificate_lib.CERTIFICATE_RTOL[tf.float64] == float(found.group(1))
+    assert certificate_lib.CERTIFICATE_RTOL[tf.float32] == float(found.group(2))
 
 
 def test_weak_coupling_fails_the_check(graph, monkeypatch):
@@ -495,8 +500,14 @@ def test_non_example_rows_reads_the_graph(graph):
     unique, _ = tf.unique(tf.reshape(labels, [-1]))
     why = _rows_of(tf.gather(table, unique))
     assert why is not None and "Unique" in why, why
+    # A fold of two axes is read either way at run time (example- or
+    # time-major); of three, its order is not read: refused.
     seq = tf.compat.v1.placeholder(tf.float32, [None, None, 4])
     folded = tf.matmul(tf.reshape(seq, [-1, 4]), tf.zeros([4, 2]))
+    assert _rows_of(folded) is None
+    assert rows_lib.fold_of(folded, 0, tf.zeros([3])).either
+    grid = tf.compat.v1.placeholder(tf.float32, [None, None, None, 4])
+    folded = tf.matmul(tf.reshape(grid, [-1, 4]), tf.zeros([4, 2]))
     why = _rows_of(folded)
     assert why is not None and "fold the batch" in why, why
     # Rows a run-time check may well map to examples: not refused.
@@ -640,19 +651,26 @@ def _fold_feed(x, y):
     return feed
 
 
+@pytest.mark.parametrize("time_major", [False, True],
+                         ids=["example-major", "time-major"])
 @pytest.mark.parametrize("batches", BATCHES)
 def test_fold_rows_are_certified_and_the_rules_run(
-        batches, graph, monkeypatch):
-    """W and b on `[B*T]` rows: certified (the fold's order is proved), the
-    check passes at every B, and the values are the rules': the exact form
-    is replaced by a wrong one here, so a step that took it would show."""
-    x, y, loss, xs = _fold_model()
+        batches, graph, monkeypatch, time_major):
+    """W and b on `[B*T]` rows: certified (the fold's order is proved; a
+    time-major `[T, B, H]` fold, row r of example r mod B, is not, so it is
+    read either way: `RowFold.either`, the certificate checking both maps
+    each step and the rules taking the one that holds), the check passes
+    at every B, and the values are the rules': the exact form is replaced
+    by a wrong one here, so a step that took it would show."""
+    x, y, loss, xs = _fold_model(time_major=time_major)
     plan = custagg.plan_per_example(loss, xs)
     assert plan.forms() == ["certified", "certified"], str(plan)
     rows = [op for op in graph.get_operations() if op.type == "MatMul"
             and op.inputs[1].op.inputs[0] is xs[0].handle][0].outputs[0]
     fold = rows_lib.fold_of(rows, 0, loss)
     assert fold is not None and fold.source.shape.rank == 3, fold
+    assert fold.either == time_major, fold
+    assert rows_lib.non_example_rows(rows, 0, loss) is None
 
     _wrong_exact_form(monkeypatch)
     feed = _fold_feed(x, y)
@@ -666,14 +684,18 @@ def test_fold_rows_are_certified_and_the_rules_run(
         assert all(oks), b
 
 
+@pytest.mark.parametrize("time_major", [False, True],
+                         ids=["example-major", "time-major"])
 @pytest.mark.parametrize("batches", BATCHES)
-def test_coupling_across_fold_rows_is_caught(batches, graph, monkeypatch):
+def test_coupling_across_fold_rows_is_caught(batches, graph, monkeypatch,
+                                             time_major):
     """A roll of the `[B*T]` rows by one row (told to keep rows apart, so
     only the certificate stands between it and a wrong value): the check
     fails at B > 1 (passes at B=1, where the roll stays inside the one
-    example) and every value is exact."""
+    example) and every value is exact; a time-major fold (read either way
+    at run time) fails both maps."""
     _tell_apart(monkeypatch, "Roll")
-    x, y, loss, xs = _fold_model(roll=True)
+    x, y, loss, xs = _fold_model(roll=True, time_major=time_major)
     plan = custagg.plan_per_example(loss, xs)
     assert plan.forms() == ["certified", "certified"], str(plan)
     feed = _fold_feed(x, y)
@@ -687,30 +709,16 @@ def test_coupling_across_fold_rows_is_caught(batches, graph, monkeypatch):
         assert all(oks) == (b == 1), b
 
 
-def test_time_major_fold_stays_refused(graph):
-    """Rows of `[T, B, H]` reshaped to `[T*B, H]` (example r mod B): the
-    fold's proof reads example-major folds only, so the rows are refused
-    (`rows.non_example_rows`), the plan is not certified, and the values
-    are exact (another form)."""
-    x, y, loss, xs = _fold_model(time_major=True)
-    rows = [op for op in graph.get_operations() if op.type == "MatMul"
-            and op.inputs[1].op.inputs[0] is xs[0].handle][0].outputs[0]
-    assert rows_lib.fold_of(rows, 0, loss) is None
-    why = rows_lib.non_example_rows(rows, 0, loss)
-    assert why is not None and "fold the batch" in why, why
-    plan = custagg.plan_per_example(loss, xs)
-    assert "certified" not in plan.forms(), str(plan)
-    for b, values in _run(graph, x, y, loss, xs, DEFAULT_BATCHES,
-                          feed_fn=_fold_feed(x, y)).items():
-        _check_exact(values, "time-major fold B=%d" % b)
-
-
-def test_fold_rows_group_quantities_are_exact(graph, monkeypatch):
-    """The other quantities of rules on fold rows (`engine.FoldedRows`):
+@pytest.mark.parametrize("time_major", [False, True],
+                         ids=["example-major", "time-major"])
+def test_fold_rows_group_quantities_are_exact(graph, monkeypatch,
+                                              time_major):
+    """The other quantities of rules on fold rows (`folded_rows.FoldedRows`):
     microbatch norms (M=3 at B=6), norms of users' sums (fed group ids) and
     the elementwise second moments, against the loop reference; the exact
-    form replaced by a wrong one (its check passes: the rules' values)."""
-    x, y, loss, xs = _fold_model()
+    form replaced by a wrong one (its check passes: the rules' values);
+    for an example-major fold and a time-major one (read at run time)."""
+    x, y, loss, xs = _fold_model(time_major=time_major)
     _wrong_exact_form(monkeypatch)
     users = tf.compat.v1.placeholder(tf.int32, [None], name="users")
     fetches = {
@@ -810,7 +818,10 @@ def test_gather_of_fed_ids_outside_the_region_is_no_chain(graph):
     plan = custagg.plan_per_example(loss, xs)
     assert plan.forms() == ["certified"] * 3, str(plan)
     line = str(plan).splitlines()[1]
-    assert "via ResourceGather" in line and "Reshape" in line, str(plan)
+    assert "via ResourceGather" in line, str(plan)
+    # The cause, once, after the variables: the reshape the proof stopped at.
+    assert "Reshape" in str(plan).split("why not a cheaper form")[1], \
+        str(plan)
     assert "(through" not in line, str(plan)
 
 
@@ -979,13 +990,13 @@ def test_path_rtol_is_the_least_precise_dtype_to_the_loss(graph):
     x, _, loss, _ = _float32_loss_model(0.0)
     ancestors = set(walks.upstream([loss]))
     hidden = [op for op in graph.get_operations() if op.type == "Tanh"][0]
-    assert engine_lib.path_rtol(hidden.outputs[0], ancestors) == \
-        engine_lib.CERTIFICATE_RTOL[tf.float32]
+    assert certificate_lib.path_rtol(hidden.outputs[0], ancestors) == \
+        certificate_lib.CERTIFICATE_RTOL[tf.float32]
     # A float64 path: float64's own tolerance.
     z = tf.matmul(x, tf.ones([D_IN, 2], tf.float64))
     plain = tf.reduce_sum(tf.square(z), 1)
-    assert engine_lib.path_rtol(z, set(walks.upstream([plain]))) == \
-        engine_lib.CERTIFICATE_RTOL[tf.float64]
+    assert certificate_lib.path_rtol(z, set(walks.upstream([plain]))) == \
+        certificate_lib.CERTIFICATE_RTOL[tf.float64]
 
 
 @pytest.mark.parametrize("batches", BATCHES)

@@ -36,8 +36,9 @@ import tensorflow as tf
 
 import custagg
 import per_example_reference
-from custagg import batch_axis
+from custagg import op_kinds
 from custagg.graph import walks
+from custagg.per_example import certificate as certificate_lib
 from custagg.per_example import engine as engine_lib
 
 import test_certified
@@ -66,7 +67,7 @@ def _rnn_model(roll):
 
 def _originals(graph):
     return [op for op in graph.get_operations()
-            if op.type in batch_axis.LOOP_TYPES]
+            if op.type in op_kinds.V2_LOOPS]
 
 
 def _ran_loops(fetches, feed):
@@ -162,7 +163,7 @@ def test_a_certified_step_runs_one_forward_of_the_loop(roll, graph,
 def _fail_every_check(monkeypatch):
     """Every certificate fails at every step: the exact form gives every
     certified value."""
-    monkeypatch.setattr(engine_lib, "_agree",
+    monkeypatch.setattr(certificate_lib, "_agree",
                         lambda *args: tf.constant(False))
 
 
@@ -233,3 +234,39 @@ def test_checks_after_the_loop_are_copied(graph):
     copied = [op for op in behind if op.type == "Assert"
               and "loop_rules_one_pass" in op.name]
     assert len(copied) == len(after), [op.name for op in copied]
+
+
+def test_the_certificate_runs_only_its_seeded_pass(graph, monkeypatch):
+    """The check at the loop's outputs reads g1 from the rules' shared pass
+    (`SharedPass.check_gradient`), so the certificate builds one backward
+    pass, the seeded one (issue 34: a pass of its own to the outputs was
+    the whole backward pass below them once more); the values stay the
+    loop reference's (float64, B in {1, 7})."""
+    test_certified._hide(monkeypatch, "Softplus")  # pylint: disable=protected-access
+    loss, xs, feed = _rnn_model(False)
+    calls = []
+    real = certificate_lib.gradients
+
+    def counted(ys, targets, **kwargs):
+        calls.append(kwargs.get("grad_ys") is not None)
+        return real(ys, targets, **kwargs)
+    monkeypatch.setattr(certificate_lib, "gradients", counted)
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms() == ["certified", "certified", "rules"], str(plan)
+    engine = engine_lib.Engine(plan, 32)
+    uses = [c for a in plan.assignments for c in a.consumers
+            if getattr(c, "checks", None)]
+    assert uses, "no check at the loop's outputs"
+    for a in plan.assignments:
+        engine.certificate(a)
+    assert calls == [True], calls
+    for u in uses:
+        for t, _ in u.checks:
+            found, g1 = engine.shared.check_gradient(
+                engine.shared.tensor_of(t))
+            assert found and g1 is not None, t
+    values = test_certified._run(  # pylint: disable=protected-access
+        graph, None, None, loss, xs, BATCHES, feed_fn=feed)
+    assert sorted(values) == list(BATCHES)
+    for b, got in values.items():
+        per_example_reference.assert_exact(got, "rnn B=%d" % b, RTOL)

@@ -7,9 +7,10 @@ one backward pass differentiates that loss. So when only per-example
 quantities are fetched the original loop never runs: the graph behind the
 fetches holds, per loop, the tapped rebuild, its gradient loop and a loop
 of the iteration counter only (no float state). What cannot be copied
-after the loop (dropout: a copy would draw other numbers), a condition on
-the loop's float state and v1 frames keep the two-pass build, whose values
-are checked here too; certified xs next to the loop rules (bilstm_tagger's
+after the loop (a random op drawing by more than shapes, a side effect), a
+condition on the loop's float state and v1 frames keep the two-pass build,
+whose values are checked here too; dropout after the loop (drawn by the
+output's shape) keeps its mask: the copy reads the original draw; certified xs next to the loop rules (bilstm_tagger's
 projection on folded rows) take the one pass, checked on its graph. Values: the loop reference (one tf.gradients per
 example), float64, B in {1, 7} (`-m slow`: {32, 33}).
 """
@@ -19,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
-from custagg import batch_axis
+from custagg import op_kinds
 from custagg.graph import walks
 
 import test_loop_rules
@@ -35,7 +36,7 @@ FLOATS = frozenset([tf.float16, tf.bfloat16, tf.float32, tf.float64])
 
 def _loops(graph):
     return [op for op in graph.get_operations()
-            if op.type in batch_axis.LOOP_TYPES]
+            if op.type in op_kinds.V2_LOOPS]
 
 
 def _carries_floats(loop):
@@ -51,7 +52,7 @@ def _clipped_fetches(loss, xs):
 def _reached(fetches, before):
     """(original loops the fetches run, new loops they run)."""
     behind = walks.upstream(fetches, control=True)
-    loops = [op for op in behind if op.type in batch_axis.LOOP_TYPES]
+    loops = [op for op in behind if op.type in op_kinds.V2_LOOPS]
     return ([op for op in loops if op in before],
             [op for op in loops if op not in before])
 
@@ -146,8 +147,6 @@ def test_rules_below_the_loop_take_the_rebuilt_loops_gradient(graph,
 
 
 def _dropout_after_loop():
-    def prep(h):
-        return h
     x, y = test_loops._inputs()  # pylint: disable=protected-access
     rng = np.random.default_rng(3)
     w = tf.compat.v1.Variable(
@@ -160,28 +159,47 @@ def _dropout_after_loop():
 
     _, h = tf.compat.v1.while_loop(lambda t, h: t < test_loops.T, body,
                                    [0, h0])
-    h = tf.nn.dropout(prep(h), rate=0.4, seed=7)
+    h = tf.nn.dropout(h, rate=0.4, seed=7)
     loss, head = test_loops._head(h, y)  # pylint: disable=protected-access
     return loss, [w] + head, test_loops._feed(x, y)  # pylint: disable=W0212
 
 
-def test_dropout_after_the_loop_keeps_two_passes_and_is_exact(graph):
-    """A copy of the dropout would draw another mask than the loss's: the
-    original loop runs (two passes) and the values are the reference's,
-    fetched in the same run (one mask)."""
+def _random_ops(fetches):
+    return [op for op in walks.upstream(fetches, control=True)
+            if op.type in op_kinds.RANDOM]
+
+
+@pytest.mark.parametrize("batches", [
+    BATCHES, pytest.param(LARGE_BATCHES, marks=pytest.mark.slow)])
+def test_dropout_after_the_loop_keeps_its_mask_in_one_pass(graph, batches):
+    """Dropout after the loop draws by the loop output's shape only: the
+    one pass reads the original draw (the mask the loss uses: no second
+    RandomUniform) instead of falling back to two passes. So the loop's
+    backward runs once, the rebuilt loop's (no second tapped rebuild, no
+    gradient of the original loop); the original loop runs forward only,
+    for the shape the mask is drawn at. Values: the reference's, fetched
+    in the same run (one mask)."""
     loss, xs, feed = _dropout_after_loop()
     plan = custagg.plan_per_example(loss, xs)
     assert plan.forms()[0] == "loop-rules", str(plan)
     before = set(_loops(graph))
+    randoms = set(_random_ops([loss]))
+    assert len(before) == 1 and len(randoms) == 1
     sums, norms = custagg.clipped_gradients(loss, xs, 0.3,
                                             return_norms=True)
     per_example = custagg.per_example_gradients(loss, xs)
-    originals, _ = _reached([norms] + list(sums), before)
-    assert originals, "the dropout was copied"
-    refs = {b: test_loops.loop_reference(loss, xs, b) for b in BATCHES}
+    fetches = [norms] + [tf.convert_to_tensor(t) for t in sums]
+    originals, new = _reached(fetches, before)
+    # The tapped rebuild, its gradient and the iteration counter: the
+    # two-pass build would add a second rebuild and its gradient.
+    assert len(new) == 3, [op.name for op in new]
+    assert len([op for op in new if _carries_floats(op)]) == 2
+    assert originals == list(before), "no forward of the original loop?"
+    assert set(_random_ops(fetches)) == randoms, "the dropout was copied"
+    refs = {b: test_loops.loop_reference(loss, xs, b) for b in batches}
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        for b in BATCHES:
+        for b in batches:
             got_sums, got_norms, got_pe, want = sess.run(
                 [sums, norms, per_example, refs[b]],
                 feed(b, np.random.default_rng(b)))

@@ -36,13 +36,15 @@ from custagg import testing
 
 from benchmarks import tf1_models
 
+import per_example_reference as ref
+
 RTOL = {tf.float64: 1e-9, tf.float32: 1e-4}
 DEFAULT_BATCHES = (1, 7)
 SLOW_BATCHES = (32, 33)
 
 # Too slow to build for the default run today (see the module docstring).
 # in_batch_softmax (a control, exact today) only for the budget.
-SLOW_MODELS = {"bilstm_tagger", "ptb_lm", "in_batch_softmax"}
+SLOW_MODELS = {"bilstm_tagger", "ptb_lm", "in_batch_softmax", "bilstm_crf"}
 
 # tf.compat.v1.losses computes every loss in float32
 # (`compute_weighted_loss` casts the losses to float32 and back): the
@@ -81,11 +83,6 @@ def _cases():
     return cases
 
 
-def _scale(arrays):
-    return max([float(np.max(np.abs(a))) if a.size else 0.0
-                for a in arrays] + [0.0])
-
-
 @pytest.mark.skipif(not tf1_models.has_tf1_layers(),
                     reason="tf.compat.v1.layers and the v1 RNN cells need "
                            "the tf-keras package on this TensorFlow")
@@ -119,42 +116,16 @@ def test_tf1_model_matches_loop(name, batches, graph):
                      batch != batches[-1] else None)
             feed = model.feed(rng, batch, steps)
             run = dict(fetches, ref=fetches["ref"][:batch])
-            # Twice: the first run finds C, the median norm of the feed
-            # (1 where that is 0: in_batch_softmax at B=1 has loss 0).
-            feed[clip] = 1.0
-            values = sess.run(run, feed)
-            feed[clip] = float(np.median(testing.numpy_norms(
-                _stacked(values["ref"])))) or 1.0
-            values = sess.run(run, feed)
-            _check(values, feed[clip], RTOL[dtype],
-                   CLIP_RTOL.get(name, RTOL[dtype]),
-                   "%s %s B=%d T=%s" % (name, dtype.name, batch, steps))
+            # C the median norm (1 where that is 0: in_batch_softmax at
+            # B=1 has loss 0).
+            values = ref.run_at_median_clip(sess, run, feed, clip)
+            ref.check_model_values(
+                values, feed[clip], RTOL[dtype],
+                "%s %s B=%d T=%s" % (name, dtype.name, batch, steps),
+                clip_rtol=CLIP_RTOL.get(name, RTOL[dtype]))
 
 
 def _short_steps(name):
     # One less than the model's own T (benchmarks/tf1_models.py).
-    return {"transformer": 4, "bilstm_tagger": 3, "ptb_lm": 3}[name]
-
-
-def _stacked(rows):
-    return [np.stack(col) for col in zip(*rows)]
-
-
-def _check(values, clip_value, rtol, clip_rtol, label):
-    per_example = _stacked(values["ref"])
-    # Entries zero up to rounding (the attention key bias) are judged on the
-    # scale of all the model's per-example gradients.
-    scale = _scale(per_example)
-    for j, g in enumerate(per_example):
-        testing.assert_close(values["per_example"][j], g, rtol,
-                             "%s per_example[%d]" % (label, j), scale)
-    norms = testing.numpy_norms(per_example)
-    sums, _ = testing.numpy_clipped(per_example, clip_value)
-    clipped, clip_norms = values["clipped"]
-    testing.assert_close(clip_norms, norms, rtol, label + " clip norms")
-    if "norms" in values:
-        testing.assert_close(values["norms"], norms, rtol, label + " norms")
-    sum_scale = _scale(sums)
-    for j, s in enumerate(sums):
-        testing.assert_close(clipped[j], s, clip_rtol,
-                             "%s clipped[%d]" % (label, j), sum_scale)
+    return {"transformer": 4, "bilstm_tagger": 3, "ptb_lm": 3,
+            "bilstm_crf": 3}[name]

@@ -174,7 +174,9 @@ def tensordot_dense(depth_dynamic):
 
 def folded_rows_not_a_fold(dtype, rng):
     """A reshape `[B, 4, 3] -> [B*2, 6]` before a MatMul: rows are not
-    (example, t) pairs of the last axis, so no rule claims it."""
+    (example, t) pairs of the last axis, so the static proof does not
+    claim it; rows 2b and 2b+1 are example b's, so the run-time certificate
+    (a fold read example-major) takes the rule and must match the loop."""
     w = var(rng, [6, 2], dtype)
     return Problem([w], [floats(4, 3)],
                    lambda x: head(tf.reshape(
@@ -347,6 +349,12 @@ NO_CPU_DILATED_GRAD = ("TensorFlow has no CPU filter gradient for a dilated "
 # TF's pfor converter for Conv2DBackpropFilter drops explicit_paddings
 # ("explicit_paddings attribute must contain 8 values, but got: 0").
 PFOR_EXPLICIT = "TF's pfor of Conv2DBackpropFilter loses explicit_paddings"
+# The boundary form's per-example copy of a transposed convolution keeps
+# the batch's output size `[B, H, W, C]` (its input_sizes): a graph-time
+# shape error (a gap of the copies, not of the rule).
+PFOR_TRANSPOSED_SIZES = {"pfor": "the boundary form's copy of "
+                                 "Conv2DBackpropInput keeps the batch's "
+                                 "input_sizes"}
 
 
 def conv2d(strides=1, padding="SAME", dilations=1, kernel=(3, 3),
@@ -409,6 +417,25 @@ def depthwise_nchw(dtype, rng):
     return Problem([f], [floats(2, 5, 5)], lambda x: head(
         tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME",
                                data_format="NCHW")))
+
+
+def atrous_conv2d(dtype, rng):
+    f = var(rng, [3, 2, 2, 3], dtype)
+    return Problem([f], [floats(7, 6, 2)], lambda x: head(
+        tf.nn.atrous_conv2d(x, f, 2, "SAME")))
+
+
+def conv2d_transpose(dtype, rng):
+    f = var(rng, [3, 3, 3, 2], dtype)
+    return Problem([f], [floats(4, 3, 2)], lambda x: head(
+        tf.nn.conv2d_transpose(x, f, tf.stack([tf.shape(x)[0], 8, 6, 3]),
+                               2, "SAME")))
+
+
+def conv3d(dtype, rng):
+    f = var(rng, [2, 3, 2, 2, 3], dtype)
+    return Problem([f], [floats(4, 5, 3, 2)], lambda x: head(
+        tf.nn.conv3d(x, f, [1, 1, 2, 1, 1], "SAME")))
 
 
 # --------------------------------------------------------------------------
@@ -586,7 +613,7 @@ SPECS = (
     [Spec("matmul_tensordot_folded_rows", "MatMul", tensordot_dense(False)),
      Spec("matmul_tensordot_dynamic_T", "MatMul", tensordot_dense(True)),
      Spec("matmul_reshape_not_a_fold", "MatMul", folded_rows_not_a_fold,
-          expect="pfor", rules_error="mixes examples")] +
+          expect="certified", rules_error="mixes examples")] +
     [Spec("dense_bias_add", "BiasAdd", dense_bias_add),
      Spec("bias_add_nhwc", "BiasAdd", bias_add("NHWC")),
      Spec("bias_add_nchw", "BiasAdd", bias_add("NCHW")),
@@ -667,11 +694,15 @@ SPECS = (
           depthwise(padding=[[0, 0], [1, 2], [0, 1], [0, 0]])),
      # tf.nn.depthwise_conv2d builds dilations as SpaceToBatchND around a
      # non-dilated DepthwiseConv2dNative (the CPU kernel has no dilations);
-     # SpaceToBatchND folds image blocks into the batch axis, so examples
-     # are not rows of the op any more: auto falls back to pfor.
+     # SpaceToBatchND stacks image blocks on the batch axis (row k*B + b of
+     # example b) and the rule reads them back per example after the
+     # BatchToSpaceND (rules/conv_views.py).
      Spec("depthwise_dilation2_space_to_batch", "DepthwiseConv2dNative",
-          depthwise(dilations=[2, 2]), expect="pfor",
-          rules_error="BatchToSpaceND"),
+          depthwise(dilations=[2, 2])),
+     Spec("atrous_conv2d_space_to_batch", "Conv2D", atrous_conv2d),
+     Spec("conv2d_transpose_stride2", "Conv2DBackpropInput",
+          conv2d_transpose, limits=PFOR_TRANSPOSED_SIZES),
+     Spec("conv3d_same", "Conv3D", conv3d),
      Spec("conv1d_same_stride2", "Conv2D", conv1d(stride=2)),
      Spec("conv1d_valid_dilation2", "Conv2D",
           conv1d(padding="VALID", dilation=2), limits=NO_GRAD),

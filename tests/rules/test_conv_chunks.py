@@ -23,6 +23,7 @@ import tensorflow as tf
 import custagg
 from custagg import testing
 from custagg.rules import conv
+from custagg.rules import conv2d
 
 tf1 = tf.compat.v1
 
@@ -113,10 +114,10 @@ def _chunk_of(size, monkeypatch):
     """Forces the rules' chunk to `size` examples: a Python int, or with
     "tensor" a run-time value (the dynamic-shape path)."""
     if size == "tensor":
-        monkeypatch.setattr(conv._ConvBase, "_chunk_size",
+        monkeypatch.setattr(conv.ConvBase, "_chunk_size",
                             lambda self, ctx: tf.constant(3))
     else:
-        monkeypatch.setattr(conv._ConvBase, "_chunk_size",
+        monkeypatch.setattr(conv.ConvBase, "_chunk_size",
                             lambda self, ctx: size)
 
 
@@ -199,7 +200,7 @@ def test_chunked_at_and_off_a_multiple_of_32(name, batch, monkeypatch):
 def test_chunk_size_static_and_dynamic_agree(sess, monkeypatch):
     """The chunk size from the budget: a Python int with static H and W, a
     run-time tensor without them, the same value; at least one example."""
-    rule = conv.Conv2DRule()
+    rule = conv2d.Conv2DRule()
     f = tf.Variable(tf.ones([3, 3, 4, 8]))
     sizes, images = [], []
     for shape in ([None, 10, 10, 4], [None, None, None, 4]):
@@ -230,7 +231,7 @@ def test_weighted_sum_is_one_backprop_filter_call(graph):
     ctx = conv.registry.RuleContext(z.op, 1, tf.ones_like(z), tf.shape(x)[0],
                                     {})
     before = set(graph.get_operations())
-    conv.Conv2DRule().weighted_sum(ctx, tf.ones([tf.shape(x)[0]]))
+    conv2d.Conv2DRule().weighted_sum(ctx, tf.ones([tf.shape(x)[0]]))
     types = [op.type for op in graph.get_operations() if op not in before]
     assert types.count("Conv2DBackpropFilter") == 1, types
     assert not {"BatchMatMulV2", "While", "StatelessWhile", "Enter"} & set(
@@ -288,8 +289,13 @@ def _two_conv_net(x, dtype, rng, shared_bias=False):
     return tf.reduce_sum(tf.sin(logits), axis=1), [w1, w2, dense, bias]
 
 
-def _check_two_conv(batch, dtype, chunk, monkeypatch):
+def _check_two_conv(batch, dtype, chunk, monkeypatch, cost_model=False):
+    """`cost_model=False`: both convolutions in the joint chunk loop (the
+    bound on output positions off); True: as the rules choose (the second
+    convolution's 16 positions keep its weighted backprop-filter call)."""
     _chunk_of(chunk, monkeypatch)
+    if not cost_model:
+        monkeypatch.setattr(conv.ConvBase, "_CHUNK_CLIP_MIN_POSITIONS", 0)
     rng = np.random.RandomState(100 + batch)
     static_x = tf1.placeholder(dtype, [batch, 16, 16, 1])
     dynamic_x = tf1.placeholder(dtype, [None, 16, 16, 1])
@@ -306,10 +312,16 @@ def _check_two_conv(batch, dtype, chunk, monkeypatch):
     # The convolutions' sums come from the chunk loop: no weighted filter
     # gradient outside it (TF's Conv2D gradient in the shared pass builds
     # one too, unfetched: the session prunes it).
-    outside = [op.name for op in new if op.type == "Conv2DBackpropFilter"
+    outside = [op for op in new if op.type == "Conv2DBackpropFilter"
                and "clipped_chunks" not in op.name
                and "per_example_rules/gradients/" not in op.name]
-    assert not outside, outside
+    if cost_model:
+        # The second convolution's weighted sum is one call on its 8x8
+        # image, outside the loop; the first's (16x16) is not.
+        assert [op.inputs[0].shape[1] for op in outside] == [8], \
+            [op.name for op in outside]
+    else:
+        assert not outside, [op.name for op in outside]
     assert any("clipped_chunks" in op.name for op in new)
     data = rng.randn(batch, 16, 16, 1).astype(dtype.as_numpy_dtype)
     rtol = 1e-9 if dtype == tf.float64 else 1e-4
@@ -344,6 +356,31 @@ def test_clipped_sum_from_chunk_kernels_joint_budget(monkeypatch):
     _check_two_conv(7, tf.float64, 5, monkeypatch)
 
 
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32],
+                         ids=lambda d: d.name)
+def test_clipped_sum_chunk_loop_only_where_it_saves(dtype, monkeypatch):
+    """The cost model (`_CHUNK_CLIP_MIN_POSITIONS`): the first convolution
+    (256 output positions) takes its share from the chunk kernels, the
+    second (16 positions: the pass over its kernels would cost more than
+    the filter-gradient call) keeps one weighted call; exact either way."""
+    _check_two_conv(7, dtype, 2, monkeypatch, cost_model=True)
+
+
+def test_chunk_clip_ready_reads_the_positions(graph):
+    """64 output positions or fewer, or positions not static: not in the
+    joint loop; more: in it."""
+    rule = conv2d.Conv2DRule()
+    f = tf.Variable(tf.ones([3, 3, 4, 8]))
+    ready = {}
+    for side in (8, 9, None):
+        x = tf1.placeholder(tf.float32, [None, side, side, 4])
+        z = tf.nn.conv2d(x, f, 1, "SAME")
+        ctx = conv.registry.RuleContext(z.op, 1, tf.ones_like(z),
+                                        tf.shape(x)[0], {})
+        ready[side] = rule.chunk_clip_ready(ctx)
+    assert ready == {8: False, 9: True, None: False}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [32, 33])
 def test_clipped_sum_from_chunk_kernels_at_and_off_32(batch, monkeypatch):
@@ -376,3 +413,61 @@ def test_clipped_sum_from_chunk_kernels_not_with_groups_or_per_x(graph):
     assert any(op.type == "DepthwiseConv2dNativeBackpropFilter"
                and "per_example_rules/gradients/" not in op.name
                for op in new)
+
+
+# --- a one-element filter's sum in the chunk loop (issue 34) -----------------
+
+def _signal_model(dtype):
+    """A 1-D signal model written as `tf.compat.v1.layers` code writes it:
+    a `[None, T, 1]` placeholder (dynamic batch, one input channel), a
+    1x1 `conv1d` gate with one filter (its kernel `[1, 1, 1]` has ONE
+    element), a `conv1d` of 4 filters and a dense head."""
+    x = tf1.placeholder(dtype, [None, 12, 1])
+    init = tf1.random_normal_initializer(seed=5)
+    gate = tf1.layers.conv1d(x, 1, 1, use_bias=False, kernel_initializer=init,
+                             name="gate")
+    h = tf1.layers.conv1d(x * tf.sigmoid(gate), 4, 3, activation=tf.tanh,
+                          kernel_initializer=init, name="conv")
+    logits = tf1.layers.dense(tf1.layers.flatten(h), 2,
+                              kernel_initializer=init, name="head")
+    loss = tf.reduce_sum(tf.sin(logits), axis=1)
+    return x, loss, tf1.trainable_variables()
+
+
+@pytest.mark.parametrize("folded", ["0", ""], ids=["no-fold", "default"])
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float32],
+                         ids=lambda d: d.name)
+def test_conv1d_one_element_filter_dynamic_batch(dtype, folded, monkeypatch):
+    """`clipped_gradients` raised at graph construction ("enters the loop
+    with shape (1,), but has shape (None,) after one iteration"): the gate's
+    one-element filter sum, a chunk-loop variable, lost its static shape
+    where the per-example kernels come from the windows (float64, or
+    float32 without the folded kernels). Exact against the loop reference
+    at B in {1, 3, 7}, each in chunks of 2."""
+    if not tf1.layers or not callable(tf1.layers.conv1d):
+        pytest.skip("tf.compat.v1.layers is not available")
+    monkeypatch.setenv("CUSTAGG_FOLDED_CONV", folded)
+    _chunk_of(2, monkeypatch)
+    graph = tf.Graph()
+    with graph.as_default():
+        x, loss, xs = _signal_model(dtype)
+        plan = custagg.plan_per_example(loss, xs)
+        assert all(a.form == "rules" for a in plan.assignments), str(plan)
+        clip = tf1.placeholder(dtype, [])
+        clipped, norms = custagg.clipped_gradients(loss, xs, clip,
+                                                   return_norms=True)
+        refs = {b: testing.loop_per_example(loss, xs, batch=b)
+                for b in (1, 3, 7)}
+        rtol = 1e-9 if dtype == tf.float64 else 1e-4
+        rng = np.random.RandomState(11)
+        with tf1.Session() as sess:
+            for batch, ref in refs.items():
+                feed = {x: rng.randn(batch, 12, 1)}
+                want_norms, c, want = _reference(sess, ref, feed)
+                feed[clip] = c
+                got_clipped, got_norms = sess.run([clipped, norms], feed)
+                testing.assert_close(got_norms, want_norms, rtol,
+                                     "B=%d norms" % batch)
+                for j, (g, w) in enumerate(zip(got_clipped, want)):
+                    testing.assert_close(g, w, rtol, "B=%d clipped sum x%d"
+                                         % (batch, j))

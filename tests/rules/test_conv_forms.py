@@ -18,6 +18,8 @@ import tensorflow as tf
 from custagg import testing
 from custagg.rules import registry
 from custagg.rules import conv
+from custagg.rules import conv2d
+from custagg.rules import depthwise
 
 
 def _onednn():
@@ -129,7 +131,7 @@ CONV2D_FORMS = {
 def test_conv2d_form_matches_loop(graph, form, case, dtype):
     rng = np.random.RandomState(7)
     w, loss, ctx, feed = _problem(case, rng, dtype=dtype)
-    per = CONV2D_FORMS[form](conv.Conv2DRule(), ctx)
+    per = CONV2D_FORMS[form](conv2d.Conv2DRule(), ctx)
     if per is None:
         if form == "grouped" and dtype == tf.float64:
             # TF's float64 CPU kernels have no grouped convolution.
@@ -137,7 +139,7 @@ def test_conv2d_form_matches_loop(graph, form, case, dtype):
         if form in ("offsets", "windows", "windows_nhwc"):
             assert not case[-1], form + " form refused static spatial dims"
             pytest.skip("the %s form needs static spatial dims" % form)
-        assert form == "grouped" and not conv._folded_kernels_available()
+        assert form == "grouped" and not conv.folded_kernels_available()
         pytest.skip("no grouped convolution kernels here (oneDNN off)")
     _check(per, loss, w, feed)
 
@@ -148,7 +150,7 @@ def test_depthwise_forms_match_loop(graph, case, monkeypatch):
     and W), patches (neither available)."""
     rng = np.random.RandomState(11)
     w, loss, ctx, feed = _problem(case, rng, depthwise=True)
-    rule = conv.DepthwiseConv2dRule()
+    rule = depthwise.DepthwiseConv2dRule()
     forms = {}
     if max(case[7]) == 1:
         forms["folded"] = rule._folded_per_example(ctx)
@@ -160,7 +162,7 @@ def test_depthwise_forms_match_loop(graph, case, monkeypatch):
         # The same form one offset at a time (large images).
         monkeypatch.setattr(rule, "_STACKED_MAX_ELEMENTS", 0)
         forms["offsets_one_by_one"] = rule._offsets_per_example(ctx)
-    monkeypatch.setattr(conv, "_folded_kernels_available", lambda: False)
+    monkeypatch.setattr(conv, "folded_kernels_available", lambda: False)
     monkeypatch.setattr(rule, "_offsets_per_example", lambda ctx: None)
     forms["patches"] = rule.per_example(ctx)
     for per in forms.values():
@@ -168,10 +170,10 @@ def test_depthwise_forms_match_loop(graph, case, monkeypatch):
 
 
 def test_without_folded_kernels_conv2d_uses_offsets(graph, monkeypatch):
-    monkeypatch.setattr(conv, "_folded_kernels_available", lambda: False)
+    monkeypatch.setattr(conv, "folded_kernels_available", lambda: False)
     rng = np.random.RandomState(3)
     w, loss, ctx, feed = _problem(CASES[2], rng)
-    rule = conv.Conv2DRule()
+    rule = conv2d.Conv2DRule()
     assert rule._grouped_per_example(ctx) is None
     monkeypatch.setattr(rule, "_windows_per_example", lambda ctx: None)
     per = rule.per_example(ctx)
@@ -182,14 +184,14 @@ def test_without_folded_kernels_conv2d_uses_offsets(graph, monkeypatch):
 
 def test_folded_form_switch(monkeypatch):
     monkeypatch.setenv("CUSTAGG_FOLDED_CONV", "0")
-    assert not conv._folded_kernels_available()
+    assert not conv.folded_kernels_available()
     monkeypatch.setenv("CUSTAGG_FOLDED_CONV", "1")
-    assert conv._folded_kernels_available()
+    assert conv.folded_kernels_available()
     monkeypatch.setenv("CUSTAGG_FOLDED_CONV", "yes")
     with pytest.raises(ValueError, match="CUSTAGG_FOLDED_CONV is 'yes'.*'0'"):
-        conv._folded_kernels_available()
+        conv.folded_kernels_available()
     monkeypatch.delenv("CUSTAGG_FOLDED_CONV")
-    assert conv._folded_kernels_available() == _onednn()
+    assert conv.folded_kernels_available() == _onednn()
 
 
 def test_grouped_form_skips_float64(graph):
@@ -198,7 +200,7 @@ def test_grouped_form_skips_float64(graph):
     z = tf.nn.conv2d(x, w, 1, "SAME")
     ctx = registry.RuleContext(z.op, 1, tf.ones_like(z), tf.shape(x)[0])
     # TF's float64 CPU kernels have no grouped convolution.
-    assert conv.Conv2DRule()._grouped_per_example(ctx) is None
+    assert conv2d.Conv2DRule()._grouped_per_example(ctx) is None
 
 
 @pytest.mark.parametrize("channels_first", [True, False])
@@ -212,7 +214,7 @@ def test_conv2d_gram_norms_and_window_sum_match_loop(graph, case,
     patches (one matmul over B*P rows), forced on every static case."""
     rng = np.random.RandomState(5)
     w, loss, ctx, feed = _problem(case, rng, dtype=dtype)
-    rule = conv.Conv2DRule()
+    rule = conv2d.Conv2DRule()
     monkeypatch.setattr(rule, "_GRAM_FACTOR", 0)
     monkeypatch.setattr(rule, "_WINDOWS_CHANNELS_FIRST_MAX",
                         99 if channels_first else 0)
@@ -236,7 +238,7 @@ def test_conv2d_gram_norms_and_window_sum_match_loop(graph, case,
 def test_windows_form_left_to_grouped_for_strided_or_large_filters(graph):
     """By default the windows form (one slice per offset) declines strided
     and large filters, where the slices cost more than the kernel."""
-    rule = conv.Conv2DRule()
+    rule = conv2d.Conv2DRule()
     for strides, k, taken in (([1, 1], 3, True), ([2, 2], 3, False),
                               ([1, 1], 6, False)):
         x = tf.compat.v1.placeholder(tf.float32, [None, 12, 12, 2])

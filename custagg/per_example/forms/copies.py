@@ -45,6 +45,7 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 from custagg import graph as graph_lib
+from custagg import op_kinds
 from custagg.batch_axis import rowwise
 from custagg.batch_axis import separation
 from custagg.batch_axis import sources
@@ -168,7 +169,7 @@ def analyze(loss, loss_ancestors, static_b):
                 "copy; tf.compat.v1.enable_control_flow_v2() builds conds it "
                 "can copy" % (op.name, op.type), op)
     for op in ops:
-        if op.type in table.RANDOM:
+        if op.type in op_kinds.RANDOM:
             # Anywhere in the copied ops, not only on the batch's path: a
             # mask drawn from tf.shape(x) is copied too, and draws anew.
             raise CannotCopy(
@@ -318,24 +319,21 @@ def has_v1_loops(forward):
                for op in forward.ops)
 
 
-# Ops whose outputs depend on their inputs' shapes only: every copy sees
-# the same shapes (one example's rows), so nothing that goes through them
-# makes the copies' loops run different numbers of iterations.
-_SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank",
-                         "TensorListLength", "TensorListElementShape"])
-
-
 def varying_loop(forward):
     """A v2 loop of the forward pass whose condition depends on the values
     of batch data (dynamic_rnn with `sequence_length` stops at the longest
     sequence), or None. pfor converts such a loop's copies when their shapes
     are static, and the converted loop then fails at run time reading its
     unstacked inputs ("Trying to access element 0 in a list with 0
-    elements"), so these copies run in the while loop over examples."""
-    valued = graph_lib.downstream(forward.inputs, stop_types=_SHAPE_ONLY)
+    elements"), so these copies run in the while loop over examples.
+    (Every copy sees the same shapes, one example's rows: what goes
+    through ops that read only shapes, `op_kinds.SHAPE_ONLY`, makes no
+    copy's loop run a different number of iterations.)"""
+    valued = graph_lib.downstream(forward.inputs,
+                                  stop_types=op_kinds.SHAPE_ONLY)
     inputs = {t.ref() for t in forward.inputs}
     for op in forward.ops:
-        if op.type not in ("While", "StatelessWhile"):
+        if op.type not in op_kinds.V2_LOOPS:
             continue
         try:
             body, cond = (copier.func_graph(op, "body"),
@@ -350,12 +348,13 @@ def varying_loop(forward):
         while True:
             more = {k for k, out in enumerate(body.outputs) if k not in dep
                     and any(body.inputs[j].op in graph_lib.upstream(
-                        [out], stop_types=_SHAPE_ONLY)
+                        [out], stop_types=op_kinds.SHAPE_ONLY)
                             for j in dep)}
             if not more:
                 break
             dep |= more
-        needed = graph_lib.upstream([cond.outputs[0]], stop_types=_SHAPE_ONLY)
+        needed = graph_lib.upstream([cond.outputs[0]],
+                                    stop_types=op_kinds.SHAPE_ONLY)
         if any(cond.inputs[k].op in needed for k in dep):
             return op
     return None

@@ -1,7 +1,7 @@
 """Plan-time refusal of the certificate: rule rows that cannot be examples.
 
 The certified form (`rules.CERTIFIED`) reads row r of a rule op's output as
-example r's (the row map pi of `engine.Certificate`). Some rule ops have
+example r's (the row map pi of `certificate.Certificate`). Some rule ops have
 rows that no run-time check can map to examples, at any step:
 
 * rows assembled by a concat along the row axis with a block of fixed size
@@ -22,8 +22,11 @@ reshape's output as `Folded(T, 0)`), followed to the rule through ops that
 keep rows one to one (a projection `tf.reshape(rnn_out, [-1, H]) @ W + b`),
 are example-major: row r is example r // T (row-major order). The
 certificate checks `gc_r = c_{r // T} g1_r` there and the rules sum rows
-by that map (`engine.FoldedRows`). A time-major fold (`[T, B, H]`, row r of
-example r mod B) is not proved that way and stays refused.
+by that map (`folded_rows.FoldedRows`). A fold of two leading axes whose order
+is not proved (a time-major `[T, B, H]`, row r of example r mod B, or a
+batch-major one the inference did not reach) is read either way: the
+certificate checks both maps at run time and the rules take the one that
+holds (`RowFold.either`); a fold of more axes stays refused.
 
 Their run-time check fails on every step, so certifying them would pay the
 seeded pass and the exact form every step. `non_example_rows` finds them by
@@ -41,33 +44,25 @@ import collections
 import tensorflow as tf
 
 from custagg import batch_axis
+from custagg import op_kinds
 from custagg._tf_compat import tensor_util
 from custagg.batch_axis import symbolic_shapes
-
-# Ops whose output rows are their input's rows, one to one (input 0).
-_SAME_ROWS = frozenset("""
-Identity Cast StopGradient Snapshot PreventGradient CheckNumerics
-EnsureShape Neg Abs Floor Ceil Round Sign Relu Tanh Sigmoid Exp Square
-""".split())
-
-# Broadcasting binary ops: the output's rows are its row-holding input's.
-_BROADCASTING = frozenset("Add AddV2 Sub Mul RealDiv".split())
-
-# Candidate samplers: output 0 holds the sampled ids (`[num_sampled]`).
-_SAMPLERS = frozenset("""
-LogUniformCandidateSampler UniformCandidateSampler
-FixedUnigramCandidateSampler ThreadUnsafeUnigramCandidateSampler
-LearnedUnigramCandidateSampler AllCandidateSampler
-""".split())
 
 # How far the walk goes back (it follows one chain of ops).
 _MAX_DEPTH = 32
 
 
-class RowFold(collections.namedtuple("RowFold", ["source", "op"])):
-    """Rows that fold the batch example-major: `source` `[B, T..., D]`
-    (axis 0 the batch) reshaped by `op` into rows; row r is example
-    r // T, T = rows / B."""
+class RowFold(collections.namedtuple("RowFold",
+                                      ["source", "op", "either"])):
+    """Rows that fold the batch: `source` `[A0, A1, ..., D]` reshaped by
+    `op` into rows. Example-major (`source` `[B, T..., D]`, axis 0 the
+    batch: row r is example r // T, T = rows / B), proved so; or, with
+    `either`, a fold of two leading axes whose order is not proved
+    (`[B, T, D]` or a time-major `[T, B, D]`: row r of example r // T or
+    r mod B): the certificate finds which at run time."""
+
+    def __new__(cls, source, op, either=False):
+        return super(RowFold, cls).__new__(cls, source, op, either)
 
 
 def non_example_rows(start, axis, loss):
@@ -116,7 +111,7 @@ def _walk(t, axis, start, depth, cols=None, loss=None):
     where = "the rows of '%s' (axis %d)" % (start.name, axis)
     # (Not any random op: ids drawn per example, `[B]` of them, may well
     # be rows of examples. A candidate sampler draws one shared block.)
-    if op.type in _SAMPLERS:
+    if op.type in op_kinds.CANDIDATE_SAMPLERS:
         return batch_axis.Reason(
             "%s are drawn by op '%s' (type %s): sampled rows, not examples"
             % (where, op.name, op.type), op)
@@ -126,9 +121,9 @@ def _walk(t, axis, start, depth, cols=None, loss=None):
             "row per id, not per example" % (where, op.name), op)
     if op.type == "ConcatV2" and axis == 0:
         return _concat(op, where, start, depth, loss)
-    if op.type in _SAME_ROWS and op.inputs:
+    if op.type in op_kinds.SAME_ROWS and op.inputs:
         return _walk(op.inputs[0], axis, start, depth + 1, loss=loss)
-    if op.type in ("GatherV2", "ResourceGather", "Gather") and axis == 0:
+    if op.type in op_kinds.GATHERS and axis == 0:
         ids = op.inputs[1]
         gather_axis = 0 if op.type != "GatherV2" else \
             tensor_util.constant_value(op.inputs[2])
@@ -155,7 +150,7 @@ def _walk(t, axis, start, depth, cols=None, loss=None):
         return None
     if op.type == "BiasAdd" and axis == 0:
         return _walk(op.inputs[0], 0, start, depth + 1, loss=loss)
-    if op.type in _BROADCASTING and axis == 0:
+    if op.type in op_kinds.BROADCASTING and axis == 0:
         # The rows come from the one input of the output's rank whose
         # axis 0 is not a broadcast 1 (a bias or a scale has no rows).
         rank = t.shape.rank
@@ -218,6 +213,10 @@ def _reshape(op, where, start, depth, cols=None, loss=None):
             return _walk(x, 0, start, depth + 1, loss=loss)
         if _example_major(op, loss):
             return RowFold(x, op)
+        if k == 1:
+            # `[A0, A1, D...] -> [A0 * A1, D...]`: example- or time-major,
+            # which the certificate reads at run time (`FoldedRows`).
+            return RowFold(x, op, either=True)
         return batch_axis.Reason(
             "%s fold the batch with axes %s of '%s' (shape %s; op '%s' "
             "reshapes it to rows): the rule reads each row as an example" % (

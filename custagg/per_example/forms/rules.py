@@ -25,6 +25,7 @@ import collections
 
 from custagg import batch_axis
 from custagg import graph as graph_lib
+from custagg import op_kinds
 from custagg.per_example.forms import base
 from custagg.per_example.forms import loop_rules
 from custagg.per_example.forms import rows
@@ -101,7 +102,15 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
     """
     loss, loss_ancestors = ctx.loss, ctx.ancestors
     found = batch_axis.infer(loss)
-    if not found.sources:
+    if not found.sources and unproven is not None:
+        # No batch source found from the loss (a shape known only at run
+        # time, an op the table does not know): each rule op's rows are
+        # checked at run time instead (the certificate), whatever lies
+        # between it and the loss.
+        unproven.append(batch_axis.Reason(
+            batch_axis.no_sources_reason(found),
+            getattr(found.blocked[0], "op", None) if found.blocked else None))
+    elif not found.sources:
         # No batch data at all: say why, not where a chain gave up. A rule
         # op that x meets and that refuses on its own terms ("training
         # mode", a coupling from its output) names the cause more precisely
@@ -118,7 +127,7 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
     region = ctx.region()
     consumers, chained = [], set()
     for op, k in find_consumers(x_tensor, loss_ancestors, ctx.live):
-        if op.type in loop_rules.ENTRY_TYPES:
+        if op.type in op_kinds.LOOP_ENTRIES:
             # A loop: its body's ops are what use x (loop rules).
             use, why = loop_rules.find(op, k, loss, loss_ancestors,
                                        ctx.registry, ctx.batch_size)
@@ -132,9 +141,7 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
                     unproven.append(why)
                     use = deferred
             if use is None:
-                raise base.Refused(batch_axis.Reason(
-                    "no per-example rule for op type '%s' (op '%s'): %s"
-                    % (op.type, op.name, why), getattr(why, "op", None) or op))
+                raise base.Refused(_loop_reason(op, why))
             consumers.append(use)
             continue
         if loop_rules.in_v1_loop(op):
@@ -163,6 +170,21 @@ def find_rule_consumers(x_tensor, ctx, depth=0, unproven=None):
         raise base.Refused(
             "x reaches the loss through no op with a batch input")
     return consumers
+
+
+def _loop_reason(op, why):
+    """Why the loop rules refused loop `op` (`why`, from `loop_rules.find`),
+    with its cause: where the proof stopped after the loop (an op of the
+    graph the loop is in) is the same for every weight of the loop, so the
+    plan prints it once."""
+    stop = getattr(why, "op", None)
+    cause = None
+    if stop is not None and stop.graph is op.graph:
+        cause = ("no static proof that examples stay apart from loop '%s' "
+                 "to the loss: %s" % (op.name, batch_axis.mixes_text(stop)))
+    return batch_axis.Reason(
+        "no per-example rule for op type '%s' (op '%s'): %s"
+        % (op.type, op.name, why), stop or op, cause=cause)
 
 
 def _sees_no_data(op, x_tensor, ctx):
@@ -209,7 +231,7 @@ def _chain(op, x_tensor, ctx, depth, unproven=None):
 
 
 class RulesForm(base.Form):
-    """Per-op rules from one shared backward pass (`engine.SharedPass`)."""
+    """Per-op rules from one shared backward pass (`shared_pass.SharedPass`)."""
 
     name = "rules"
     strategy = "rules"
@@ -240,7 +262,7 @@ class LoopRulesForm(RulesForm):
 
 class CertifiedForm(RulesForm):
     """The rules where the static proof of separation fails, certified at
-    run time (`engine.Certificate`): one more backward pass, seeded with
+    run time (`certificate.Certificate`): one more backward pass, seeded with
     random per-example weights c, must give at the rule's start
     `gc = c_pi(r) * g1` row by row; a step whose check fails takes the
     exact form (`EXACT`) under `tf.cond` instead."""

@@ -14,6 +14,17 @@ A DP query turns a sample of records into a noised aggregate:
 `SumAggregationDPQuery` the sample state is the plain sum of the
 preprocessed records, which is what lets custagg's optimizers hand it a
 clipped sum computed in one pass instead of accumulating records.
+
+**The fast path** (custagg's addition to the contract). A query whose
+sample state after M records follows from the records' clipped sum (and
+their `[M]` norms) says so by returning a `ClippedSumForm` from
+`clipped_sum_form()`; the DP optimizers' clip-and-noise core
+(`custagg.privacy.core`) then forms that sum in one weighted pass from the
+rules' norms, builds the sample state with the form, and hands it to the
+query's own `get_noised_result`. A query that returns None (the default)
+gets TF Privacy's path: materialized microbatch records, one
+`accumulate_record` each. `NestedQuery` composes its leaves' forms, one
+clipped sum per leaf over its part of the record.
 """
 
 from __future__ import annotations
@@ -23,7 +34,8 @@ import collections
 
 import tensorflow as tf
 
-__all__ = ["DPQuery", "SumAggregationDPQuery"]
+__all__ = ["ClippedSumForm", "DPQuery", "NestedClippedSumForm",
+           "SumAggregationDPQuery", "clipped_sum_form_of"]
 
 
 class DPQuery(metaclass=abc.ABCMeta):
@@ -79,6 +91,104 @@ class DPQuery(metaclass=abc.ABCMeta):
         """Metrics (an OrderedDict of tensors) from privatized state only."""
         del global_state
         return collections.OrderedDict()
+
+    def clipped_sum_form(self):
+        """A `ClippedSumForm` when the sample state after M records follows
+        from their clipped sum (the DP optimizers' fast path), else None
+        (the default: records are accumulated one by one)."""
+        return None
+
+
+class ClippedSumForm(object):
+    """How a sum query's sample state follows from clipped sums.
+
+    For records `r_1 .. r_M` (a record: the gradients of one microbatch,
+    aligned with `var_list`), the fast path computes `sum_m clip_C(r_m)`
+    with `clip_C(r) = r min(1, C / ||r||)` (global norm over the record) and
+    the `[M]` norms `||r_m||`, then asks this form for the sample state.
+
+    Args:
+      clip: `params -> C`, the clip norm in the query's sample params
+        (`derive_sample_params`'s result); a scalar.
+      sample_state: `(params, clipped_sum, norms) -> sample state`, what
+        accumulating the M records gives; default: the clipped sum itself
+        (a plain clipped sum query).
+      adaptive: True when the query's global state changes from step to
+        step (an adaptive clip): in graph mode the optimizers keep it in
+        variables.
+      gaussian: True when `get_noised_result` is exactly `clipped_sum +
+        N(0, stddev^2)` with `(l2_norm_clip, stddev)` read from
+        `initial_global_state()` (a `GaussianSumQuery`): the core then adds
+        the noise itself (`core.add_noise`, one draw per step) and a
+        multi-worker wrapper can take it over.
+    """
+
+    def __init__(self, clip, sample_state=None, adaptive=False,
+                 gaussian=False):
+        self._clip = clip
+        self._sample_state = sample_state
+        self.adaptive = bool(adaptive)
+        self.gaussian = bool(gaussian)
+
+    def leaves(self, params, num_parts):
+        """`[(leaf form, leaf params, part)]`: each leaf's share of a record
+        of `num_parts` tensors; `part` is an index, or a structure of
+        indices, into the record (one leaf: all of it)."""
+        return [(self, params, list(range(num_parts)))]
+
+    def pack(self, leaf_states):
+        """The query's sample state from its leaves' (in `leaves` order)."""
+        return leaf_states[0]
+
+    def clip(self, params):
+        return self._clip(params)
+
+    def sample_state(self, params, clipped_sum, norms):
+        if self._sample_state is None:
+            return clipped_sum
+        return self._sample_state(params, clipped_sum, norms)
+
+
+class NestedClippedSumForm(ClippedSumForm):
+    """The form of a `NestedQuery` whose leaves all have forms: each leaf
+    clips and sums its own part of the record (per-layer clipping when each
+    part is one variable).
+
+    Args:
+      nested: the `NestedQuery` (its `flatten_record_up_to_queries` and
+        `pack_as_queries` split records and join states).
+      forms: the leaves' forms, in `nested.leaf_queries()` order.
+    """
+
+    def __init__(self, nested, forms):
+        super().__init__(clip=None,
+                         adaptive=any(f.adaptive for f in forms))
+        self._nested = nested
+        self._forms = list(forms)
+
+    def leaves(self, params, num_parts):
+        leaf_params = self._nested.flatten_record_up_to_queries(params)
+        parts = self._nested.flatten_record_up_to_queries(
+            list(range(num_parts)))
+        return list(zip(self._forms, leaf_params, parts))
+
+    def pack(self, leaf_states):
+        return self._nested.pack_as_queries(leaf_states)
+
+
+def clipped_sum_form_of(query):
+    """`query.clipped_sum_form()`, or None for a query without the method --
+    except TF Privacy's own `GaussianSumQuery` (recognized by module and
+    name, so TF Privacy need not be importable), whose form is the Gaussian
+    one. Exact class only: a subclass may process records its own way."""
+    method = getattr(query, "clipped_sum_form", None)
+    if method is not None:
+        return method()
+    cls = type(query)
+    if cls.__name__ == "GaussianSumQuery" and \
+            cls.__module__.startswith("tensorflow_privacy."):
+        return ClippedSumForm(clip=lambda params: params, gaussian=True)
+    return None
 
 
 def zeros_like_spec(x):

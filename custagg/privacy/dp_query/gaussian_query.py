@@ -18,7 +18,9 @@ import collections
 import tensorflow as tf
 
 from custagg.privacy.dp_query import dp_query
-from custagg.training import optimizers as _opt
+from custagg.privacy import checks
+from custagg.privacy import core
+from custagg.privacy import noise as noise_lib
 
 __all__ = ["GaussianSumQuery"]
 
@@ -72,9 +74,9 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     def __init__(self, l2_norm_clip, stddev):
         # TF Privacy checks neither; a negative or NaN one would train
         # without the guarantee. l2_norm_clip = 0 clips every record to 0.
-        self._l2_norm_clip = _opt.check_positive(
+        self._l2_norm_clip = checks.check_positive(
             l2_norm_clip, "l2_norm_clip", "GaussianSumQuery", allow_zero=True)
-        self._stddev = _opt.check_positive(
+        self._stddev = checks.check_positive(
             stddev, "stddev", "GaussianSumQuery", allow_zero=True)
 
     def make_global_state(self, l2_norm_clip, stddev):
@@ -88,6 +90,16 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     def derive_sample_params(self, global_state):
         """The clip norm."""
         return global_state.l2_norm_clip
+
+    def clipped_sum_form(self):
+        """The Gaussian form: the clip is the sample params, the sample
+        state the clipped sum. Exact class only: a subclass may process
+        records its own way (it overrides this method to opt in)."""
+        # pylint: disable-next=unidiomatic-typecheck
+        if type(self) is not GaussianSumQuery:
+            return None
+        return dp_query.ClippedSumForm(clip=lambda params: params,
+                                       gaussian=True)
 
     def preprocess_record_impl(self, params, record):
         """`(record clipped to global norm params, its norm before clipping)`.
@@ -110,18 +122,18 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         """`(sum + N(0, stddev^2) noise, global_state, GaussianDpEvent)`."""
         sample_state = tf.nest.map_structure(tf.convert_to_tensor,
                                              sample_state)
-
-        def add_noise(v):
-            # Drawn once the whole sum exists (not when the step starts, as
-            # a draw of a static shape could be, to stay live through the
-            # backward pass).
-            with tf.control_dependencies(tf.nest.flatten(sample_state)):
-                noise = tf.random.normal(
-                    tf.shape(v), stddev=tf.cast(global_state.stddev, v.dtype),
-                    dtype=v.dtype)
-            return v + noise
-
-        result = tf.nest.map_structure(add_noise, sample_state)
+        flat = tf.nest.flatten(sample_state)
+        if tf.get_static_value(global_state.stddev) == 0:
+            # No noise: no draw (and no stream variables to initialize).
+            return sample_state, global_state, gaussian_event(
+                self._noise_multiplier(global_state))
+        # The optimizers' one noise draw (custagg.privacy.core), from this
+        # query's checkpointed (key, counter) stream (a restored run never
+        # repeats a draw), drawn once the whole sum exists (not when the
+        # step starts, to stay live through the backward pass).
+        stream = noise_lib.stream_of(self, "GaussianSumQuery_noise")
+        noised = core.add_noise(flat, global_state.stddev, stream)
+        result = tf.nest.pack_sequence_as(sample_state, noised)
         return result, global_state, gaussian_event(self._noise_multiplier(
             global_state))
 

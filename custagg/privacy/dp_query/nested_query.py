@@ -105,6 +105,19 @@ class NestedQuery(dp_query.DPQuery):
     def pack_as_queries(self, flat):
         return _nest.pack_sequence_as(self._queries, list(flat))
 
+    def clipped_sum_form(self):
+        """A `NestedClippedSumForm` when every leaf has a (not nested)
+        form, else None.
+        Any NestedQuery subclass (NestedSumQuery included): the nesting
+        itself processes nothing."""
+        leaves = self.leaf_queries()
+        forms = [dp_query.clipped_sum_form_of(q) for q in leaves]
+        nested = dp_query.NestedClippedSumForm
+        if not leaves or any(f is None or isinstance(f, nested)
+                             for f in forms):
+            return None
+        return dp_query.NestedClippedSumForm(self, forms)
+
 
 class NestedSumQuery(NestedQuery, dp_query.SumAggregationDPQuery):
     """A NestedQuery all of whose leaves are `SumAggregationDPQuery`s.

@@ -61,3 +61,18 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 
     def derive_metrics(self, global_state):
         return self._numerator.derive_metrics(global_state.numerator_state)
+
+    def clipped_sum_form(self):
+        """The numerator's form (the sample params and state are the
+        numerator's), not Gaussian: the result is divided. Exact class
+        only."""
+        # pylint: disable-next=unidiomatic-typecheck
+        if type(self) is not NormalizedQuery:
+            return None
+        inner = dp_query.clipped_sum_form_of(self._numerator)
+        if inner is None or isinstance(inner,
+                                       dp_query.NestedClippedSumForm):
+            return None
+        return dp_query.ClippedSumForm(
+            clip=inner.clip, sample_state=inner.sample_state,
+            adaptive=inner.adaptive)

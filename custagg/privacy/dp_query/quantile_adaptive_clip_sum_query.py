@@ -96,6 +96,17 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
             params.quantile_estimator_params, norms)
         return self._SampleState(clipped_sum, tf.reduce_sum(below))
 
+    def clipped_sum_form(self):
+        """The clip is the sum query's params; the sample state adds the
+        count of records at most the clip (`sample_state_from_sums`); the
+        state changes every step. Exact class only."""
+        # pylint: disable-next=unidiomatic-typecheck
+        if type(self) is not QuantileAdaptiveClipSumQuery:
+            return None
+        return dp_query.ClippedSumForm(
+            clip=lambda params: params.sum_params,
+            sample_state=self.sample_state_from_sums, adaptive=True)
+
     def get_noised_result(self, sample_state, global_state):
         """`(noised sum, state with the new clip, ComposedDpEvent)`."""
         noised, _, sum_event = self._sum_query.get_noised_result(

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import tensorflow as tf
 
 from custagg import errors
+from custagg.privacy import noise as noise_lib
 
 __all__ = ["ValueGenerator", "GaussianNoiseGenerator",
            "StatelessValueGenerator", "TreeState", "get_step_idx",
@@ -72,8 +73,10 @@ class GaussianNoiseGenerator(ValueGenerator):
       noise_std: the standard deviation (float or scalar tensor).
       specs: a structure of `tf.TensorSpec`s (shape and float dtype of each
         part of a value).
-      seed: an integer seed; None draws one when `initialize` runs (from TF's
-        random ops: fixed by `tf.random.set_seed` / the graph seed if set).
+      seed: an integer seed; None draws one each time `initialize` runs,
+        from a checkpointed `custagg.privacy.noise.NoiseStream` (its key
+        fixed by the graph seed if set, else fresh entropy; its counter
+        saved with the checkpoint, so a restored run never repeats a key).
 
     State: `_GlobalState(seeds, stddev)`, `seeds` an int64 `[2]` tensor
     (key, counter); part i of a value uses (key, counter + i).
@@ -94,8 +97,11 @@ class GaussianNoiseGenerator(ValueGenerator):
 
     def initialize(self):
         if self._seed is None:
-            key = tf.random.uniform([], minval=0, maxval=2**62,
-                                    dtype=tf.int64)
+            # From a checkpointed (key, counter) stream, not TF's
+            # session-local random state: a state rebuilt at every step (the
+            # DP optimizers' graph mode) never repeats a key after a restore.
+            key = noise_lib.stream_of(
+                self, "GaussianNoiseGenerator_noise").fresh_key()
         else:
             key = tf.constant(self._seed, tf.int64)
         seeds = tf.stack([key, tf.constant(0, tf.int64)])

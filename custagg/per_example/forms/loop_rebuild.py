@@ -1,0 +1,473 @@
+"""Rebuilding a loop on the whole batch, tapped for the loop rules.
+
+TF's gradient of a loop sums `a_t^T dz_t` over the batch inside its gradient
+loop, where nothing can reach it. So each loop with taps (`loop_taps`) is
+rebuilt once on the whole batch (`graph.copier`'s `Copier`, the batch kept
+whole) by a `Hook` that taps the copied body: each tap's output gets a
+perturbation `eps_t` whose gradient is `dz_t`, and the tap's other inputs are
+pushed to an extra TensorList (`[T, R, ...]` after the loop).
+
+Where `dz` comes from (issue 26):
+
+* `rebuild_once` (v2 loops, `loop_rules.one_pass`): `eps` is a TensorList
+  reserved for T items, none set; the tap's output goes through
+  `IdentityN(z_t, eps, t)`, whose gradient (`_eps_tap_grad`) passes dz_t on
+  and sets item t of eps to it (no zeros read and added per step); the ops
+  between the loops and the loss are copied onto the rebuilt loops'
+  outputs, and the rules' one backward pass (`shared_pass.SharedPass`)
+  differentiates that recomputed loss to the taps' lists and to the rule
+  ops' outputs (their copies after the loops). The original loop then
+  never runs unless the user fetches the loss: one forward and one
+  backward pass of the loop. T, needed before the tapped loop starts,
+  comes from a copy of the loop that runs only the variables its condition
+  reads (no float state).
+* `tapped_dz` (the fallback: v1 frames, stateful ops or random ops
+  drawing by more than shapes after the
+  loop, a condition on the loop's state): T from the original loop's
+  counter, and one backward pass of the rebuilt loop seeded with the loss's
+  gradient at the original loop's outputs (from the rules' shared backward
+  pass): the loop runs twice.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tensorflow as tf
+
+from custagg import op_kinds
+from custagg.graph import copier
+from custagg.per_example.forms import loop_taps
+
+
+def _element_shape(t):
+    """A TensorList element shape for `t`'s rows: `[-1, *rest]` with -1
+    where a dim is unknown."""
+    return tf.constant([-1] + [-1 if d is None else d
+                               for d in t.shape.as_list()[1:]], tf.int32)
+
+
+
+def _gradient_owner(tap, taps, tap_of_op):
+    """The index of the tap whose dz is also `tap`'s: `tap`'s output (or a
+    sum it is a full-shape addend of, `_readers`) has one reader on the
+    loss's path, that tap's op, which reads it only at inputs other than
+    its parameter whose gradient is the op's output gradient unchanged
+    (`Rule.passes_gradient_to`, or the full-shape addend of a tapped
+    `AddV2`); else None."""
+    # The first tapped op down the chain (the ops before it pass dz on).
+    summed = False
+    for user, t in tap.reader or ():
+        if user in tap_of_op:
+            break
+        summed = summed or user.type != "Identity"
+    else:
+        return None
+    summed = summed or user.type in op_kinds.ADDS
+    if summed and not tap.others:
+        # A sum's dz is an addend's only if the addend has the sum's rows:
+        # so for taps whose pushed inputs' rows are checked to be the
+        # batch's after the loop (`_tap_result`), not others.
+        return None
+    j = tap_of_op[user]
+    other = taps[j]
+    positions = [k for k, i in enumerate(other.op.inputs) if i is t]
+    passes = other.rule.passes_gradient_to
+    if other.op.type in op_kinds.ADDS and len(positions) == 1 and \
+            loop_taps.full_addend(t, other.op.outputs[0]):
+        # A bias added to the full-shape value (hand-written cells'
+        # `x W + b`): the value's gradient is the sum's.
+        passes = positions
+    if positions and all(k in passes and k != other.index
+                         for k in positions):
+        return j
+    return None
+
+
+_EPS_TAP = "CustaggLoopEpsTap"
+
+
+def _eps_tap_grad(op, dz, *unused):
+    """The gradient of `IdentityN(z, eps list, step)` (a one-pass tap):
+    dz for z, and for the list (none of whose items is set) the list with
+    item `step` set to dz: what `TensorListGetItem(eps, step)` added to z
+    would give, without reading and adding zeros at every step."""
+    del unused
+    dz = tf.convert_to_tensor(dz)
+    return [dz, tf.raw_ops.TensorListSetItem(
+        input_handle=op.inputs[1], index=op.inputs[2], item=dz), None]
+
+
+try:
+    tf.RegisterGradient(_EPS_TAP)(_eps_tap_grad)
+except KeyError:        # registered already: this module imported again
+    pass
+
+
+class Hook(object):
+    """Taps one rebuilt While body (`Copier.hooks`): adds
+    `eps[t]` to each tap's output and pushes the tap's other inputs."""
+
+    def __init__(self, taps, steps, batch, v1=False):
+        """`batch` None: the eps lists are reserved for `steps` items of
+        unknown rows, each read as zeros of its tap's output shape (the
+        one-pass build, `OnePass`, which must not read B from the loss:
+        that would run the original loop); else `[T, B, ...]` zeros."""
+        self.v1 = v1
+        self.lazy = batch is None
+        self.taps = list(taps)
+        self.ops = {tap.op: i for i, tap in enumerate(self.taps)}
+        # slot[i]: which eps (and dz) tap i reads: its own, or that of the
+        # tap it alone feeds through an input whose gradient is dz itself
+        # (a MatMul into a BiasAdd: one [T, B, ...] tensor, not two).
+        owner = [_gradient_owner(tap, self.taps, self.ops)
+                 for tap in self.taps]
+
+        def root(i):
+            while owner[i] is not None:    # the body is acyclic: chains end
+                i = owner[i]
+            return i
+
+        roots = [root(i) for i in range(len(self.taps))]
+        self.owners = sorted(set(roots))   # the taps that add their own eps
+        self.slot = [self.owners.index(r) for r in roots]
+        if self.lazy:
+            # The lists themselves are what the gradient is taken to.
+            self.eps = [tf.raw_ops.TensorListReserve(
+                element_shape=_element_shape(self.taps[i].op.outputs[0]),
+                num_elements=steps,
+                element_dtype=self.taps[i].op.outputs[0].dtype)
+                for i in self.owners]
+            self._lists = list(self.eps)
+        else:
+            self.eps = [tf.zeros(tf.stack([steps, batch] +
+                                          self.taps[i].rest),
+                                 self.taps[i].op.outputs[0].dtype)
+                        for i in self.owners]
+            self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
+                tensor=e, element_shape=_element_shape(e[0]))
+                for e in self.eps]
+        # One extra loop variable per (tap, other input): the pushed rows.
+        self.pushed = [(i, k) for i, tap in enumerate(self.taps)
+                       for k in tap.others]
+        self.inputs = {}        # (tap, input) -> [T, B, ...]
+        self.fired = set()      # the taps the rebuilt body copied
+
+    def initial(self):
+        """Extra loop variables: the step, the rows of each eps owner's
+        output (lazy eps lists: `rows`), one list per pushed input (in a
+        v1 loop, a TensorArray's flow: a v1 gradient makes zeros for every
+        exit, which a variant list cannot have)."""
+        out = [tf.constant(0, tf.int32)]
+        out += [tf.constant(0, tf.int32) for _ in self._row_slots()]
+        self._arrays = {}
+        for i, k in self.pushed:
+            t = self.taps[i].op.inputs[k]
+            if self.v1:
+                ta = tf.TensorArray(
+                    t.dtype, size=0, dynamic_size=True,
+                    element_shape=tf.TensorShape([None]).concatenate(
+                        t.shape[1:]))
+                self._arrays[(i, k)] = ta
+                out.append(ta.flow)
+            else:
+                out.append(tf.raw_ops.EmptyTensorList(
+                    element_shape=_element_shape(t), max_num_elements=-1,
+                    element_dtype=t.dtype))
+        return out
+
+    def _array(self, key, flow):
+        ta = self._arrays[key]
+        return tf.TensorArray(ta.dtype, handle=ta.handle, flow=flow)
+
+    def invariant(self, t):
+        del t
+        return tf.TensorShape([])     # a scalar step, or a TensorList
+
+    def _row_slots(self):
+        return self.owners if self.lazy else []
+
+    def enter(self, values):
+        n = len(self._row_slots())
+        self.step = values[0]
+        self.row_vars = list(values[1:1 + n])
+        self.lists = dict(zip(self.pushed, values[1 + n:]))
+
+    def tap(self, op, outs, mapping):
+        del mapping
+        i = self.ops[op]
+        self.fired.add(i)
+        tap = self.taps[i]
+        s = self.slot[i]
+        copied = outs[0].op        # the copy, its inputs the rebuilt body's
+        for k in tap.others:
+            # The rows are checked once after the loop (`_tap_result`),
+            # not at every step: a check in the body is ~8 nodes per step
+            # and input (issue 26).
+            a = copied.inputs[k]
+            if self.v1:
+                self.lists[(i, k)] = self._array(
+                    (i, k), self.lists[(i, k)]).write(self.step, a).flow
+            else:
+                self.lists[(i, k)] = tf.raw_ops.TensorListPushBack(
+                    input_handle=self.lists[(i, k)], tensor=a)
+        if i not in self.owners:
+            # Its dz is read at the tap it feeds (`slot`): no eps of its
+            # own, nothing read.
+            return list(outs)
+        if self.lazy:
+            # Its rows R, for the stack of dz after the loop: R may be
+            # B, or B*T where the loop runs on a fold of the batch (a
+            # char-level RNN on `[B*T, L, D]`), whose rows the rules read
+            # example-major (`loop_rules.LoopRule`).
+            self.row_vars[s] = tf.shape(outs[0])[0]
+            # The output as it is, through an IdentityN that also takes
+            # the (unset) eps list and the step: its gradient passes dz on
+            # and sets item `step` of the list to it (`_eps_tap_grad`).
+            # `z + GetItem(eps, step)` read and added zeros of z's shape at
+            # every step, and while_v2 pushed the list's element shape and
+            # length per step for TensorListGetItem's gradient (issue 26).
+            with tf.compat.v1.get_default_graph().gradient_override_map(
+                    {"IdentityN": _EPS_TAP}):
+                tapped = tf.raw_ops.IdentityN(
+                    input=[outs[0], self._lists[s], self.step])[0]
+            return [tapped] + list(outs[1:])
+        if self.v1:
+            # A v1 loop accumulates a captured tensor's gradient (here
+            # IndexedSlices) itself; a variant list's it does not.
+            item = tf.gather(self.eps[s], self.step)
+        else:
+            item = tf.raw_ops.TensorListGetItem(
+                input_handle=self._lists[s], index=self.step,
+                element_shape=_element_shape(self.eps[s][0]),
+                element_dtype=self.eps[s].dtype)
+        # eps has the loss's B rows: a tapped output with other rows (one
+        # row broadcast later) would make them up; fail instead.
+        checks = [tf.debugging.assert_equal(
+            tf.shape(outs[0])[0], tf.shape(item)[0],
+            message="custagg: a loop rule's op '%s' has other rows than "
+                    "the batch's examples; use strategy='pfor'" % op.name)]
+        with tf.control_dependencies(checks):
+            # AddN, not AddV2: the shapes are equal (checked), and AddN's
+            # gradient passes dz through where AddV2's reduces over
+            # broadcast axes (BroadcastGradientArgs, Sum and Reshape at
+            # every step of the backward loop).
+            return [tf.math.add_n([outs[0], item])] + list(outs[1:])
+
+    def leave(self):
+        return [self.step + 1] + self.row_vars + [self.lists[key]
+                                                  for key in self.pushed]
+
+    def done(self, values):
+        n = len(self._row_slots())
+        # rows[s]: the rows of eps owner s's output (0 if the loop ran no
+        # step: its stack is empty then).
+        self.rows = list(values[1:1 + n])
+        for key, lst in zip(self.pushed, values[1 + n:]):
+            i, k = key
+            t = self.taps[i].op.inputs[k]
+            if self.v1:
+                stacked = self._array(key, lst).stack()
+            else:
+                stacked = tf.raw_ops.TensorListStack(
+                    input_handle=lst, element_shape=_element_shape(t),
+                    element_dtype=t.dtype)
+            stacked.set_shape(tf.TensorShape([None, None]).concatenate(
+                t.shape[1:]))
+            self.inputs[key] = stacked
+
+
+def _draws_by_shapes(op, below):
+    """Whether random op `op`'s inputs depend on the ops `below` the loops
+    only through the shapes of their outputs (`op_kinds.SHAPE_ONLY`), along
+    ops that rerun the same: the copy's inputs then equal the original's, so
+    the copy may be the original op itself (its draw). Tensors made outside
+    `below` are the copy's own inputs anyway."""
+    seen, stack = set(), list(op.inputs)
+    while stack:
+        t = stack.pop()
+        src = t.op
+        if src in seen or src not in below or src.type in op_kinds.SHAPE_ONLY:
+            continue
+        seen.add(src)
+        if src.type in op_kinds.V2_LOOPS or \
+                src.type in op_kinds.FUNCTION_OPS or \
+                loop_taps.reruns_differently(src):
+            return False
+        stack.extend(src.inputs)
+    return True
+
+
+def rebuild_once(uses, loss):
+    """`((loss, mapping, hooks, by_loop), None)` (what `loop_rules.OnePass`
+    holds), or `(None, reason)` when the loops of `uses` are read the way of
+    `tapped_dz` instead (their original loops run, and the
+    rebuilt ones once more): a v1 frame; a loop whose condition depends on
+    its floating state (its iteration count, needed before the tapped loop
+    runs, would cost a forward pass); between the loops and the loss an op
+    that has side effects or draws random numbers from more than shapes
+    (its copy would draw or act again), another loop, a cond or a function
+    call. A random op drawing by shapes only (dropout after an RNN,
+    `_draws_by_shapes`) is not copied: the copy reads its draw, and the
+    original loops run forward for the shapes it reads."""
+    by_loop = collections.OrderedDict()
+    for use in uses:
+        by_loop.setdefault(use.loop, []).append(use)
+    for loop in by_loop:
+        if not isinstance(loop, tf.Operation):
+            return None, "v1 loop '%s'" % by_loop[loop][0].name
+    graph = loss.graph
+    ancestors = copier.ancestors_in([loss])
+    # The ops after the loops, through data and control edges (creation
+    # order is topological): a labels' reshape waiting on an `Assert` that
+    # reads the logits' shape is after the loop too, and its copy waits on
+    # the copied check (kept, the original would run the original loop).
+    below = set()
+    for op in graph.get_operations():
+        if op in ancestors and any(
+                p in by_loop or p in below
+                for p in [t.op for t in op.inputs] + list(op.control_inputs)):
+            below.add(op)
+    # Random ops after the loops that draw by shapes only (dropout's mask
+    # on `tf.shape(rnn_out)`): the copy reads the original op's draw, the
+    # mask the loss itself uses, so the values stay exact.
+    reused = set()
+    for op in below:
+        if op in by_loop or op.type in op_kinds.CHECKS:
+            continue    # a check acts only by failing, as the original would
+        if op.type in op_kinds.RANDOM and _draws_by_shapes(op, below):
+            reused.add(op)
+            continue
+        # Not copied after a loop: another loop, a cond or a function call
+        # (their copies would need their own rebuild), an op whose second
+        # run would not repeat the first.
+        if op.type in op_kinds.V2_LOOPS or op.type in op_kinds.FUNCTION_OPS \
+                or loop_taps.reruns_differently(op):
+            return None, ("op '%s' (type %s) between a loop and the loss "
+                          "would run again in a copy" % (op.name, op.type))
+    for loop in by_loop:
+        try:
+            counted = copier.live_loop_variables(loop, [0])
+        except copier.CannotCopy as e:
+            return None, str(e)
+        if any(loop.inputs[k].dtype.is_floating or
+               loop.inputs[k].dtype.is_complex for k in counted):
+            return None, ("the condition of loop '%s' depends on its state"
+                          % loop.name)
+    mapping, hooks = {}, {}
+    copies = copier.Copier(one_row=False, checks=True)
+    with tf.name_scope("loop_rules_one_pass"):
+        for op in graph.get_operations():
+            if op not in ancestors:
+                continue
+            if op in by_loop:
+                taps = [tap for use in by_loop[op] for tap in use.taps]
+                # The iteration count first, from a loop of the variables
+                # the condition reads (no float state: checked above).
+                counts = copier.Copier(one_row=False).rebuild_while(
+                    op, dict(mapping), [0])
+                steps = counts[0] - copies.input(op.inputs[0], mapping)
+                hooks[op] = copies.hooks[op] = Hook(taps, steps, None)
+                used = [k for k, o in enumerate(op.outputs)
+                        if any(c in ancestors for c in o.consumers())]
+                outs = copies.rebuild_while(op, mapping, used)
+            elif op in reused:
+                outs = list(op.outputs)
+            elif op in below or any(t.ref() in mapping for t in op.inputs):
+                outs = copies.copy_op(op, mapping)
+            else:
+                continue
+            for old, new in zip(op.outputs, outs):
+                if new is not None:
+                    # The copy computes the same values: what the original's
+                    # static shape proves holds for it too (a rebuilt loop's
+                    # stacked outputs lose a static T), and the rules' proofs
+                    # on the copies (a dense layer's folded rows) need it.
+                    if new.shape.is_compatible_with(old.shape):
+                        new.set_shape(old.shape)
+                    mapping[old.ref()] = new
+    new_loss = mapping.get(loss.ref())
+    if new_loss is None:
+        raise ValueError("custagg: the loss does not depend on the loops "
+                         "the loop rules rebuilt; report this graph.")
+    return (new_loss, mapping, hooks, by_loop), None
+
+
+def tapped_dz(loop, group, cotangent_of, batch):
+    """`(Hook, dz)` for the uses `group` of one loop (a While op or a v1
+    context): the loop rebuilt and tapped, and one backward pass of it
+    seeded with `cotangent_of` (see `loop_rules.build`) to the taps' eps,
+    aligned with `Hook.eps`."""
+    taps = [tap for use in group for tap in use.taps]
+    final, start = group[0].counter
+    # The number of iterations the original loop ran.
+    v2 = isinstance(loop, tf.Operation)
+    # v2: lazy eps lists (their rows are the tapped outputs', read after
+    # the loop: `stacked_dz`); a v1 frame: `[T, B, ...]` zeros.
+    hook = Hook(taps, final - start, None if v2 else batch, v1=not v2)
+    outputs = [t for t in loop_taps.cotangent_targets(group)
+               if cotangent_of.get(t.ref()) is not None]
+    # The loop rebuilt on the whole batch, its body tapped by the hook.
+    rebuild = copier.Copier(one_row=False, hooks={loop: hook})
+    if v2:
+        new = rebuild.rebuild_while(loop, {}, [
+            t.value_index for t in outputs])
+        ys = [new[t.value_index] for t in outputs]
+    else:
+        mapping = {}
+        exits = {e.ref() for e in loop.loop_exits}
+        rebuild.rebuild_v1_while(loop, mapping, {
+            t.ref() if t.ref() in exits else t.op.inputs[2].ref()
+            for t in outputs})
+        ys = [_remap(t, mapping, {}, rebuild) for t in outputs]
+    seeds = [cotangent_of[t.ref()] for t in outputs]
+    if not v2:
+        return hook, tf.compat.v1.gradients(
+            ys, hook.eps, grad_ys=seeds,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return hook, stacked_dz(hook, tf.compat.v1.gradients(
+        ys, hook.eps, grad_ys=seeds))
+
+
+def stacked_dz(hook, grads):
+    """dz `[T, R, ...]` per eps list of a lazy `hook` (`Hook.eps`), from
+    the gradients at those lists (aligned with them; a variant list or
+    None). R is the rows of the tap's output in the rebuilt loop
+    (`Hook.rows`): B, or B*T where the loop runs on a fold of the batch."""
+    dz = []
+    for s, (lst, g) in enumerate(zip(hook.eps, grads)):
+        tap = hook.taps[hook.owners[s]]
+        dtype = tap.op.outputs[0].dtype
+        # Fully defined at run time: unset items (no gradient at a step)
+        # and an empty loop stack as zeros.
+        shape = tf.concat([[hook.rows[s]], tf.constant(tap.rest, tf.int32)],
+                          0)
+        if g is None:
+            d = tf.zeros(tf.concat([
+                [tf.raw_ops.TensorListLength(input_handle=lst)], shape], 0),
+                dtype)
+        else:
+            d = tf.raw_ops.TensorListStack(
+                input_handle=g, element_shape=shape, element_dtype=dtype)
+        d.set_shape(tf.TensorShape([None, None]).concatenate(tap.rest))
+        dz.append(d)
+    return dz
+
+
+def _remap(t, mapping, memo, copies):
+    """`t` as computed from the tensors in `mapping` (ref -> replacement):
+    the ops between them and `t` copied (by the `Copier` `copies`), the
+    others kept."""
+    if t.ref() in mapping:
+        return mapping[t.ref()]
+    if t.op in memo:
+        return t
+    new = [_remap(i, mapping, memo, copies) for i in t.op.inputs]
+    if all(n is i for n, i in zip(new, t.op.inputs)):
+        memo[t.op] = True       # does not depend on the rebuilt loop
+        return t
+    outs = copies.copy_op(t.op, {
+        i.ref(): n for i, n in zip(t.op.inputs, new)})
+    for old, out in zip(t.op.outputs, outs):
+        mapping[old.ref()] = out
+    return mapping[t.ref()]
