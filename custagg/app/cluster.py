@@ -198,8 +198,12 @@ class LocalCluster(object):
             if time.monotonic() > deadline:
                 running = [n for n in names
                            if self.tasks[n].proc.poll() is None]
-                raise TaskTimeout("still running after %.0f s: %s" % (
-                    timeout, ", ".join(running)))
+                # Each task's last lines: where a hung task stopped.
+                tails = "".join("\n--- %s (%s):\n%s" % (
+                    n, self.tasks[n].log_path, self.tasks[n].log_tail(6))
+                    for n in running)
+                raise TaskTimeout("still running after %.0f s: %s%s" % (
+                    timeout, ", ".join(running), tails))
             if on_poll is not None:
                 on_poll()
             time.sleep(poll_s)

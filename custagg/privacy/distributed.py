@@ -292,8 +292,17 @@ class DistributedDPOptimizer(_Optimizer):
                               for g, v in grads_and_vars]
         if replica_id == 0:
             grads_and_vars = self._add_noise(grads_and_vars, std, global_step)
+        elif self._seed is None:
+            # The other replicas draw nothing but hold the stream's
+            # variables too (NoiseStream.prepare: a worker without them
+            # hangs MultiWorkerMirroredStrategy's initializer).
+            with tf.name_scope(self._name + "_noise"):
+                self._stream().prepare(colocate_with=grads_and_vars[0][1])
         return self._optimizer.apply_gradients(
             grads_and_vars, global_step=global_step, name=name)
+
+    def _stream(self):
+        return noise_lib.stream_of(self, self._name + "_noise", owner=self)
 
     def _add_noise(self, grads_and_vars, std, global_step):
         grads = [tf.convert_to_tensor(g) if g is not None else None
@@ -302,8 +311,7 @@ class DistributedDPOptimizer(_Optimizer):
             if self._seed is None:
                 # This wrapper's checkpointed (key, counter) stream
                 # (custagg.privacy.noise), which a restore continues.
-                seed = noise_lib.stream_of(self, self._name + "_noise",
-                                           owner=self)
+                seed = self._stream()
             else:
                 step = global_step
                 if step is None:

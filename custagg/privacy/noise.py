@@ -198,6 +198,19 @@ class NoiseStream:
             self._initial[graph] = list(zip((counter, key), initial))
         return key, counter
 
+    def prepare(self, colocate_with=None):
+        """Creates the stream's variables in the current graph without a
+        draw. Every replica of a `tf.distribute` strategy calls it, the ones
+        that add no noise included: MultiWorkerMirroredStrategy initializes
+        each variable with a collective broadcast that pairs up across the
+        workers, so a variable made on one worker only leaves the other
+        waiting in `global_variables_initializer()` forever.
+
+        Args:
+          colocate_with: as for `normal`.
+        """
+        self._variables(colocate_with)
+
     def _ready(self):
         """Graph mode: ops, one per variable of the stream, that give it its
         initial value when no initializer has (TF Privacy's own tests, and

@@ -548,6 +548,28 @@ def _assert_all_gone(pids):
     assert cluster_lib.pids_alive(pids) == []
 
 
+def test_a_timed_out_wait_shows_where_each_task_stopped(tmp_path):
+    """A task still running when the wait runs out: TaskTimeout names it
+    and shows its log's last lines (the one clue to a hung collective)."""
+    lc = cluster_lib.LocalCluster(str(tmp_path / "logs"))
+    try:
+        lc.start("sleeper", [sys.executable, "-c",
+                             "import time; print('reached the init', "
+                             "flush=True); time.sleep(60)"])
+        deadline = time.monotonic() + 30
+        while "reached" not in lc.tasks["sleeper"].log_tail():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with pytest.raises(cluster_lib.TaskTimeout,
+                           match=r"(?s)still running after 0 s: sleeper\n"
+                                 r"--- sleeper .*reached the init"):
+            lc.wait(["sleeper"], timeout=0.1)
+    finally:
+        pids = lc.pids
+        lc.shutdown()
+    assert cluster_lib.pids_alive(pids) == []
+
+
 def test_killed_worker_stops_the_run_and_names_it():
     """SIGKILL to worker 1 mid-run: the runner exits within 60 s, says
     which task died, and leaves no process behind."""
