@@ -3,28 +3,17 @@
     python -m benchmarks.before_after BEFORE_DIR [--after DIR] [--rounds 3]
         [--models mlp,cnn,lstm] [--zoo-models all] [--write] [--note TEXT]
 
-Issue 23's closing measurement (the engine v2 against the engine before it).
-Two warm worker servers (`benchmarks/worker.py`), one per tree: each imports
-`custagg` from its tree (BEFORE_DIR, and --after, default this repository)
-and runs THIS tree's benchmark code, so the models, floors, timing and
-checks are the same and only the engine differs. Every configuration runs in
-a fresh forked child, which measures its ratio to its own floor in its own
-process (`common.time_against_floor`: system and floor alternated) and one
-traced step of each for peak memory (`benchmarks/memory.py`):
-
-* harness: `tf_systems.run` (mlp, cnn at B=64, 256; lstm at B=32, 64;
-  norms, clip, dpsgd; custagg_auto), its check against the loop reference;
-* zoo: each `zoo_models` model at full size: norms and the clipped sum
-  against the aggregated gradient, and for mnist_deep the DP step
-  (`DPOptimizer` around Adam) against the tutorial's Adam step.
-
-Round-major and interleaved: round r runs every configuration once per tree,
-before then after (after then before in odd rounds), so load drifts hit both
-trees alike and each cell's `--rounds` samples span the whole run. A cell is
-"changed" when the two trees' medians differ by more than the larger of the
-two trees' round-to-round ranges and by more than 5% (memory: 2%). Results go
-to --out/before_after.json after every configuration; with --write also to
-benchmarks/results/before_after.json and .md.
+One warm worker server per tree (`benchmarks/worker.py serve tf TREE`), each
+importing its tree's custagg and running THIS tree's benchmark code, so only
+the engine differs. Every configuration runs in a fresh forked child that
+measures its ratios to its own floor: the harness's `tf_systems.run`
+(custagg_auto on mlp, cnn, lstm; norms, clip, dpsgd; checked against the
+loop reference) and the zoo's `zoo.bench_model` (each zoo model and
+OTHERS_DEFAULT: norms, the clipped sum; mnist_deep's DP step). Round r runs
+every configuration once per tree, the trees' order swapped in odd rounds.
+A cell is "changed" when the medians differ by more than both trees'
+round-to-round ranges and TIME_TOLERANCE (memory: MEMORY_TOLERANCE).
+Writes --out/before_after.json (and, with --write, results/before_after.*).
 """
 
 import argparse
@@ -50,126 +39,41 @@ ZOO_SKIP = {("keras_batch_norm_training", 256)}
 # range underestimates the spread of a loaded machine's timings.
 TIME_TOLERANCE = 0.05
 MEMORY_TOLERANCE = 0.02
-
-
-# --------------------------------------------------------------------------
-# Worker side (in a forked child of a tree's server)
+# Issue 34: models unlike the ones the engine was tuned on (a bi-RNN with
+# `sequence_length`, dynamic image sizes) run with the zoo by default.
+OTHERS_DEFAULT = ("bilstm_crf", "unet")
 
 
 def execute(cfg):
-    """One configuration in this process; `cfg["suite"]` is "harness" or "zoo"."""
+    """One configuration in this process (a worker's child): `cfg["suite"]`
+    is "harness" or "zoo"; returns `{status, note, cells: {measure: {ratio,
+    ms, base_ms, peak_ratio, peak_mb, repeats, check}}, forms, plan, ...}`."""
     import custagg
-    out = _harness(cfg) if cfg["suite"] == "harness" else _zoo(cfg)
+    if cfg["suite"] == "harness":
+        from benchmarks.systems import tf_systems
+        r = tf_systems.run(dict(cfg, plan=True))
+        cells = {cfg["task"]: {"ratio": r["ratio_to_floor"], "ms": r["median_ms"],
+                               "base_ms": r["floor_ms"], "peak_ratio": r["peak_ratio"],
+                               "peak_mb": r["peak_mb"], "repeats": r["repeats"],
+                               "check": r["check"]}} if r.get("status", "ok") == "ok" else {}
+        out = dict(status=r.get("status", "ok"), note=r.get("note", ""), cells=cells,
+                   forms=r.get("forms"), plan=r.get("plan"), build_s=r.get("build_s"))
+    else:
+        from benchmarks import zoo
+        row = zoo.bench_model(cfg["model"], [cfg["batch_size"]], cfg["repeats"],
+                              cfg.get("threads", 1), dp_step=cfg["model"] == "mnist_deep",
+                              detail=True)[0]
+        if "error" in row:
+            return dict(status="failed", note=row["error"], custagg_file=custagg.__file__)
+        cells = {k: {"ratio": row[k + "_ratio"], "ms": row[key + "_ms"],
+                     "base_ms": row[base + "_ms"], "peak_ratio": row[k + "_peak_ratio"],
+                     "peak_mb": row[key + "_peak_mb"], "repeats": cfg["repeats"]}
+                 for k, key, base in (("norms", "norms", "floor"), ("clip", "clip", "floor"),
+                                      ("step", "step_dp", "step_orig")) if k + "_ratio" in row}
+        out = dict(status="ok", note="", cells=cells, build_s=row["build_s"],
+                   forms=dict(row["forms"]), plan=row["plan"], norms=row["norms"])
     out["custagg_file"] = custagg.__file__
     return out
-
-
-def _harness(cfg):
-    from benchmarks import models
-    from benchmarks.systems import tf_systems
-    result = tf_systems.run(cfg)
-    cells = {}
-    if result.get("status", "ok") == "ok":
-        cells[cfg["task"]] = {"ratio": result["ratio_to_floor"], "ms": result["median_ms"],
-                              "base_ms": result["floor_ms"], "peak_ratio": result["peak_ratio"],
-                              "peak_mb": result["peak_mb"], "repeats": result["repeats"],
-                              "check": result["check"]}
-    # The plan of this tree's engine for the model (what a regression comes from).
-    import custagg
-    tf = tf_systems._tf()
-    with tf.Graph().as_default():
-        variables, var_list = models.tf_variables(cfg["model"])
-        x, y = models.tf_placeholders(cfg["model"], cfg["batch_size"], dynamic=tf_systems
-                                      .dynamic_batch(cfg["model"], cfg["system"]))
-        plan = custagg.plan_per_example(models.tf_loss(cfg["model"], variables, x, y), var_list)
-    return dict(status=result.get("status", "ok"), note=result.get("note", ""), cells=cells,
-                forms=dict(collections.Counter(plan.forms())), plan=str(plan),
-                build_s=result.get("build_s"))
-
-
-def _zoo(cfg):
-    import numpy as np
-    import tensorflow as tf
-    import custagg
-    from benchmarks import memory, zoo_models
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-    tf.compat.v1.disable_eager_execution()
-    name, batch = cfg["model"], cfg["batch_size"]
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.set_random_seed(3)
-        model = _builders()[name](tf.float32, np.random.default_rng(3), full=True)
-        loss, xs = model.loss, model.xs
-        t0 = time.perf_counter()
-        plan = custagg.plan_per_example(loss, xs)
-        fetch = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs),
-                 "norms": custagg.per_example_norms(loss, xs),
-                 "clip": custagg.clipped_gradients(loss, xs, 1.0)}
-        pairs = [("norms", "floor"), ("clip", "floor")]
-        if name == "mnist_deep":
-            with tf.compat.v1.variable_scope("orig"):
-                fetch["step_orig"] = tf.compat.v1.train.AdamOptimizer(1e-4).minimize(
-                    tf.reduce_mean(loss), var_list=xs)
-            with tf.compat.v1.variable_scope("dp"):
-                fetch["dp_step"] = custagg.DPOptimizer(
-                    tf.compat.v1.train.AdamOptimizer(1e-4), l2_norm_clip=1.0,
-                    noise_multiplier=1.1).minimize(loss, var_list=xs)
-            pairs.append(("dp_step", "step_orig"))
-        build_s = time.perf_counter() - t0
-        init = tf.compat.v1.global_variables_initializer()
-    feed = model.feed(np.random.default_rng(batch), batch)
-    threads = cfg.get("threads", 1)
-    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads,
-                                      inter_op_parallelism_threads=threads)
-    cells = {}
-    with tf.compat.v1.Session(graph=graph, config=config) as sess:
-        sess.run(init)
-        norms = sess.run(fetch["norms"], feed)      # also the engines' cross-check
-        for key, base in pairs:
-            sess.run(fetch[base], feed)
-            first_ms = common.timed_ms(lambda: sess.run(fetch[key], feed))
-            ms, base_ms, n = common.time_against_floor(
-                lambda: sess.run(fetch[key], feed), lambda: sess.run(fetch[base], feed),
-                cfg["repeats"], cfg["budget_s"], first_ms)
-            base_peak = memory.step_peak_bytes(sess, fetch[base], feed)[0]
-            peak = memory.step_peak_bytes(sess, fetch[key], feed)[0]
-            cells[key] = {"ratio": ms / base_ms, "ms": ms, "base_ms": base_ms,
-                          "peak_ratio": peak / float(base_peak) if base_peak else None,
-                          "peak_mb": memory.mb(peak), "repeats": n}
-    return dict(status="ok", note="", cells=cells, build_s=build_s,
-                forms=dict(collections.Counter(plan.forms())), plan=str(plan),
-                norms=[float(v) for v in np.asarray(norms).ravel()])
-
-
-# --------------------------------------------------------------------------
-# Orchestrator side
-
-
-def serve(tree):
-    """`python -m benchmarks.before_after serve TREE`: a worker server whose
-    children use TREE's custagg and this repository's benchmark code."""
-    tree = os.path.abspath(tree)
-    sys.path.insert(0, tree)
-    import custagg
-    del sys.path[0]
-    if not os.path.abspath(custagg.__file__).startswith(tree + os.sep):
-        raise RuntimeError("custagg came from %s, not from %s" % (custagg.__file__, tree))
-    for sub in ("custagg.rules.registry", "custagg.registry"):   # after, before
-        try:
-            __import__(sub)
-            sys.modules[sub].default_registry()
-            break
-        except (ImportError, AttributeError):
-            continue
-    from benchmarks import worker
-    return worker.serve("tf")
-
-
-def _server(tree_dir, name, log_dir, threads):
-    from benchmarks import run
-    srv = run.ForkServer("tf", sys.executable, log_dir, threads, job=TREES.index(name))
-    srv.argv = ["-m", "benchmarks.before_after", "serve", tree_dir]
-    return srv
 
 
 def plan(args):
@@ -201,25 +105,17 @@ def _git(tree, *argv):
 
 
 def summarise(samples):
-    """Cells from raw samples.
-
-    Args:
-      samples: list of `{"key", "tree", "round", "result"}`, `result` as
-        `execute` returns it.
-
-    Returns:
-      list of cell dicts `{key, suite, model, batch_size, measure, before,
-      after, ...}`, one per (configuration, measure): each tree's ratios,
-      median, range, peak ratios; `after_over_before` and `changed` (None
-      when a tree has fewer than two rounds: no spread to judge against).
-    """
+    """Cells from raw samples `{"key", "tree", "round", "result"}` (`result`
+    as `execute` returns it): one per (configuration, measure), with each
+    tree's ratios, median, range and peak ratios, `after_over_before` and
+    `changed` (None below two rounds a tree: no spread to judge against)."""
     by = collections.OrderedDict()
     for s in samples:
         res = s["result"]
         for measure, c in (res.get("cells") or {}).items():
             cell = by.setdefault((s["key"], measure), {"key": s["key"], "measure": measure,
-                                                       "before": [], "after": [],
-                                                       "forms": {}, "plan": {}, "checks": {}})
+                                                       "before": [], "after": [], "forms": {},
+                                                       "plan": {}, "checks": {}})
             cell[s["tree"]].append(c)
             cell["forms"][s["tree"]] = res.get("forms")
             cell["plan"][s["tree"]] = res.get("plan")
@@ -227,30 +123,30 @@ def summarise(samples):
                 cell["checks"].setdefault(s["tree"], set()).add(c["check"])
     out = []
     for cell in by.values():
-        row = {"key": cell["key"], "measure": cell["measure"], "forms": cell["forms"],
-               "plan": cell["plan"], "checks": {t: sorted(v) for t, v in cell["checks"].items()}}
+        row = dict(cell, checks={t: sorted(v) for t, v in cell["checks"].items()})
+        ratios, peaks = {}, {}
         for tree in TREES:
             runs = cell[tree]
-            ratios = [c["ratio"] for c in runs]
-            peaks = [c["peak_ratio"] for c in runs if c.get("peak_ratio") is not None]
+            ratios[tree] = [c["ratio"] for c in runs]
+            peaks[tree] = [c["peak_ratio"] for c in runs if c.get("peak_ratio") is not None]
             row[tree] = {
-                "ratios": ratios, "median": statistics.median(ratios) if ratios else None,
-                "range": (min(ratios), max(ratios)) if ratios else None,
-                "base_ms": statistics.median([c["base_ms"] for c in runs]) if runs else None,
-                "peak_ratio": statistics.median(peaks) if peaks else None,
-                "peak_range": (min(peaks), max(peaks)) if peaks else None,
-                "peak_mb": statistics.median([c["peak_mb"] for c in runs]) if runs else None}
+                "ratios": ratios[tree], "median": _median(ratios[tree]),
+                "range": (min(ratios[tree]), max(ratios[tree])) if runs else None,
+                "base_ms": _median([c["base_ms"] for c in runs]),
+                "peak_ratio": _median(peaks[tree]),
+                "peak_range": (min(peaks[tree]), max(peaks[tree])) if peaks[tree] else None,
+                "peak_mb": _median([c["peak_mb"] for c in runs])}
         b, a = row["before"], row["after"]
-        row["after_over_before"] = (a["median"] / b["median"]
-                                    if a["median"] and b["median"] else None)
-        row["changed"] = _changed(b["ratios"], a["ratios"], TIME_TOLERANCE)
-        bp = [c["peak_ratio"] for c in cell["before"] if c.get("peak_ratio") is not None]
-        ap = [c["peak_ratio"] for c in cell["after"] if c.get("peak_ratio") is not None]
-        row["peak_after_over_before"] = (a["peak_ratio"] / b["peak_ratio"]
-                                         if a["peak_ratio"] and b["peak_ratio"] else None)
-        row["peak_changed"] = _changed(bp, ap, MEMORY_TOLERANCE)
+        for prefix, key, values, tol in (("", "median", ratios, TIME_TOLERANCE),
+                                         ("peak_", "peak_ratio", peaks, MEMORY_TOLERANCE)):
+            row[prefix + "after_over_before"] = a[key] / b[key] if a[key] and b[key] else None
+            row[prefix + "changed"] = _changed(values["before"], values["after"], tol)
         out.append(row)
     return out
+
+
+def _median(values):
+    return statistics.median(values) if values else None
 
 
 def _changed(before, after, rel_floor):
@@ -266,13 +162,10 @@ def _changed(before, after, rel_floor):
 def markdown(cells, meta):
     lines = [
         "# Before/after: the per-example engine v2 against the engine before it (issue 23)", "",
-        "One run, both trees interleaved (`benchmarks/before_after.py`): every configuration "
-        "ran in its own forked worker once per round and tree, before then after (after then "
-        "before in odd rounds), %d round(s). Each ratio is measured in its own process against "
-        "its own floor (the aggregated gradient; for `dp_step`, the tutorial's Adam step) and "
-        "is a median of alternated runs; a cell's ratio is the median over rounds, the range "
-        "after it is over rounds. \"changed\": the medians differ by more than the larger "
-        "round-to-round range of the two trees and by more than %d%% (memory: %d%%). Memory: peak "
+        "Both trees interleaved in one run (`benchmarks/before_after.py`), %d round(s); each "
+        "ratio from its own process over its own floor (the aggregated gradient; `step`: the "
+        "tutorial's Adam step); a cell: the median over rounds (their range). \"changed\": the "
+        "medians differ by more than both trees' ranges and %d%% (memory: %d%%). Memory: peak "
         "bytes of one traced step (benchmarks/memory.py) over the floor's." % (
             meta["rounds"], int(100 * TIME_TOLERANCE), int(100 * MEMORY_TOLERANCE)), "",
         "- before: `%s` at %s; after: `%s` at %s (same benchmark code: this tree's)" % tuple(
@@ -338,25 +231,8 @@ def _verdict(r, changed):
     return "%.2f%s" % (r, " **changed**" if changed else "")
 
 
-# Issue 34: every before/after also runs models unlike the ones the engine
-# was tuned on: a deep conv net (the zoo's official_resnet_cifar), a bi-RNN
-# with `sequence_length` (bilstm_crf) and dynamic image sizes (unet).
-OTHERS_DEFAULT = ("bilstm_crf", "unet")
-
-
-def _builders():
-    """name -> model builder: the zoo, then the TF1 models (static and
-    dynamic shapes); each builder takes (dtype, rng, full)."""
-    from benchmarks import tf1_models, zoo_models
-    out = collections.OrderedDict(zoo_models.ZOO)
-    for table in (tf1_models.MODELS, tf1_models.DYNAMIC_MODELS):
-        for name, build in table.items():
-            out.setdefault(name, build)
-    return out
-
-
 def parse_args(argv=None):
-    from benchmarks import zoo_models
+    from benchmarks import zoo, zoo_models
     p = argparse.ArgumentParser(prog="python -m benchmarks.before_after",
                                 description=__doc__.splitlines()[0])
     p.add_argument("before", help="the before tree (a checkout holding custagg/)")
@@ -386,7 +262,7 @@ def parse_args(argv=None):
         p.error("--zoo-batches takes comma-separated integers, e.g. 64,256")
     if not args.zoo_batches or min(args.zoo_batches) < 1:
         p.error("--zoo-batches needs batch sizes of at least 1")
-    known = _builders()
+    known = zoo.builders()
     args.zoo_models = (list(zoo_models.ZOO) + [m for m in OTHERS_DEFAULT if m in known]
                        if args.zoo_models == "all"
                        else [m for m in args.zoo_models.split(",") if m])
@@ -403,8 +279,6 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    if argv is None and sys.argv[1:2] == ["serve"]:
-        return serve(sys.argv[2])
     args = parse_args(argv)
     from benchmarks import run
     dirs = {"logs": os.path.join(args.out, "logs"), "tmp": os.path.join(args.out, "logs", "tmp"),
@@ -423,7 +297,8 @@ def main(argv=None):
                                                                    "HEAD"),
                       "custagg_commit": _git(tree, "log", "-1", "--format=%h", "--", "custagg"),
                       "dirty": bool(_git(tree, "status", "--porcelain", "custagg"))}
-    servers = {t: _server(meta[t]["dir"], t, dirs["logs"], args.threads) for t in TREES}
+    servers = {t: run.ForkServer("tf", sys.executable, dirs["logs"], args.threads, job=i,
+                                 tree=meta[t]["dir"]) for i, t in enumerate(TREES)}
     configs = plan(args)
     samples, refs = [], {}
     print("before/after: %d configurations x %d trees x %d rounds" % (

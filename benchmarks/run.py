@@ -1,15 +1,13 @@
-"""Comparison benchmark: `python -m benchmarks [--quick] [options]`.
+"""The harness: `python -m benchmarks [--quick | --control-flow | --peers] [options]`.
 
-For every configuration (model, batch size B, task, system) one worker process
-(see `benchmarks/worker.py`) builds the model, the floor and the system in one
-graph, checks the system's numbers against a reference, and times system and
-floor alternately in the same process. A configuration that is slow, hangs or
-crashes costs only its own process: it is killed at --timeout and recorded as
-"timeout" or "failed", and the run goes on.
-
-Outputs (in --out, default benchmarks/results, or benchmarks/results/quick with
---quick): results.json (a list of records), results.md (tables), results.png,
-machine.json, and logs/ (one log per configuration; not committed).
+Each configuration (model, B, task, system) runs in a forked child of a warm
+worker server (benchmarks/worker.py), which builds model, floor and system in
+one graph, checks the system against the loop reference and times system and
+floor alternately; a configuration that hangs or crashes is recorded as
+"timeout" or "failed" and the run goes on. Writes to --out (default
+benchmarks/results): results.json, results.md, results.png,
+results_memory.png, machine.json (`--peers`: peers.json, peers.md) and
+logs/. docs/benchmarks.md describes the tasks, systems and figures.
 """
 import argparse
 import datetime
@@ -29,49 +27,45 @@ from benchmarks.systems import PEER_FRAMEWORKS, SYSTEMS, TASK_ALIASES, TASKS
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-FULL = dict(models=[m for m in models.MODELS if m not in models.CONTROL_FLOW_ONLY],
-            batch_sizes=[32, 128, 512], repeats=10,
-            timeout=120.0, budget=2.0, slow_limit=30.0, out=os.path.join(HERE, "results"))
-QUICK = dict(models=["mlp", "text"], batch_sizes=[32], repeats=3,
-             timeout=60.0, budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick"))
-# Issue 11's table: the loop models against tf.vectorized_map and the vmap
-# peers (docs/control-flow.md, "Measured").
-CONTROL_FLOW = dict(models=["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"],
-                    batch_sizes=[32, 128, 512],
-                    tasks=["norms", "clip", "dpsgd"],
-                    systems=["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"],
-                    repeats=5, timeout=600.0, budget=2.0, slow_limit=30.0,
-                    out=os.path.join(HERE, "results", "control_flow"))
-# Issue 37: custagg beside the DP peers in their fastest configurations
-# (docs/benchmarks.md, "The DP peers"); the peers' interpreters come from
-# benchmarks/peers_env.sh. Writes benchmarks/results/peers.{json,md}.
-PEERS = dict(models=["mlp", "cnn", "text", "lstm", "gru", "transformer"],
-             batch_sizes=[32, 128, 512], tasks=["clip", "dpsgd"],
-             systems=["custagg_auto", "opacus_ghost", "opacus", "jax_privacy", "tfp_fast"],
-             repeats=3, timeout=600.0, budget=1.0, slow_limit=30.0,
-             out=os.path.join(HERE, "results"), stem="peers")
+_RUN = dict(batch_sizes=[32, 128, 512], timeout=600.0, budget=2.0, slow_limit=30.0)
+PRESETS = {
+    "full": dict(_RUN, models=[m for m in models.MODELS if m not in models.CONTROL_FLOW_ONLY],
+                 repeats=10, timeout=120.0, out=os.path.join(HERE, "results")),
+    "quick": dict(models=["mlp", "text"], batch_sizes=[32], repeats=3, timeout=60.0,
+                  budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick")),
+    # Issue 11: the loop models against tf.vectorized_map and the vmap peers.
+    "control_flow": dict(_RUN, models=["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"],
+                         tasks=["norms", "clip", "dpsgd"],
+                         systems=["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"],
+                         repeats=5, out=os.path.join(HERE, "results", "control_flow")),
+    # Issue 37: custagg beside the DP peers in their fastest configurations
+    # (interpreters from benchmarks/peers_env.sh); writes peers.{json,md}.
+    "peers": dict(_RUN, models=["mlp", "cnn", "text", "lstm", "gru", "transformer"],
+                  tasks=["clip", "dpsgd"], budget=1.0,
+                  systems=["custagg_auto", "opacus_ghost", "opacus", "jax_privacy", "tfp_fast"],
+                  repeats=3, out=os.path.join(HERE, "results"), stem="peers"),
+}
 
 # Relative wall time of each model's configurations in a full run (measured
 # 2026-12-03), used to deal the costliest models out first with --jobs.
-_MODEL_COST = {"lstm": 6, "gru": 6, "keras_lstm": 6, "keras_gru": 6, "norule_rnn": 4, "cnn": 5, "text": 4, "transformer": 4, "mlp": 3, "softmax": 1}
+_MODEL_COST = {"lstm": 6, "gru": 6, "keras_lstm": 6, "keras_gru": 6, "norule_rnn": 4, "cnn": 5,
+               "text": 4, "transformer": 4, "mlp": 3, "softmax": 1}
 
 RECORD_KEYS = ("model", "batch_size", "task", "system", "status", "note", "build_s", "n_ops",
                "first_run_ms", "median_ms", "peak_rss_mb", "floor_ms", "ratio_to_floor",
                "peak_mb", "floor_peak_mb", "peak_ratio", "check")
-# Systems whose three tasks all go through the same materialized per-example
+# Systems whose tasks all go through the same materialized per-example
 # gradients: a timeout in one task predicts the others at the same B.
 MATERIALIZING = {"tf_loop", "tf_vmap", "tf_jacobian", "jax_vmap", "torch_func", "opacus"}
 
 
 def _csv(text, allowed=None, aliases=None, kind="value"):
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if aliases:
-        items = [aliases.get(t, t) for t in items]
-    if allowed is not None:
-        bad = [t for t in items if t not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError("unknown %s %s; choose from %s"
-                                             % (kind, ", ".join(bad), ", ".join(allowed)))
+    items = [aliases.get(t, t) if aliases else t for t in
+             (t.strip() for t in text.split(",")) if t]
+    bad = [t for t in items if allowed is not None and t not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError("unknown %s %s; choose from %s"
+                                         % (kind, ", ".join(bad), ", ".join(allowed)))
     return items
 
 
@@ -80,18 +74,14 @@ def parse_args(argv=None):
         prog="python -m benchmarks",
         description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
     p.add_argument("--quick", action="store_true",
-                   help="small run (MLP and text, B=32, 3 repeats; < 3 min on an idle machine); "
-                        "writes to benchmarks/results/quick")
+                   help="MLP and text at B=32, 3 repeats (< 3 min); out benchmarks/results/quick")
     p.add_argument("--control-flow", action="store_true",
-                   help="issue 11's table: lstm, gru, keras_lstm, keras_gru, norule_rnn at B=32,128,512; norms, clip, "
-                        "dpsgd; custagg_auto, tf_vmap, jax_vmap, torch_func; 5 repeats, 600 s "
-                        "timeout; writes to benchmarks/results/control_flow (pass the peers' "
-                        "--python)")
+                   help="issue 11's table: the loop models, custagg_auto, tf_vmap and the vmap "
+                        "peers; out benchmarks/results/control_flow (pass the peers' --python)")
     p.add_argument("--peers", action="store_true",
-                   help="issue 37's table: custagg beside Opacus (ghost, hooks), JAX Privacy "
-                        "and TF Privacy's Keras fast clipping on mlp, cnn, text, lstm, "
-                        "gru, transformer at B=32,128,512; clip and dpsgd; 3 repeats; writes "
-                        "benchmarks/results/peers.{json,md} (pass --python torch=, jax=, keras=)")
+                   help="issue 37's table: custagg beside Opacus (ghost, hooks), JAX Privacy and "
+                        "TF Privacy's fast clipping; writes results/peers.{json,md} (pass "
+                        "--python torch=, jax=, keras=)")
     p.add_argument("--models", type=lambda s: _csv(s, models.MODELS, kind="model"),
                    help="comma list of %s" % ",".join(models.MODELS))
     p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in _csv(s)],
@@ -102,10 +92,10 @@ def parse_args(argv=None):
                    help="comma list of %s" % ",".join(SYSTEMS))
     p.add_argument("--no-peers", action="store_true",
                    help="leave out JAX, PyTorch/Opacus and TF Privacy")
-    p.add_argument("--repeats", type=int, help="timed runs per configuration (default 10; quick 3)")
+    p.add_argument("--repeats", type=int, help="timed runs per configuration (default 10)")
     p.add_argument("--budget", type=float,
                    help="stop repeating after this many seconds of timing (min 3 runs)")
-    p.add_argument("--timeout", type=float, help="seconds per configuration (default 120; quick 60)")
+    p.add_argument("--timeout", type=float, help="seconds per configuration (default 120)")
     p.add_argument("--slow-limit", type=float,
                    help="skip a B^2 system when its cost estimated from a smaller B exceeds this")
     p.add_argument("--out", help="output folder")
@@ -114,46 +104,33 @@ def parse_args(argv=None):
     p.add_argument("--python", action="append", default=[], metavar="FRAMEWORK=PATH",
                    help="interpreter for a framework's workers, e.g. torch=/opt/peers/bin/python")
     p.add_argument("--threads", type=int, default=1,
-                   help="intra/inter-op threads for every framework (default 1: the same for all, "
-                        "and robust on a machine shared with other jobs)")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="configurations run at once, each in its own worker (default: 2 on a "
-                        "machine with 2+ cores, else 1). Models are dealt out to the jobs, so "
-                        "the B-ascending skip estimates still see each model's smaller B first; "
-                        "every ratio is still measured inside one process")
+                   help="intra/inter-op threads for every framework (default 1)")
+    p.add_argument("--jobs", type=int, default=2 if (os.cpu_count() or 1) >= 2 else 1,
+                   help="configurations at once (default 2 on 2+ cores); whole models are "
+                        "dealt to the jobs, each ratio is measured inside one process")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--readme", metavar="PATH",
-                   help="also rewrite the benchmark tables in PATH (README.md) from --out's "
-                        "results (after the run, or alone with --report-only)")
+                   help="also rewrite the benchmark tables in PATH from --out's results")
     p.add_argument("--report-only", action="store_true",
-                   help="only rewrite results.md and results.png from --out/results.json")
+                   help="only rewrite results.md and the plots from --out/results.json")
     args = p.parse_args(argv)
-    if args.quick + args.control_flow + args.peers > 1:
+    chosen = [k for k in ("quick", "control_flow", "peers") if getattr(args, k)]
+    if len(chosen) > 1:
         p.error("--quick, --control-flow and --peers are presets; choose one")
-    defaults = (QUICK if args.quick else CONTROL_FLOW if args.control_flow
-                else PEERS if args.peers else FULL)
+    defaults = PRESETS[chosen[0] if chosen else "full"]
     args.stem = defaults.get("stem", "results")
     for key, value in defaults.items():
         if key != "stem" and getattr(args, key, None) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
     args.tasks = args.tasks or list(TASKS)
-    if args.jobs is None:
-        args.jobs = 2 if (os.cpu_count() or 1) >= 2 else 1
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
     if args.systems is None:
         args.systems = [s for s in SYSTEMS if not (
             args.no_peers and (SYSTEMS[s].framework in PEER_FRAMEWORKS or s == "tfp_vectorized"))]
-    args.pythons = {}
-    for item in args.python:
-        fw, _, path = item.partition("=")
-        args.pythons[fw] = path
+    args.pythons = dict(item.partition("=")[::2] for item in args.python)
     return args
 
-
-# --------------------------------------------------------------------------
-# Workers
-# --------------------------------------------------------------------------
 
 def _worker_env(threads):
     env = dict(os.environ)
@@ -174,15 +151,16 @@ def _worker_env(threads):
 
 
 class ForkServer:
-    """A warm `benchmarks.worker serve FRAMEWORK` process, restarted if it dies."""
+    """A warm `benchmarks.worker serve FRAMEWORK [TREE]` process, restarted if it dies."""
 
     START_TIMEOUT = 300.0
 
-    def __init__(self, framework, python, log_dir, threads, job=0):
+    def __init__(self, framework, python, log_dir, threads, job=0, tree=None):
+        """`tree`: a checkout whose custagg the children use (before_after)."""
         self.framework, self.python, self.log_dir = framework, python, log_dir
         self.threads, self.job = threads, job
         self.proc, self.versions, self.error = None, None, None
-        self.argv = ["-m", "benchmarks.worker", "serve", framework]
+        self.argv = ["-m", "benchmarks.worker", "serve", framework] + ([tree] if tree else [])
 
     def ensure(self):
         if self.proc is not None and self.proc.poll() is None:
@@ -230,9 +208,6 @@ class ForkServer:
         self.proc = None
 
 
-# --------------------------------------------------------------------------
-# Planning
-# --------------------------------------------------------------------------
 
 def plan(args):
     """The configurations, B ascending within each model (estimates need that)."""
@@ -301,25 +276,14 @@ def _code_hash():
     return h.hexdigest()[:10]
 
 
-# --------------------------------------------------------------------------
-# Running
-# --------------------------------------------------------------------------
 
-def _empty_record(cfg, machine_short):
-    rec = {k: None for k in RECORD_KEYS}
-    rec.update(model=cfg["model"], batch_size=cfg["batch_size"], task=cfg["task"],
-               system=cfg["system"], framework=cfg["framework"], status="failed", note="",
-               check="n/a", machine=machine_short)
-    return rec
-
-
-def _log_tail(path, n=3):
-    try:
-        with open(path, errors="replace") as f:
-            lines = [l.strip() for l in f.read().splitlines() if l.strip()]
-        return " | ".join(lines[-n:])[-400:]
-    except OSError:
-        return ""
+def work_dirs(out):
+    """{"logs", "tmp", "cache"}: the folders of a run writing to `out`, made."""
+    dirs = {"logs": os.path.join(out, "logs"), "tmp": os.path.join(out, "logs", "tmp"),
+            "cache": os.path.join(out, ".cache")}
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
+    return dirs
 
 
 def execute(worker, cfg, args, dirs, tag):
@@ -339,9 +303,13 @@ def execute(worker, cfg, args, dirs, tag):
     if reply["status"] == "timeout":
         result = {"status": "timeout", "note": "killed after the %.0f s timeout" % cfg["timeout"]}
     elif result is None:
-        result = {"status": "failed",
-                  "note": "worker died (exit %s); log %s: %s"
-                          % (reply.get("exit"), os.path.relpath(log_path, REPO), _log_tail(log_path))}
+        try:
+            with open(log_path, errors="replace") as f:
+                tail = " | ".join([l.strip() for l in f if l.strip()][-3:])[-400:]
+        except OSError:
+            tail = ""
+        result = {"status": "failed", "note": "worker died (exit %s); log %s: %s" % (
+            reply.get("exit"), os.path.relpath(log_path, REPO), tail)}
     return result, reply
 
 
@@ -360,20 +328,15 @@ def _progress(i, n, rec, wall):
 
 
 def _terminate(signum, frame):
-    raise KeyboardInterrupt("signal %d" % signum)
+    raise KeyboardInterrupt("signal %d" % signum)   # so `finally` stops the workers
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.report_only:
         return report_only(args)
-    signal.signal(signal.SIGTERM, _terminate)   # so `finally` stops the workers
-    os.makedirs(args.out, exist_ok=True)
-    dirs = {"logs": os.path.join(args.out, "logs"), "tmp": os.path.join(args.out, "logs", "tmp"),
-            "cache": os.path.join(args.out, ".cache")}
-    for d in dirs.values():
-        os.makedirs(d, exist_ok=True)
-
+    signal.signal(signal.SIGTERM, _terminate)
+    dirs = work_dirs(args.out)
     configs = plan(args)
     frameworks = sorted({c["framework"] for c in configs} | ({"tf"} if configs else set()))
     n_jobs = max(1, min(args.jobs, len({c["model"] for c in configs}) or 1))
@@ -432,7 +395,8 @@ def main(argv=None):
                                                                  tfv)
             missing = dict(unavailable)
             family = list(done)
-        rec = _empty_record(cfg, machine_info["short"])
+        rec = dict({k: None for k in RECORD_KEYS}, status="failed", note="", check="n/a",
+                   machine=machine_info["short"], **cfg)
         rec["loadavg_1m"] = os.getloadavg()[0]
         t0 = time.monotonic()
         ref_key = (cfg["model"], cfg["batch_size"])
@@ -522,7 +486,8 @@ def main(argv=None):
 
 
 def _reference(workers, cfg, ref_path, args, dirs):
-    label = "%s B=%d" % (cfg["model"], cfg["batch_size"])
+    """Writes the loop reference of (model, B) to `ref_path` unless cached:
+    {"ok", "note"}."""
     if os.path.exists(ref_path):
         return {"ok": True, "note": "cached " + os.path.basename(ref_path)}
     t0 = time.monotonic()
@@ -533,71 +498,52 @@ def _reference(workers, cfg, ref_path, args, dirs):
     result, _ = execute(workers["tf"], ref_cfg, args, dirs, tag)
     ok = result.get("status", "ok") == "ok" and os.path.exists(ref_path)
     note = result.get("note", "")
-    print("  reference %s: %s (%.1fs)" % (label, note if ok else "FAILED: " + note,
-                                          time.monotonic() - t0), flush=True)
+    print("  reference %s B=%d: %s (%.1fs)" % (cfg["model"], cfg["batch_size"], note if ok else
+                                              "FAILED: " + note, time.monotonic() - t0),
+          flush=True)
     return {"ok": ok, "note": note}
 
 
 def _merged(old, done):
-    keys = {(r["model"], r["batch_size"], r["task"], r["system"]) for r in done}
-    kept = [r for r in old if (r["model"], r["batch_size"], r["task"], r["system"]) not in keys]
-    return sorted(kept + done, key=_record_order)
+    def key(r):
+        return (r["model"], r["batch_size"], r["task"], r["system"])
 
-
-def _record_order(r):
     def pos(seq, v):
         seq = list(seq)
         return seq.index(v) if v in seq else len(seq)
-    return (pos(models.MODELS, r["model"]), r["batch_size"], pos(TASKS, r["task"]),
-            pos(SYSTEMS, r["system"]), r["system"])
-
-
-def write_plots(out, records):
-    """results.png (time / floor) and results_memory.png (peak / the floor's
-    peak) in `out`."""
-    from benchmarks import report
-    report.write_plot(os.path.join(out, "results.png"), records)
-    report.write_plot(os.path.join(out, "results_memory.png"), records,
-                      metric="memory")
+    keys = {key(r) for r in done}
+    return sorted([r for r in old if key(r) not in keys] + done, key=lambda r: (
+        pos(models.MODELS, r["model"]), r["batch_size"], pos(TASKS, r["task"]),
+        pos(SYSTEMS, r["system"]), r["system"]))
 
 
 def report_only(args):
-    """--report-only: rewrite results.md / results.png from --out's JSON files."""
+    """--report-only: rewrite results.md and the plots from --out's JSON files."""
     with open(os.path.join(args.out, "results.json")) as f:
         records = json.load(f)
     meta_path = os.path.join(args.out, "machine.json")
     meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
-    from benchmarks import report
-    report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
-    if not args.no_plot:
-        write_plots(args.out, records)
-    print("wrote %s/results.md%s" % (os.path.relpath(args.out, REPO),
-                                     "" if args.no_plot else
-                                     ", results.png and results_memory.png"))
-    if args.readme:
-        _update_readme(args, records, meta)
+    _report(args, records, meta)
     return 0
 
 
 def _write_outputs(args, records, machine, versions, references, started, final):
+    """--out/<stem>.json after every configuration; at the end (`final`) the
+    run's description (machine.json; --merge: the first run's, this one under
+    "merged_runs") and the tables (`--peers`: peers_machine.json, peers.md)."""
+    from benchmarks import report
     common.dump_json(os.path.join(args.out, args.stem + ".json"), records)
-    if args.stem == "peers":
-        if final:
-            from benchmarks import report
-            meta = dict(machine, versions=versions, wall_s=time.time() - started)
-            common.dump_json(os.path.join(args.out, "peers_machine.json"), meta)
-            report.write_peers(os.path.join(args.out, "peers.md"), records, meta)
-        return
     if not final:
         return
-    meta = dict(machine)
-    meta["versions"] = versions
+    meta = dict(machine, versions=versions, wall_s=time.time() - started)
+    if args.stem == "peers":
+        common.dump_json(os.path.join(args.out, "peers_machine.json"), meta)
+        report.write_peers(os.path.join(args.out, "peers.md"), records, meta)
+        return
     meta["references"] = {"%s B=%d" % k: v["note"] for k, v in references.items()}
-    meta["wall_s"] = time.time() - started
     meta["tolerance"] = common.TOLERANCE
     meta_path = os.path.join(args.out, "machine.json")
     if args.merge and os.path.exists(meta_path):
-        # The main run's description stays; merged re-runs are listed under it.
         with open(meta_path) as f:
             base = json.load(f)
         base.setdefault("merged_runs", []).append(
@@ -607,25 +553,26 @@ def _write_outputs(args, records, machine, versions, references, started, final)
             base.setdefault("versions", {}).setdefault(fw, {}).update(v)
         meta = base
     common.dump_json(meta_path, meta)
+    _report(args, records, meta)
+
+
+def _report(args, records, meta):
+    """results.md, the plots (unless --no-plot) and --readme's tables."""
     from benchmarks import report
     report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
+    wrote = "results.md"
     if not args.no_plot:
         try:
-            write_plots(args.out, records)
+            for name, metric in (("results.png", "time"), ("results_memory.png", "memory")):
+                report.write_plot(os.path.join(args.out, name), records, metric=metric)
+            wrote += ", results.png and results_memory.png"
         except Exception as e:  # a plot must never lose the numbers
             print("  plot failed: %s" % e, flush=True)
+    print("wrote %s in %s" % (wrote, os.path.relpath(args.out, REPO)), flush=True)
     if args.readme:
-        _update_readme(args, records, meta)
-
-
-def _update_readme(args, records, meta):
-    """--readme: the tables in args.readme, linking --out's results.md."""
-    from benchmarks import report
-    readme_dir = os.path.dirname(os.path.abspath(args.readme))
-    report.update_readme(args.readme, records, meta,
-                         results_md=os.path.relpath(os.path.join(args.out, "results.md"),
-                                                    readme_dir))
-    print("updated the benchmark tables in %s" % args.readme, flush=True)
+        report.update_readme(args.readme, records, meta, results_md=os.path.relpath(
+            os.path.join(args.out, "results.md"), os.path.dirname(os.path.abspath(args.readme))))
+        print("updated the benchmark tables in %s" % args.readme, flush=True)
 
 
 if __name__ == "__main__":

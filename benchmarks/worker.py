@@ -1,22 +1,19 @@
-"""Runs benchmark configurations, one process per configuration.
+"""A warm worker server: `python -m benchmarks.worker serve FRAMEWORK [TREE]`.
 
-`python -m benchmarks.worker serve FRAMEWORK` is a "zygote" server: it
-imports the framework once (TensorFlow takes ~10 s to import here) and then
-forks one child per configuration it is sent. The child runs the
-configuration and exits; the server kills it at the timeout and reports its
-peak RSS from wait4(). Nothing in the server ever creates a session or a
-thread pool, so the fork is safe; a configuration that hangs, crashes or
-runs out of memory takes only its own process with it. FRAMEWORK is tf,
-jax, torch or keras (TF 2.15 with TF Privacy), each from the interpreter
-`--python FRAMEWORK=PATH` names (benchmarks/peers_env.sh makes the peers').
+It imports FRAMEWORK once (tf, jax, torch, or keras: TF 2.15 with TF
+Privacy), then forks one child per configuration it is sent; the child runs
+it and exits, the server kills it at the timeout and reports its peak RSS
+from wait4(). The server makes no session or thread pool, so forking is
+safe, and a configuration that hangs or crashes takes only its own process.
+With TREE, custagg comes from that checkout (benchmarks.before_after).
 
-Protocol (serve): one JSON request per line on stdin
-  {"cfg": {...}, "timeout": s, "result_path": p, "log_path": p}
-and one JSON reply per line on the original stdout
-  {"status": "done"|"timeout"|"crashed", "exit": code, "maxrss_mb": m, "wall_s": s}.
-The first reply is {"ready": true, "versions": {...}} or {"ready": false, "error": "..."}.
-The child writes its result dict (JSON) to result_path and its output to log_path.
+Protocol: one JSON request a line on stdin, `{"cfg", "timeout",
+"result_path", "log_path"}`; one JSON reply a line on stdout, `{"status":
+"done"|"timeout"|"crashed", "exit", "maxrss_mb", "wall_s"}`, the first
+being `{"ready": true, "versions"}` or `{"ready": false, "error"}`. The child
+writes its result dict to result_path and its output to log_path.
 """
+import importlib
 import json
 import os
 import signal
@@ -25,25 +22,37 @@ import time
 import traceback
 
 
-def import_framework(framework):
+def import_framework(framework, tree=None):
     """Import what `framework`'s children need; returns {package: version}."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if framework == "tf":
         import tensorflow as tf
         tf.compat.v1.disable_eager_execution()
         versions = {"tensorflow": tf.__version__}
+        if tree:
+            sys.path.insert(0, os.path.abspath(tree))
         try:
             import custagg
+            if tree and not custagg.__file__.startswith(os.path.abspath(tree) + os.sep):
+                raise RuntimeError("custagg came from %s, not from %s" % (custagg.__file__, tree))
             versions["custagg"] = getattr(custagg, "__version__", "?")
-            # The rule registry loads on first use; pay that once here, not in
-            # every configuration's graph-construction time (pure Python, no
-            # TF session, so still safe to fork after).
+            # The rule registry loads on first use: pay that here, not in every
+            # configuration's build time (pure Python: still safe to fork).
             t0 = time.perf_counter()
-            from custagg.rules import registry
-            registry.default_registry()
+            for sub in ("custagg.rules.registry", "custagg.registry"):   # older trees
+                try:
+                    importlib.import_module(sub).default_registry()
+                    break
+                except (ImportError, AttributeError):
+                    continue
             versions["custagg_rules_first_load_s"] = round(time.perf_counter() - t0, 2)
-        except Exception as e:  # the lead may be mid-edit; children retry the import
+        except Exception as e:  # mid-edit: children retry the import (a tree must import)
+            if tree:
+                raise
             versions["custagg"] = "import failed: %s" % e
+        finally:
+            if tree:
+                del sys.path[0]
         from benchmarks.systems import tf_systems
         path, version = tf_systems.tfp_location()
         versions["tensorflow-privacy"] = version if path else "not installed"
@@ -66,59 +75,48 @@ def import_framework(framework):
         try:
             import opacus
             versions["opacus"] = opacus.__version__
-        except Exception as e:
+        except ImportError as e:
             versions["opacus"] = "not installed (%s)" % type(e).__name__
         return versions
-    raise ValueError("unknown framework %r" % framework)
+    raise ValueError("unknown framework %r; choose from tf, jax, torch, keras" % framework)
 
 
 def execute(cfg):
     """Run one configuration in this process; returns the result dict."""
-    import importlib
     if cfg.get("module"):
-        # A benchmark module that runs its own configurations in the worker
-        # (benchmarks.before_after): named, not imported here, so the worker
-        # imports no benchmark that imports it back.
+        # A benchmark that runs its own configurations here (before_after):
+        # named, not imported, so no benchmark module imports it back.
         result = importlib.import_module(cfg["module"]).execute(cfg)
     elif cfg.get("kind") == "reference":
         from benchmarks.systems import tf_systems
         result = tf_systems.run_reference(cfg)
-    elif cfg["framework"] in ("tf", "jax", "torch", "keras"):
+    else:
         result = importlib.import_module(
             "benchmarks.systems.%s_systems" % cfg["framework"]).run(cfg)
-    else:
-        raise ValueError("unknown framework %r" % cfg["framework"])
-    from benchmarks import common
+    import resource
     result.setdefault("status", "ok")
-    result["peak_rss_mb"] = common.peak_rss_mb()
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     return result
 
 
-def _failure(exc):
-    lines = traceback.format_exception_only(type(exc), exc)
-    msg = " ".join(l.strip() for l in lines).replace("\n", " ")
-    return {"status": "failed", "note": msg[:400]}
-
-
-def _run_and_write(request):
-    try:
-        result = execute(request["cfg"])
-    except BaseException as e:  # noqa: B902 - report everything, the process ends anyway
-        traceback.print_exc()
-        result = _failure(e)
-    with open(request["result_path"] + ".tmp", "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(request["result_path"] + ".tmp", request["result_path"])
-
-
 def _child(request):
+    """The forked child: output to the log, the result (or the error) to
+    result_path; never returns."""
     code = 1
     try:
         fd = os.open(request["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        _run_and_write(request)
+        try:
+            result = execute(request["cfg"])
+        except BaseException as e:  # noqa: B902 - report everything, the process ends anyway
+            traceback.print_exc()
+            msg = " ".join(l.strip() for l in traceback.format_exception_only(type(e), e))
+            result = {"status": "failed", "note": msg.replace("\n", " ")[:400]}
+        with open(request["result_path"] + ".tmp", "w") as f:
+            json.dump(result, f, default=str)
+        os.replace(request["result_path"] + ".tmp", request["result_path"])
         code = 0
     finally:
         sys.stdout.flush()
@@ -126,45 +124,41 @@ def _child(request):
         os._exit(code)
 
 
-def _wait(pid, timeout):
-    start = time.monotonic()
-    delay = 0.005
+def _wait(pid, timeout, parent):
+    """The reply for child `pid`, killed after `timeout` s or if `parent`
+    (the orchestrator) has died."""
+    start, delay = time.monotonic(), 0.005
     while True:
         done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
             break
-        orphaned = os.getppid() != _PARENT   # the orchestrator died: stop too
-        if orphaned or time.monotonic() - start > timeout:
+        if os.getppid() != parent or time.monotonic() - start > timeout:
             os.kill(pid, signal.SIGKILL)
             _, status, usage = os.wait4(pid, 0)
             return {"status": "timeout", "exit": None, "maxrss_mb": usage.ru_maxrss / 1024.0,
                     "wall_s": time.monotonic() - start}
         time.sleep(delay)
         delay = min(delay * 1.5, 0.05)
-    wall = time.monotonic() - start
     if os.WIFSIGNALED(status):
-        return {"status": "crashed", "exit": -os.WTERMSIG(status),
-                "maxrss_mb": usage.ru_maxrss / 1024.0, "wall_s": wall}
-    code = os.WEXITSTATUS(status)
-    return {"status": "done" if code == 0 else "crashed", "exit": code,
-            "maxrss_mb": usage.ru_maxrss / 1024.0, "wall_s": wall}
+        code, state = -os.WTERMSIG(status), "crashed"
+    else:
+        code = os.WEXITSTATUS(status)
+        state = "done" if code == 0 else "crashed"
+    return {"status": state, "exit": code, "maxrss_mb": usage.ru_maxrss / 1024.0,
+            "wall_s": time.monotonic() - start}
 
 
-_PARENT = None
-
-
-def serve(framework):
-    global _PARENT
-    _PARENT = os.getppid()
-    # Keep the protocol channel clean: anything printed by libraries goes to stderr.
+def serve(framework, tree=None):
+    parent = os.getppid()
+    # The protocol keeps the original stdout; whatever libraries print goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     try:
-        versions = import_framework(framework)
-        proto.write(json.dumps({"ready": True, "versions": versions}) + "\n")
-    except Exception as e:
+        versions = import_framework(framework, tree)
+    except Exception as e:  # reported to the orchestrator, which records it
         proto.write(json.dumps({"ready": False, "error": "%s: %s" % (type(e).__name__, e)}) + "\n")
         return 1
+    proto.write(json.dumps({"ready": True, "versions": versions}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -174,20 +168,14 @@ def serve(framework):
         pid = os.fork()
         if pid == 0:
             _child(request)
-        reply = _wait(pid, request["timeout"])
-        if os.getppid() != _PARENT:
+        reply = _wait(pid, request["timeout"], parent)
+        if os.getppid() != parent:
             return 1
         proto.write(json.dumps(reply) + "\n")
     return 0
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 2 and argv[0] == "serve":
-        return serve(argv[1])
-    sys.stderr.write("usage: python -m benchmarks.worker serve FRAMEWORK\n")
-    return 2
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:2] != ["serve"] or len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m benchmarks.worker serve FRAMEWORK [TREE]")
+    sys.exit(serve(*sys.argv[2:]))

@@ -1,35 +1,15 @@
-"""Graphs as users write them: the zoo and other people's TF1 models.
+"""Graphs as users write them: `python -m benchmarks --zoo` and `--tf1-models`.
 
-`python -m benchmarks --zoo` builds each model of `benchmarks.zoo_models`
-at full size (`full=True`: MNIST's 28x28 images, the tutorials' layer
-sizes) in float32 with a dynamic batch and measures, at each batch size:
-norms (`custagg.per_example_norms`), the clipped sum
-(`custagg.clipped_gradients(loss, xs, 1.0)`) and, for mnist_deep, one
-DP-SGD step (`custagg.DPOptimizer` around Adam) against the tutorial's own
-Adam step. Results: benchmarks/results/zoo.json and zoo.md.
-
-`python -m benchmarks --tf1-models` (issue 24) does the same for the
-clipped sum of each model of `benchmarks.tf1_models` at B=64 (a model whose
-clipped sum fails at run time gets a row with its error); each row has the
-plan's forms, `--plans` prints the plans. Results:
-benchmarks/results/tf1_models.json and tf1_models.md.
-
-`python -m benchmarks --zoo --profile [--models mnist_deep,cnn]
-[--batch-sizes 64,256] [--times]` (issue 26) profiles where the peak memory
-of norms, clipped sums and a DP step comes from (zoo models, or the
-harness's `cnn`, `mlp`, `text`): one traced step of each fetch, its peak, its
-ratio to the floor's and the tensors live at the peak, largest first; with
-`--times` also each traced step's kernel time by op (mean of 3). Memory
-figures do not depend on the machine's load; it writes no results file.
-
-All: one process, every run of a task next to a run of its floor (the
-aggregated gradient, `tf.compat.v1.gradients(reduce_sum(loss))`), medians
-over `--repeats`; peak memory from one traced step each
-(benchmarks/memory.py). Every result is fetched (TF prunes what is not).
-The machine's load moves the ratios: the tables record it.
+`--zoo`: each `benchmarks.zoo_models` model at full size (float32, dynamic
+batch): per-example norms, the clipped sum and, for mnist_deep, a DP step
+(`DPOptimizer` around Adam) against the tutorial's Adam step; results/zoo.*.
+`--tf1-models` (issue 24): the clipped sum of each `benchmarks.tf1_models`
+model at B=64 (a run-time failure gets a row with its error) and the plan's
+forms; `--plans` prints the plans; results/tf1_models.*. `--zoo --profile
+[--times]` (issue 26): the tensors live at each step's peak (and its kernel
+time by op); no results file. How each figure is measured:
+docs/benchmarks.md.
 """
-
-from __future__ import annotations
 
 import argparse
 import collections
@@ -44,16 +24,59 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import numpy as np  # noqa: E402
 
+HARNESS_MODELS = ("cnn", "mlp", "text")   # --profile builds these too
 
 
-def _measure(sess, floor, fetches, feed, repeats, steps=None):
-    """({name: median s}, {name: peak bytes}) of `fetches` (each run next
-    to a run of `floor`) and `steps` (training steps, timed alone), with
-    "floor" among them; one warm-up run each first, one traced step each
-    after (the traced training steps apply one more update)."""
+def builders():
+    """name -> builder `(dtype, rng, full)`: the zoo, then the TF1 models
+    (static shapes, then issue 34's dynamic ones)."""
+    from benchmarks import tf1_models, zoo_models
+    out = collections.OrderedDict(zoo_models.ZOO)
+    for table in (tf1_models.MODELS, tf1_models.DYNAMIC_MODELS):
+        for name, build_model in table.items():
+            out.setdefault(name, build_model)
+    return out
+
+
+def build(name, full=True):
+    """(loss `[B]`, xs, feed(batch) -> feed dict, coupled variable names) of
+    model `name` (a builder's, or a harness model of HARNESS_MODELS) in
+    float32 with a dynamic batch, in the default graph."""
+    import tensorflow as tf
+    if name in HARNESS_MODELS:
+        from benchmarks import models
+        x, y = models.tf_placeholders(name, None, dynamic=True)
+        variables, xs = models.tf_variables(name)
+        return (models.tf_loss(name, variables, x, y), xs,
+                lambda batch: dict(zip((x, y), models.make_batch(name, batch))), ())
+    tf.compat.v1.set_random_seed(3)
+    model = builders()[name](tf.float32, np.random.default_rng(3), full=full)
+    return (model.loss, model.xs,
+            lambda batch: model.feed(np.random.default_rng(batch), batch), model.coupled)
+
+
+def fetches(loss, xs, tasks=("norms", "clip"), dp_step=False):
+    """{"floor": the aggregated gradient, "norms", "clip": the clipped sum
+    (C = 1) of `tasks`} and, with `dp_step`, common.adam_step_pair's
+    "step_orig" and "step_dp"."""
+    import tensorflow as tf
+    import custagg
+    from benchmarks import common
+    out = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs)}
+    if "norms" in tasks:
+        out["norms"] = custagg.per_example_norms(loss, xs)
+    if "clip" in tasks:
+        out["clip"] = custagg.clipped_gradients(loss, xs, 1.0)
+    return dict(out, **(common.adam_step_pair(loss, xs) if dp_step else {}))
+
+
+def _measure(sess, floor, tasks, feed, repeats, steps=None):
+    """({name: median s}, {name: peak bytes}) of `tasks` (each run next to a
+    run of `floor`) and `steps` (training steps, timed alone), "floor" among
+    them; one warm-up run each first, one traced step each after (a traced
+    training step applies one more update)."""
     from benchmarks import memory
-    steps = steps or {}
-    everything = dict(fetches, floor=floor, **steps)
+    everything = dict(tasks, floor=floor, **(steps or {}))
     for fetch in everything.values():
         sess.run(fetch, feed)
     times = {k: [] for k in everything}
@@ -64,138 +87,69 @@ def _measure(sess, floor, fetches, feed, repeats, steps=None):
         times[key].append(time.perf_counter() - start)
 
     for _ in range(repeats):
-        for key in fetches:
+        for key in tasks:
             timed("floor")
             timed(key)
-        for key in steps:
+        for key in steps or {}:
             timed(key)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    peak = {k: memory.step_peak_bytes(sess, f, feed)[0] for k, f in everything.items()}
-    return med, peak
+    return ({k: statistics.median(v) for k, v in times.items()},
+            {k: memory.step_peak_bytes(sess, f, feed)[0] for k, f in everything.items()})
 
 
-HARNESS_MODELS = ("cnn", "mlp", "text")   # --profile builds these too
-
-
-def build(name):
-    """(loss, xs, feed(batch)) of zoo model `name` at full size (or, for
-    --profile, a harness model) in float32 with a dynamic batch, in the
-    default graph."""
-    import tensorflow as tf
-    if name in HARNESS_MODELS:
-        from benchmarks import models
-        x, y = models.tf_placeholders(name, None, dynamic=True)
-        variables, xs = models.tf_variables(name)
-
-        def feed(batch):
-            return dict(zip((x, y), models.make_batch(name, batch)))
-        return models.tf_loss(name, variables, x, y), xs, feed
-    from benchmarks import zoo_models
-    tf.compat.v1.set_random_seed(3)
-    model = zoo_models.ZOO[name](tf.float32, np.random.default_rng(3), full=True)
-    return model.loss, model.xs, lambda batch: model.feed(np.random.default_rng(batch), batch)
-
-
-def fetches(loss, xs, dp_step):
-    """The floor (the aggregated gradient), norms, clipped sum and, with
-    `dp_step`, common.adam_step_pair's plain and DP steps."""
-    import tensorflow as tf
-    import custagg
-    from benchmarks import common
-    out = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs),
-           "norms": custagg.per_example_norms(loss, xs),
-           "clip": custagg.clipped_gradients(loss, xs, 1.0)}
-    return dict(out, **(common.adam_step_pair(loss, xs) if dp_step else {}))
-
-
-def _bench_model(name, batch_sizes, repeats, threads):
-    """Zoo rows of model `name`, one per batch size."""
-    import tensorflow as tf
-    import custagg
-    from benchmarks import common, memory
-
-    rows = []
-    graph = tf.Graph()
-    with graph.as_default():
-        loss, xs, model_feed = build(name)
-        plan = custagg.plan_per_example(loss, xs)
-        tasks = fetches(loss, xs, name == "mnist_deep")
-        floor = tasks.pop("floor")
-        steps = {k: tasks.pop(k) for k in ("step_orig", "step_dp") if k in tasks}
-        with common.session(graph, threads) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            for batch in batch_sizes:
-                feed = model_feed(batch)
-                med, peak = _measure(sess, floor, tasks, feed, repeats, steps)
-                row = {"model": name, "batch_size": batch, "floor_ms": 1e3 * med["floor"],
-                       "floor_peak_mb": memory.mb(peak["floor"]),
-                       "not_rules": ["%s: %s" % (a.name, a.form) for a in plan.assignments
-                                     if a.form not in ("rules", None)]}
-                for key in tasks:
-                    row.update({key + "_ms": 1e3 * med[key],
-                                key + "_ratio": med[key] / med["floor"],
-                                key + "_peak_mb": memory.mb(peak[key]),
-                                key + "_peak_ratio": _ratio(peak[key], peak["floor"])})
-                if steps:
-                    row.update(step_orig_ms=1e3 * med["step_orig"],
-                               step_dp_ms=1e3 * med["step_dp"],
-                               step_ratio=med["step_dp"] / med["step_orig"],
-                               step_orig_peak_mb=memory.mb(peak["step_orig"]),
-                               step_dp_peak_mb=memory.mb(peak["step_dp"]),
-                               step_peak_ratio=_ratio(peak["step_dp"], peak["step_orig"]))
-                rows.append(row)
-                print("%-28s B=%-4d floor %8.2f ms %8.2f MB  norms %6.2fx mem %5.2fx"
-                      "  clip %6.2fx mem %5.2fx%s"
-                      % (name, batch, row["floor_ms"], row["floor_peak_mb"],
-                         row["norms_ratio"], row["norms_peak_ratio"],
-                         row["clip_ratio"], row["clip_peak_ratio"],
-                         "  DP step %.2fx mem %.2fx" % (row["step_ratio"],
-                                                        row["step_peak_ratio"])
-                         if steps else ""), flush=True)
-    return rows
-
-
-def plan_forms(plan):
-    """`{form: count}` of a plan, most common first ("rules": 5, ...)."""
-    counts = collections.Counter(f or "unconnected" for f in plan.forms())
-    return collections.OrderedDict(counts.most_common())
-
-
-def bench_model(name, batch, repeats, threads, full=True, print_plan=False):
-    """One TF1-models row (a dict) for model `name` at batch size `batch`."""
+def bench_model(name, batch_sizes, repeats, threads=1, tasks=("norms", "clip"),
+                dp_step=False, full=True, print_plan=False, detail=False):
+    """Rows of model `name`, one per batch size: for each of `tasks`
+    `<task>_ms`, `_ratio` (to the floor), `_peak_mb`, `_peak_ratio`; with
+    `dp_step` the `step_*` fields (DP step over the plain step); the plan's
+    `forms` and the variables `not_rules`. A run-time failure gives the row
+    `error` instead of figures. `detail`: also `plan` (its text) and `norms`
+    (the per-example norms), for benchmarks.before_after."""
     import tensorflow as tf
     import custagg
     from benchmarks import common, memory, tf1_models
-
+    rows = []
     graph = tf.Graph()
     with graph.as_default():
-        tf.compat.v1.set_random_seed(3)
-        build_model = tf1_models.MODELS.get(name) or tf1_models.DYNAMIC_MODELS[name]
-        model = build_model(tf.float32, np.random.default_rng(3), full=full)
-        loss, xs = model.loss, model.xs
-        build = time.perf_counter()
+        loss, xs, feed_of, coupled = build(name, full)
+        t0 = time.perf_counter()
         plan = custagg.plan_per_example(loss, xs)
         if print_plan:
             print(plan, flush=True)
-        floor = tf.compat.v1.gradients(tf.reduce_sum(loss), xs)
-        clip = custagg.clipped_gradients(loss, xs, 1.0)
-        row = {"model": name, "batch_size": batch, "variables": len(xs),
-               "forms": plan_forms(plan), "build_s": time.perf_counter() - build,
-               "coupled": len(model.coupled)}
+        timed = fetches(loss, xs, tasks, dp_step)
+        build_s = time.perf_counter() - t0
+        floor = timed.pop("floor")
+        steps = {k: timed.pop(k) for k in ("step_orig", "step_dp") if k in timed}
+        forms = collections.Counter(f or "unconnected" for f in plan.forms())
         with common.session(graph, threads) as sess:
             sess.run(tf1_models.initializer())
-            feed = model.feed(np.random.default_rng(batch), batch)
-            try:
-                sess.run(clip, feed)            # a failure shows here
-            except tf.errors.OpError as e:
-                row["error"] = "%s: %s" % (type(e).__name__, _first_line(e.message))
-                return row
-            med, peak = _measure(sess, floor, {"clip": clip}, feed, repeats)
-    row.update(floor_ms=1e3 * med["floor"], clip_ms=1e3 * med["clip"],
-               clip_ratio=med["clip"] / med["floor"],
-               floor_peak_mb=memory.mb(peak["floor"]), clip_peak_mb=memory.mb(peak["clip"]),
-               clip_peak_ratio=_ratio(peak["clip"], peak["floor"]))
-    return row
+            for batch in batch_sizes:
+                feed = feed_of(batch)
+                row = {"model": name, "batch_size": batch, "variables": len(xs),
+                       "forms": collections.OrderedDict(forms.most_common()),
+                       "build_s": build_s, "coupled": len(coupled),
+                       "not_rules": ["%s: %s" % (a.name, a.form) for a in plan.assignments
+                                     if a.form not in ("rules", None)]}
+                rows.append(row)
+                try:
+                    values = sess.run(timed, feed)            # a failure shows here
+                except tf.errors.OpError as e:
+                    row["error"] = "%s: %s" % (type(e).__name__, _first_line(e.message))
+                    print(describe_row(row), flush=True)
+                    continue
+                med, peak = _measure(sess, floor, timed, feed, repeats, steps)
+                row.update(floor_ms=1e3 * med["floor"], floor_peak_mb=memory.mb(peak["floor"]))
+                pairs = [(k, k, "floor") for k in timed]
+                pairs += [("step", "step_dp", "step_orig")] if steps else []
+                for field, key, base in pairs:
+                    row.update({field + "_ratio": med[key] / med[base],
+                                field + "_peak_ratio": _ratio(peak[key], peak[base])})
+                for key in list(timed) + list(steps):
+                    row.update({key + "_ms": 1e3 * med[key], key + "_peak_mb": memory.mb(peak[key])})
+                if detail:
+                    row.update(plan=str(plan), norms=[float(v) for v in np.ravel(
+                        values.get("norms", []))])
+                print(describe_row(row), flush=True)
+    return rows
 
 
 def _first_line(message):
@@ -212,92 +166,87 @@ def _ratio(a, b):
     return a / float(b) if b else None
 
 
-def _mem_cell(ratio, peak_mb):
+def describe_row(row):
+    """The one line printed per model and batch size."""
+    head = "%-28s B=%-4d" % (row["model"], row["batch_size"])
+    forms = "[%s]" % _forms_cell(row)
+    if "error" in row:
+        return "%s ERROR %s  %s" % (head, row["error"], forms)
+    tasks = "  ".join("%s %.2fx mem %.2fx" % (k, row[k + "_ratio"], row[k + "_peak_ratio"] or 0)
+                      for k in ("norms", "clip", "step") if k + "_ratio" in row)
+    return "%s floor %8.2f ms %8.2f MB  %s  %s" % (
+        head, row["floor_ms"], row["floor_peak_mb"] or 0.0, tasks, forms)
+
+
+def _mem_cell(r, key, peak_key):
+    ratio, peak_mb = r.get(key), r.get(peak_key)
     if ratio is None:
         return "-"
     return "%.2fx (%s MB)" % (ratio, "%.3g" % peak_mb if peak_mb < 1000 else "%.0f" % peak_mb)
 
 
-def _forms_cell(forms):
-    return ", ".join("%s %d" % kv for kv in forms.items())
+def _forms_cell(r):
+    return ", ".join("%s %d" % kv for kv in r["forms"].items())
 
 
-def describe_row(row):
-    """The one line printed per TF1 model."""
-    if "error" in row:
-        return "%-20s B=%-4d ERROR %s  [%s]" % (row["model"], row["batch_size"], row["error"],
-                                                _forms_cell(row["forms"]))
-    return ("%-20s B=%-4d floor %8.2f ms %8.2f MB  clip %6.2fx mem %5.2fx  [%s]"
-            % (row["model"], row["batch_size"], row["floor_ms"], row["floor_peak_mb"] or 0.0,
-               row["clip_ratio"], row["clip_peak_ratio"] or 0.0, _forms_cell(row["forms"])))
+def _table(title, intro, meta, columns, rows):
+    """A results page: `title`, `intro`, the machine line, then a table of
+    `columns` [(header, fn(row) -> cell)] with a row per `rows`."""
+    return "\n".join([
+        "# " + title, "", intro, "",
+        "Machine: %s; TF %s; %d repeats; %d thread(s); load average (1 min) %s at the start, "
+        "%s at the end." % (meta["machine"], meta["tf"], meta["repeats"], meta["threads"],
+                            meta.get("load_start", "?"), meta.get("load_end", "?")), "",
+        "| %s |" % " | ".join(h for h, _ in columns), "|%s|" % "|".join(["---"] * len(columns))]
+        + ["| %s |" % " | ".join(fn(r) for _, fn in columns) for r in rows]) + "\n"
 
 
-def _machine_line(meta, tail=""):
-    return ("Machine: %s; TF %s; %d repeats; %d thread(s); load average (1 min) %s at the "
-            "start, %s at the end%s." % (meta["machine"], meta["tf"], meta["repeats"],
-                                         meta["threads"], meta.get("load_start", "?"),
-                                         meta.get("load_end", "?"), tail))
+def _peak_mb(r):
+    return "%.3g" % r["floor_peak_mb"] if r.get("floor_peak_mb") is not None else "-"
 
 
 def _markdown(rows, meta):
     """zoo.md."""
-    lines = [
-        "# Zoo benchmark (`python -m benchmarks --zoo`)", "",
-        "Models written the way users write them (benchmarks/zoo_models.py, "
-        "full size, float32, dynamic batch). Each ratio is a median of "
-        "runs alternated with the aggregated gradient (floor) in the same "
-        "process; the floor column is that same measurement. Memory: the "
-        "step's peak bytes of live tensors from TF's allocation records "
-        "(one traced step each; benchmarks/memory.py), as a ratio to the "
-        "floor's peak (the DP step: to the original step's peak), with the "
-        "peak in MB; variables and fed arrays are not in it.", "",
-        _machine_line(meta), "",
-        "| model | B | floor ms | floor peak MB | norms | norms memory "
-        "| clipped sum | clipped sum memory | DP step / original step "
-        "| DP step memory | not on rules |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        step = "step_ratio" in r
-        lines.append("| %s | %d | %.2f | %s | %.2fx | %s | %.2fx | %s | %s | %s | %s |" % (
-            r["model"], r["batch_size"], r["floor_ms"],
-            "%.3g" % r["floor_peak_mb"] if r.get("floor_peak_mb") is not None else "-",
-            r["norms_ratio"], _mem_cell(r.get("norms_peak_ratio"), r.get("norms_peak_mb")),
-            r["clip_ratio"], _mem_cell(r.get("clip_peak_ratio"), r.get("clip_peak_mb")),
-            "%.2fx (%.1f / %.1f ms)" % (r["step_ratio"], r["step_dp_ms"], r["step_orig_ms"])
-            if step else "",
-            _mem_cell(r.get("step_peak_ratio"), r.get("step_dp_peak_mb")) if step else "",
-            ", ".join(r["not_rules"]) or "-"))
-    return "\n".join(lines) + "\n"
+    def step(fn):
+        return lambda r: fn(r) if "step_ratio" in r else ""
+    return _table(
+        "Zoo benchmark (`python -m benchmarks --zoo`)",
+        "Models written the way users write them (benchmarks/zoo_models.py, full size, "
+        "float32, dynamic batch). Each ratio is a median of runs alternated with the "
+        "aggregated gradient (floor) in the same process. Memory: the step's peak bytes of "
+        "live tensors (TF's allocation records of one traced step, benchmarks/memory.py) over "
+        "the floor's (the DP step: over the original step's), then the peak in MB.", meta,
+        [("model", lambda r: r["model"]), ("B", lambda r: "%d" % r["batch_size"]),
+         ("floor ms", lambda r: "%.2f" % r["floor_ms"]), ("floor peak MB", _peak_mb),
+         ("norms", lambda r: "%.2fx" % r["norms_ratio"]),
+         ("norms memory", lambda r: _mem_cell(r, "norms_peak_ratio", "norms_peak_mb")),
+         ("clipped sum", lambda r: "%.2fx" % r["clip_ratio"]),
+         ("clipped sum memory", lambda r: _mem_cell(r, "clip_peak_ratio", "clip_peak_mb")),
+         ("DP step / original step", step(lambda r: "%.2fx (%.1f / %.1f ms)" % (
+             r["step_ratio"], r["step_dp_ms"], r["step_orig_ms"]))),
+         ("DP step memory", step(lambda r: _mem_cell(r, "step_peak_ratio", "step_dp_peak_mb"))),
+         ("not on rules", lambda r: ", ".join(r["not_rules"]) or "-")], rows)
 
 
 def markdown(rows, meta):
     """tf1_models.md."""
-    lines = [
-        "# Other people's TF1 models (`python -m benchmarks --tf1-models`)", "",
-        "Issue 24's yardstick: the models of benchmarks/tf1_models.py (%s "
-        "size, float32, dynamic batch and sequence length). Clipped sum "
-        "(`custagg.clipped_gradients`, strategy \"auto\") against the "
-        "aggregated gradient of the same model (floor), same process; time: "
-        "median of runs alternated with the floor; memory: the step's peak "
-        "bytes of live tensors (one traced step each; benchmarks/memory.py). "
-        "Forms: how many variables the plan puts on each form."
-        % meta.get("size", "full"), "", _machine_line(meta, ": indicative only"), "",
-        "| model | B | floor ms | clipped sum | floor peak MB | clipped sum "
-        "memory | variables | forms |",
-        "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            lines.append("| %s | %d | - | error: %s | - | - | %d | %s |" % (
-                r["model"], r["batch_size"], r["error"].replace("|", "/"),
-                r["variables"], _forms_cell(r["forms"])))
-            continue
-        lines.append("| %s | %d | %.2f | %.2fx (%.1f ms) | %s | %s | %d | %s |" % (
-            r["model"], r["batch_size"], r["floor_ms"], r["clip_ratio"], r["clip_ms"],
-            "%.3g" % r["floor_peak_mb"] if r["floor_peak_mb"] is not None else "-",
-            _mem_cell(r["clip_peak_ratio"], r["clip_peak_mb"])
-            if r["clip_peak_ratio"] is not None else "-",
-            r["variables"], _forms_cell(r["forms"])))
-    return "\n".join(lines) + "\n"
+    def ok(fn):
+        return lambda r: "-" if "error" in r else fn(r)
+    return _table(
+        "Other people's TF1 models (`python -m benchmarks --tf1-models`)",
+        "Issue 24's yardstick: the models of benchmarks/tf1_models.py (%s size, float32, "
+        "dynamic batch and sequence length). The clipped sum (`custagg.clipped_gradients`, "
+        "strategy \"auto\") against the aggregated gradient (floor), same process: time, a "
+        "median of runs alternated with the floor; memory, the step's peak bytes of live "
+        "tensors (benchmarks/memory.py). Forms: variables per form of the plan; indicative "
+        "only." % meta.get("size", "full"), meta,
+        [("model", lambda r: r["model"]), ("B", lambda r: "%d" % r["batch_size"]),
+         ("floor ms", ok(lambda r: "%.2f" % r["floor_ms"])),
+         ("clipped sum", lambda r: "error: " + r["error"].replace("|", "/") if "error" in r
+          else "%.2fx (%.1f ms)" % (r["clip_ratio"], r["clip_ms"])),
+         ("floor peak MB", ok(_peak_mb)),
+         ("clipped sum memory", ok(lambda r: _mem_cell(r, "clip_peak_ratio", "clip_peak_mb"))),
+         ("variables", lambda r: "%d" % r["variables"]), ("forms", _forms_cell)], rows)
 
 
 def op_times(step_stats):
@@ -321,8 +270,8 @@ def profile(name, batch_sizes, top=8, times=False):
     found = {}
     graph = tf.Graph()
     with graph.as_default():
-        loss, xs, feed = build(name)
-        fetch_of = fetches(loss, xs, name in ("mnist_deep", "cnn", "mlp"))
+        loss, xs, feed, _ = build(name)
+        fetch_of = fetches(loss, xs, dp_step=name in ("mnist_deep", "cnn", "mlp"))
         with common.session(graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for batch in batch_sizes:
@@ -355,66 +304,62 @@ def profile(name, batch_sizes, top=8, times=False):
 
 def main(argv=None, suite="zoo"):
     """`suite`: "zoo" (`--zoo`) or "tf1_models" (`--tf1-models`)."""
-    from benchmarks import tf1_models, zoo_models
+    from benchmarks import common, tf1_models, zoo_models
     zoo = suite == "zoo"
-    registry = zoo_models.ZOO if zoo else tf1_models.MODELS
+    registry = list(zoo_models.ZOO if zoo else tf1_models.MODELS)
     p = argparse.ArgumentParser(
         prog="python -m benchmarks " + ("--zoo" if zoo else "--tf1-models"),
-        description="Per-example norms, clipped sums and a DP step on the model zoo"
-        if zoo else "The clipped sum on issue 24's TF1 models, as a ratio to the "
-        "aggregated gradient (time and peak memory).")
+        description="Per-example norms, clipped sums and a DP step on the model zoo" if zoo
+        else "The clipped sum on issue 24's TF1 models over the aggregated gradient.")
     p.add_argument("--models", default=",".join(registry), help="comma list (default: all)")
+    p.add_argument("--batch-sizes", default="64,256" if zoo else "64",
+                   help="comma list (default %s)" % ("64,256" if zoo else "64"))
     if zoo:
-        p.add_argument("--batch-sizes", default="64,256", help="comma list (default 64,256)")
         p.add_argument("--profile", action="store_true", help="where each step's peak memory "
                        "comes from (default models mnist_deep,cnn; also %s)"
                        % ",".join(HARNESS_MODELS))
         p.add_argument("--times", action="store_true",
                        help="--profile: also the traced steps' kernel time by op")
     else:
-        p.add_argument("--batch-size", type=int, default=64, help="B (default 64)")
         p.add_argument("--plans", action="store_true", help="print each model's plan")
     p.add_argument("--repeats", type=int, default=15 if zoo else 5,
                    help="timed runs per task (default %d)" % (15 if zoo else 5))
     p.add_argument("--threads", type=int, default=1, help="TF intra/inter-op threads (1)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
-                   help="output folder")
+    p.add_argument("--out", default=common.RESULTS, help="output folder")
     args = p.parse_args(argv)
     if zoo and args.profile:
-        registry = list(registry) + list(HARNESS_MODELS)
+        registry += list(HARNESS_MODELS)
         if args.models == ",".join(zoo_models.ZOO):
             args.models = "mnist_deep,cnn"
     names = [m for m in args.models.split(",") if m]
-    # The default is `registry`; issue 34's dynamic-shape models are asked
-    # for by name (`--models unet,ctc_lstm,...`).
-    known = list(registry) if zoo else list(registry) + list(tf1_models.DYNAMIC_MODELS)
+    # Issue 34's dynamic-shape TF1 models are run by name (`--models unet,...`).
+    known = registry + ([] if zoo else list(tf1_models.DYNAMIC_MODELS))
     unknown = sorted(set(names) - set(known))
     if unknown:
         p.error("unknown model(s) %s; choose from %s" % (", ".join(unknown), ", ".join(known)))
-    if args.repeats < 1 or (not zoo and args.batch_size < 1):
-        p.error("--batch-size and --repeats must be at least 1")
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    except ValueError:
+        batch_sizes = []
+    if args.repeats < 1 or not batch_sizes or min(batch_sizes) < 1:
+        p.error("--batch-sizes takes comma-separated integers >= 1, --repeats one >= 1")
     import tensorflow as tf
-    if not zoo:
-        tf.compat.v1.disable_eager_execution()
-    elif args.profile:
+    tf.compat.v1.disable_eager_execution()
+    if zoo and args.profile:
         for name in names:
-            profile(name, [int(b) for b in args.batch_sizes.split(",") if b], times=args.times)
+            profile(name, batch_sizes, times=args.times)
         return 0
     load_start = "%.2f" % os.getloadavg()[0]
     rows = []
     for name in names:
-        if zoo:
-            rows.extend(_bench_model(name, [int(b) for b in args.batch_sizes.split(",") if b],
-                                     args.repeats, args.threads))
-        else:
-            rows.append(bench_model(name, args.batch_size, args.repeats, args.threads,
-                                    print_plan=args.plans))
-            print(describe_row(rows[-1]), flush=True)
+        rows += bench_model(name, batch_sizes, args.repeats, args.threads,
+                            ("norms", "clip") if zoo else ("clip",),
+                            dp_step=zoo and name == "mnist_deep",
+                            print_plan=not zoo and args.plans)
     meta = {"machine": "%s, %d cores" % (platform.processor() or platform.machine(),
                                          os.cpu_count()),
             "tf": tf.__version__, "repeats": args.repeats, "threads": args.threads,
             "load_start": load_start, "load_end": "%.2f" % os.getloadavg()[0]}
-    from benchmarks import common
     common.write_outputs(suite, {"meta": meta, "rows": rows},
                          (_markdown if zoo else markdown)(rows, meta), args.out)
     print("wrote %s" % os.path.join(args.out, suite + ".md"))

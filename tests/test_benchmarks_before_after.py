@@ -70,13 +70,13 @@ def test_before_after_changed_needs_more_than_the_spread():
 
 
 def test_before_after_plan_and_arguments(capsys):
-    from benchmarks import before_after, zoo_models
+    from benchmarks import before_after, zoo, zoo_models
     args = before_after.parse_args([REPO])
     cfgs = before_after.plan(args)
     harness = [c for c in cfgs if c["suite"] == "harness"]
     assert len(harness) == 3 * 2 * 3 and {c["system"] for c in harness} == {"custagg_auto"}
     assert sorted({c["batch_size"] for c in harness if c["model"] == "lstm"}) == [32, 64]
-    others = [m for m in before_after.OTHERS_DEFAULT if m in before_after._builders()]
+    others = [m for m in before_after.OTHERS_DEFAULT if m in zoo.builders()]
     assert "unet" in others and "official_resnet_cifar" in zoo_models.ZOO
     assert len(cfgs) - len(harness) == 2 * (len(zoo_models.ZOO) + len(others)) - len(
         before_after.ZOO_SKIP)

@@ -355,6 +355,10 @@ def run(cfg):
             return {"status": "skipped", "note": str(e)}
         build_s, n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
         init = tf.compat.v1.global_variables_initializer()
+        extra = {}
+        if cfg.get("plan"):   # what a regression comes from (benchmarks.before_after)
+            plan = _custagg().plan_per_example(loss, var_list)
+            extra = dict(forms=dict(collections.Counter(plan.forms())), plan=str(plan))
 
     feed = {x: x_np, y: y_np, f: sig["factors"]}
     with common.session(graph, cfg.get("threads", 0)) as sess:
@@ -373,4 +377,4 @@ def run(cfg):
             floor_n_ops=floor_n_ops, floor_first_run_ms=floor_first_ms,
             floor_system="tf.compat.v1.gradients(sum(loss))",
             framework_version="tensorflow " + tf.__version__,
-            batch_axis="dynamic" if dynamic else "static")
+            batch_axis="dynamic" if dynamic else "static", **extra)
