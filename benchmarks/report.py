@@ -1,6 +1,7 @@
 """results.md and results.png from the records of results.json."""
 import statistics
 
+from benchmarks import common
 from benchmarks.systems import SYSTEMS, TASKS
 
 _SHORT = {"ok": None, "skipped": "skip", "timeout": "timeout", "failed": "FAIL"}
@@ -78,55 +79,33 @@ def noisy_records(records):
     return noisy
 
 
-def _fmt_ms(ms):
-    if ms is None:
+def _fmt(value, big=100):
+    """A time (ms) or size (MB) for a table: 3 significant digits below `big`."""
+    if value is None:
         return "-"
-    return "%.3g" % ms if ms < 100 else "%.0f" % ms
+    return "%.3g" % value if value < big else "%.0f" % value
 
 
-def _cell(rec, noisy=()):
-    """`ratio (median / floor ms)`: both times from the record's own process,
-    so the ratio is exactly the quotient shown beside it; `~` before a noisy
-    one (`noisy_records`)."""
+def _cell(rec, noisy=(), metric="time"):
+    """A table cell of `rec`: its status unless ok; time: `ratio (median /
+    floor ms)`, both from the record's own process, `~` before a noisy one
+    (`noisy_records`), ✗ after one whose check failed; memory: `ratio (peak
+    MB / floor peak MB)` of one traced step each (benchmarks/memory.py)."""
     if rec is None:
         return ""
     if rec["status"] != "ok":
         return _SHORT.get(rec["status"], rec["status"])
+    if metric == "memory":
+        ratio = rec.get("peak_ratio")
+        if ratio is None:
+            return "-"
+        return ("%.2fx" if ratio < 10 else "%.0fx") % ratio + " (%s / %s)" % (
+            _fmt(rec.get("peak_mb"), 1000), _fmt(rec.get("floor_peak_mb"), 1000))
     ratio = rec["ratio_to_floor"]
     text = ("~" if id(rec) in noisy else "") + ("%.1fx" if ratio < 10 else "%.0fx") % ratio
-    if rec.get("floor_ms"):
-        text += " (%s / %s)" % (_fmt_ms(rec["median_ms"]),
-                                _fmt_ms(rec["floor_ms"]))
-    else:
-        text += " (%s ms)" % _fmt_ms(rec["median_ms"])
-    if rec.get("check") == "fail":
-        text += " ✗"
-    return text
-
-
-def _mem_cell(rec):
-    """`ratio (peak MB / floor peak MB)`: the step's peak bytes of live
-    tensors over the floor's, both traced in the record's own process
-    (benchmarks/memory.py)."""
-    if rec is None:
-        return ""
-    if rec["status"] != "ok":
-        return _SHORT.get(rec["status"], rec["status"])
-    ratio = rec.get("peak_ratio")
-    if ratio is None:
-        return "-"
-    text = ("%.2fx" if ratio < 10 else "%.0fx") % ratio
-    return text + " (%s / %s)" % (_fmt_mb(rec.get("peak_mb")), _fmt_mb(rec.get("floor_peak_mb")))
-
-
-def _fmt_mb(mb):
-    if mb is None:
-        return "-"
-    return "%.3g" % mb if mb < 1000 else "%.0f" % mb
-
-
-def _index(records):
-    return {(r["model"], r["batch_size"], r["task"], r["system"]): r for r in records}
+    text += (" (%s / %s)" % (_fmt(rec["median_ms"]), _fmt(rec["floor_ms"])) if rec.get("floor_ms")
+             else " (%s ms)" % _fmt(rec["median_ms"]))
+    return text + (" ✗" if rec.get("check") == "fail" else "")
 
 
 def _ordered(values, order):
@@ -147,7 +126,7 @@ def task_tables(records, tasks=None, heading="##", cell=None, title=None):
     models = _ordered((r["model"] for r in records),
                       ["softmax", "mlp", "cnn", "text", "lstm", "transformer"])
     sizes = sorted({r["batch_size"] for r in records})
-    idx = _index(records)
+    idx = {(r["model"], r["batch_size"], r["task"], r["system"]): r for r in records}
     lines = []
     for task in _ordered((r["task"] for r in records), list(TASKS)):
         if tasks is not None and task not in tasks:
@@ -175,7 +154,8 @@ def memory_tables(records, tasks=None, heading="##"):
         return []
     keep = {(r["model"], r["task"], r["system"]) for r in measured}
     rows = [r for r in records if (r["model"], r["task"], r["system"]) in keep]
-    return task_tables(rows, tasks=tasks, heading=heading, cell=_mem_cell,
+    return task_tables(rows, tasks=tasks, heading=heading,
+                       cell=lambda r: _cell(r, metric="memory"),
                        title=lambda task: "Peak memory, %s" % TASKS.get(task, task))
 
 
@@ -216,92 +196,66 @@ def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")
              ""]
     block += task_tables(records, tasks=tasks, heading="####")
     mem = memory_tables(records, tasks=tasks, heading="####")
-    if mem:
-        block += ["Peak memory: the step's peak bytes of live tensors over the floor's "
-                  "(TF: allocation records of one traced step; JAX: XLA's buffer assignment; "
-                  "PyTorch: the profiler's memory events), then (peak MB / floor peak MB); "
-                  "variables and inputs are not in it.", ""] + mem
+    block += ([_MEMORY_NOTE, ""] + mem) if mem else []
     block.append(README_END)
     with open(path, "w") as f:
         f.write(head + "\n".join(block) + tail)
 
 
+_MEMORY_NOTE = ("Peak memory: the step's peak bytes of live tensors over the floor's, then "
+                "(peak MB / floor peak MB), one traced step each after the timed runs (TF: "
+                "allocation records, benchmarks/memory.py; JAX: XLA's buffer assignment; "
+                "PyTorch: the profiler's memory events); variables and fed inputs are not in "
+                "it, nor does the machine's load move it.")
+
+
 def write_markdown(path, records, meta):
-    lines = ["# custagg comparison benchmark", ""]
-    versions = []
-    for fw_versions in meta.get("versions", {}).values():
-        versions.extend("%s %s" % kv for kv in fw_versions.items())
-    lines += [
+    """results.md: the machine, a time table and a memory table per task, the
+    check failures, what did not run, the systems and every record."""
+    versions = ["%s %s" % kv for v in meta.get("versions", {}).values() for kv in v.items()]
+    lines = [
+        "# custagg comparison benchmark", "",
         "- Machine: %s, %s cores, %s GB RAM; %s; Python %s" % (
             meta.get("cpu"), meta.get("cores"), meta.get("memory_gb"), meta.get("platform"),
             meta.get("python")),
         "- Versions: %s" % ("; ".join(versions) or "-"),
         "- Command: `%s`, started %s, took %.0f s; load average (1/5/15 min) at start %s, end %s"
         % (meta.get("command"), meta.get("started"), meta.get("wall_s", 0.0),
-           _load(meta.get("loadavg_start")), _load(meta.get("loadavg_end"))),
-        "",
-        "Each cell: the ratio to the floor, then (median ms of fetching the task's result "
-        "after warm-up / median ms of the floor), both measured in the same process, so the "
-        "ratio is the quotient beside it. The floor is the plain "
-        "aggregated gradient of the summed loss in the system's framework "
-        "(TF: `tf.compat.v1.gradients`; JAX: `jit(grad)`; PyTorch: `loss.sum().backward()`). "
-        "~: noisy (fewer than 3 timed runs, or the floor's time %gx or more off its median "
-        "for that model, B and framework: the machine's load moved during it). "
-        "✗: numbers disagree with the reference "
-        "(tolerance %g, max abs error over max abs value). skip/timeout/FAIL: see the notes "
-        "below." % (NOISE_FACTOR, meta.get("tolerance", 1e-3)),
-        "",
-    ]
-    lines += task_tables(records, heading="##")
+           _load(meta.get("loadavg_start")), _load(meta.get("loadavg_end"))), "",
+        "Each cell: the ratio to the floor, then (median ms of the task's result / median ms "
+        "of the floor), both from the same process. The floor: the aggregated gradient of the "
+        "summed loss in the system's framework (TF: `tf.compat.v1.gradients`; JAX: "
+        "`jit(grad)`; PyTorch: `loss.sum().backward()`). ~: noisy (fewer than 3 timed runs, "
+        "or the floor's time %gx or more off its median for that model, B and framework). ✗: "
+        "disagrees with the reference (tolerance %g, max abs error over max abs value). "
+        "skip/timeout/FAIL: see the notes below." % (NOISE_FACTOR, meta.get("tolerance", 1e-3)),
+        ""] + task_tables(records, heading="##")
     mem = memory_tables(records, heading="##")
-    if mem:
-        lines += ["Peak memory tables: each cell is the step's peak bytes of live tensors over "
-                  "the floor's peak (x), then (peak MB / floor peak MB), one traced step of each "
-                  "in the record's own process after the timed runs: TF from the allocation "
-                  "records of `RunMetadata.step_stats` (benchmarks/memory.py), JAX from XLA's "
-                  "buffer assignment (`memory_analysis()`: temporaries + outputs), PyTorch from "
-                  "`torch.profiler` memory events. Variables and fed inputs are not in it. "
-                  "Unlike times, these do not depend on the machine's load.", ""] + mem
+    lines += ([_MEMORY_NOTE, ""] + mem) if mem else []
+    key = ["model", "B", "task", "system"]
 
+    def head(r):
+        return [r["model"], r["batch_size"], r["task"], r["system"]]
     bad = [r for r in records if r.get("check") == "fail"]
-    lines += ["## Check failures", ""]
-    if bad:
-        lines += ["| model | B | task | system | worst error | on |", "|---|---:|---|---|---:|---|"]
-        lines += ["| %s | %d | %s | %s | %.3g | %s |" % (r["model"], r["batch_size"], r["task"],
-                                                         r["system"], r.get("check_err") or 0,
-                                                         r.get("check_key")) for r in bad]
-    else:
-        lines.append("None: every system that ran agrees with the reference.")
-    lines += ["", "## Not run or not finished", ""]
+    lines += ["## Check failures", "", common.md_table(key + ["worst error", "on"], [
+        head(r) + ["%.3g" % (r.get("check_err") or 0), r.get("check_key")] for r in bad])
+        if bad else "None: every system that ran agrees with the reference.", ""]
     notrun = [r for r in records if r["status"] != "ok"]
-    if notrun:
-        lines += ["| model | B | task | system | status | note |", "|---|---:|---|---|---|---|"]
-        lines += ["| %s | %d | %s | %s | %s | %s |" % (
-            r["model"], r["batch_size"], r["task"], r["system"], r["status"],
-            (r.get("note") or "").replace("|", "/")[:300]) for r in notrun]
-    else:
-        lines.append("None.")
-    lines += ["", "## Systems", ""]
-    for name in _ordered((r["system"] for r in records), list(SYSTEMS)):
-        if name in SYSTEMS:
-            lines.append("- `%s` (%s): %s" % (name, SYSTEMS[name].framework,
-                                                SYSTEMS[name].description))
-    lines += ["", "## All records", "",
-              "| model | B | task | system | status | median ms | x floor | floor ms | first run ms "
-              "| build s | ops | peak MB | x floor peak | floor peak MB | peak RSS MB | check |",
-              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in records:
-        lines.append("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
-                     "| %s | %s |" % (
-            r["model"], r["batch_size"], r["task"], r["system"], r["status"],
-            _fmt_ms(r.get("median_ms")), _num(r.get("ratio_to_floor"), "%.2f"),
-            _fmt_ms(r.get("floor_ms")), _fmt_ms(r.get("first_run_ms")),
-            _num(r.get("build_s"), "%.2f"), _num(r.get("n_ops"), "%d"),
-            _fmt_mb(r.get("peak_mb")), _num(r.get("peak_ratio"), "%.2f"),
-            _fmt_mb(r.get("floor_peak_mb")),
-            _num(r.get("peak_rss_mb"), "%.0f"), r.get("check") or ""))
+    lines += ["## Not run or not finished", "", common.md_table(key + ["status", "note"], [
+        head(r) + [r["status"], (r.get("note") or "").replace("|", "/")[:300]] for r in notrun])
+        if notrun else "None.", "", "## Systems", ""]
+    lines += ["- `%s` (%s): %s" % (n, SYSTEMS[n].framework, SYSTEMS[n].description)
+              for n in _ordered((r["system"] for r in records), list(SYSTEMS)) if n in SYSTEMS]
+    lines += ["", "## All records", "", common.md_table(key + [
+        "status", "median ms", "x floor", "floor ms", "first run ms", "build s", "ops",
+        "peak MB", "x floor peak", "floor peak MB", "peak RSS MB", "check"], [head(r) + [
+            r["status"], _fmt(r.get("median_ms")), _num(r.get("ratio_to_floor"), "%.2f"),
+            _fmt(r.get("floor_ms")), _fmt(r.get("first_run_ms")), _num(r.get("build_s"), "%.2f"),
+            _num(r.get("n_ops"), "%d"), _fmt(r.get("peak_mb"), 1000),
+            _num(r.get("peak_ratio"), "%.2f"), _fmt(r.get("floor_peak_mb"), 1000),
+            _num(r.get("peak_rss_mb"), "%.0f"), r.get("check") or ""] for r in records])]
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines))
 
 
 def _num(v, fmt):
@@ -420,18 +374,14 @@ def write_peers(path, records, meta):
     for s in systems:
         lines.append("- `%s`: %s" % (s, SYSTEMS[s].description if s in SYSTEMS else s))
     lines += [""] + task_tables(records, tasks=("clip", "dpsgd"), cell=_peer_cell)
-    failed = [r for r in records if r["status"] in ("failed", "timeout")]
-    if failed:
-        lines += ["## Failures (the peer's own error)", ""]
-        seen = set()
-        for r in failed:
-            key = (r["system"], r["note"])
-            where = [(x["model"], x["batch_size"], x["task"]) for x in failed
-                     if (x["system"], x["note"]) == key]
-            if key in seen:
-                continue
-            seen.add(key)
-            lines.append("- `%s` on %s: %s" % (r["system"], ", ".join(
-                "%s B=%d %s" % w for w in where), r["note"] or r["status"]))
+    where = {}
+    for r in records:
+        if r["status"] in ("failed", "timeout"):
+            where.setdefault((r["system"], r["note"] or r["status"]), []).append(
+                "%s B=%d %s" % (r["model"], r["batch_size"], r["task"]))
+    if where:
+        lines += ["## Failures (the peer's own error)", ""] + [
+            "- `%s` on %s: %s" % (system, ", ".join(w), note)
+            for (system, note), w in where.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
