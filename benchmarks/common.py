@@ -169,6 +169,22 @@ def time_against_floor(system_fn, floor_fn, repeats, budget_s, first_ms):
     return statistics.median(sys_ms), statistics.median(floor_ms), len(sys_ms)
 
 
+def interleaved(runs, data, peaks=None):
+    """({key: median s}, {key: peak bytes}): `runs` {key: fn(*args)} each run
+    once on `data[0]`, then timed in turn on each of `data[1:]` (so load
+    falls on all alike); `peaks` {key: fn(*args) -> bytes} on `data[0]`."""
+    for fn in runs.values():
+        fn(*data[0])
+    times = {k: [] for k in runs}
+    for args in data[1:]:
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            fn(*args)
+            times[k].append(time.perf_counter() - t)
+    return ({k: float(np.median(v)) for k, v in times.items()},
+            {k: fn(*data[0]) for k, fn in (peaks or {}).items()})
+
+
 def measured(sig, values, system_fn, floor_fn, cfg, first_run_ms, peaks, **extra):
     """A run's record: `values` checked against the reference signature
     `sig`, `system_fn` timed against `floor_fn` (`time_against_floor`), then

@@ -2,41 +2,23 @@
 
     python -m benchmarks.dp_step MODE [--batch 256] [--repeats 9] [--models mlp,tutorial_cnn] [--write]
 
-On the MLP 784-256-256-10 and TF Privacy's tutorial CNN
-(`benchmarks.tf_privacy_compare`'s models and data), float32, one thread.
-The steps of one configuration are timed interleaved (one run of each in
-turn, `--repeats` rounds after a warm-up), so that load on the machine falls
-on all alike; reported: median seconds and the ratio to the mode's base
-step, with (user_level_clipping, input_pipelines) each step's peak memory
-(TF's allocator records of one traced run, `benchmarks.memory`) over the
-base's. Modes:
-
-* `microbatches`: custagg.privacy's `DPGradientDescentGaussianOptimizer`
-  (the tutorial's clip 1.0, sigma 1.1) with M = B, B/4 and 1 microbatches,
-  static (`[B, 28, 28, 1]`) and dynamic (`[None, ...]`) batch; base M = B;
-  (mlp, 512), (tutorial_cnn, 512), (tutorial_cnn, 256); default 7 repeats.
-* `adaptive_clipping`: `DPGradientDescentOptimizer` with a fixed
-  `GaussianSumQuery(1.0, 1.1)` (base), `QuantileAdaptiveClipSumQuery`
-  (Andrew et al.: target 0.5, learning rate 0.2, count noise B/20) and a
-  per-layer `NestedSumQuery` (clip 1/sqrt(#variables) each); M = B.
-* `user_level_clipping`: in one graph `tf.gradients` of the summed loss
-  (base), `custagg.clipped_gradients(loss, vars, 1.0)` and the same with
-  `group_ids` of U = 64 and U = 8 users of unequal (Zipf-like) sizes.
-* `input_pipelines` (issue 23): the plain step (`GradientDescentOptimizer`
-  of the mean loss, base) and the DP step (clip 1.0, noise 1.1, one
-  microbatch per example), the batch from a placeholder, `tf.data`, a TF1
-  `shuffle_batch` queue or variables (`--sources`); the plan's forms too.
-  custagg reads which tensors carry examples backward from the loss, so the
-  source should change neither the plan nor the cost.
-
-With --write: benchmarks/results/MODE.json (`{"meta", "rows"}`) and MODE.md.
+On the MLP 784-256-256-10 and TF Privacy's tutorial CNN (the models and
+data of `benchmarks.tf_privacy_compare`), float32, one thread; the steps of
+a configuration timed interleaved (`common.interleaved`), each over the
+mode's base step, with (user_level_clipping, input_pipelines) each step's
+peak memory over the base's. Modes: `microbatches` (M = B, B/4, 1; static
+and dynamic batch), `adaptive_clipping` (fixed, quantile-adaptive and
+per-layer queries), `user_level_clipping` (`group_ids` of 64 and 8 users
+beside per-example clipping and the plain gradient), `input_pipelines`
+(issue 23: the batch from a placeholder, `tf.data`, a `shuffle_batch` queue
+or variables, the plan's forms too). What each measures and why:
+docs/benchmarks.md. With --write: benchmarks/results/MODE.json and MODE.md.
 """
 
 from __future__ import annotations
 
 import collections
 import sys
-import time
 
 from benchmarks import common
 from benchmarks import memory
@@ -62,27 +44,11 @@ def _data():
     return np.concatenate([x] * 2), np.concatenate([y] * 2)
 
 
-def interleaved(runs, data, peaks=None):
-    """({key: median s}, {key: peak bytes}): `runs` {key: fn(xb, yb)} each
-    run once, then timed in turn over `data[1:]`; `peaks` {key: fn(xb, yb)
-    -> bytes} on `data[0]`."""
-    for fn in runs.values():
-        fn(*data[0])
-    times = {k: [] for k in runs}
-    for xb, yb in data[1:]:
-        for k, fn in runs.items():
-            t = time.perf_counter()
-            fn(xb, yb)
-            times[k].append(time.perf_counter() - t)
-    return ({k: float(np.median(v)) for k, v in times.items()},
-            {k: fn(*data[0]) for k, fn in (peaks or {}).items()})
-
-
 def _step_times(steps, x, y, batch, repeats):
     """{key: median s} of `steps` {key: tf_privacy_compare.Step}, timed in
     turn on the same batches; closes them."""
     try:
-        return interleaved({k: st.run for k, st in steps.items()},
+        return common.interleaved({k: st.run for k, st in steps.items()},
                            tpc.batches(x, y, batch, repeats + 1, seed=3))[0]
     finally:
         for st in steps.values():
@@ -221,7 +187,7 @@ def user_level_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
     rows = []
     for model in models:
         f = _users_graph(model, batch)
-        med, peaks = interleaved({k: f.runner(k) for k in KINDS},
+        med, peaks = common.interleaved({k: f.runner(k) for k in KINDS},
                                  tpc.batches(x, y, batch, repeats + 1, seed=3),
                                  {k: f.peak(k) for k in KINDS})
         f.close()
@@ -303,7 +269,7 @@ def input_pipelines(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
         for source in sources:
             s, forms = _pipeline_graph(model, source, x, y, batch)
             try:
-                med, peaks = interleaved(
+                med, peaks = common.interleaved(
                     {k: s.runner(k) for k in ("plain", "dp")},
                     [(None, None)] * (repeats + 1),
                     {k: s.peak(k) for k in ("plain", "dp")})

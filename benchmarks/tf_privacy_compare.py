@@ -1,33 +1,23 @@
 """custagg.privacy next to TensorFlow Privacy's own TF1 optimizers, one process.
 
-TF Privacy 0.9.0 needs TF <= 2.15, so run this in a TF 2.15 environment with
-TF Privacy fully installed (its dependencies too), custagg on the path:
+TF Privacy 0.9.0 needs TF <= 2.15: run this in such an environment with TF
+Privacy fully installed and custagg on the path:
 
     python3.11 -m venv /work/venvs/tfp215 && . /work/venvs/tfp215/bin/activate
     pip install tensorflow-cpu==2.15.1 dp-accounting==0.4.3 \\
         tensorflow-probability==0.22.1 dm-tree==0.1.8 "absl-py<2" scikit-learn
     pip install --no-deps tensorflow-privacy==0.9.0 tensorflow-estimator==2.15.0
-    PYTHONPATH=. python -m benchmarks.tf_privacy_compare            # everything
-    PYTHONPATH=. python -m benchmarks.tf_privacy_compare --parity --json
+    PYTHONPATH=. python -m benchmarks.tf_privacy_compare [--parity] [--epsilon]
+        [--timing] [--tutorial] [--json] [--write]
 
 Both systems build the same graph code; only the `dp_optimizer` module
-differs (TF Privacy's `tensorflow_privacy.privacy.optimizers.dp_optimizer`
-or `custagg.privacy.dp_optimizer`): that is the migration. Parts:
-
-* `--parity`: TF Privacy's MNIST tutorial CNN (its `mnist_dpsgd_tutorial.py`
-  model and optimizer call) and the MLP 784-256-256-10 on the bundled digits
-  scaled to 28x28, same initial weights and batches, noise off, 5 steps:
-  the largest weight difference; with noise on, the noise std of each.
-* `--epsilon`: `compute_dp_sgd_privacy` of both for the tutorial's settings
-  and three others.
-* `--timing`: median seconds per DP-SGD step, tutorial CNN and MLP, B = 64
-  and 256, M = B and M = B/4 (TF Privacy is skipped where one step is
-  estimated above `--slow-limit`); custagg's MLP at B = 512, M = B vs B/4.
-* `--tutorial`: the tutorial's Estimator loop (train an epoch, evaluate,
-  print ε at δ = 1e-5) with custagg's module, a few epochs on the digits.
-
-Without TF Privacy only the custagg rows are produced. Results:
-`benchmarks/results/tf_privacy_compare.json` and `.md` (with --write).
+differs (the migration). Parts (all without flags): `--parity` (TF Privacy's
+tutorial CNN and the MLP, same weights and batches, 5 noise-free steps: the
+largest weight difference; with noise, each noise std), `--epsilon`
+(`compute_dp_sgd_privacy` of both), `--timing` (seconds per DP-SGD step, B =
+64 and 256, M = B and B/4; TF Privacy skipped above `--slow-limit`),
+`--tutorial` (the tutorial's Estimator loop with custagg). Without TF Privacy
+only custagg's rows. With --write: benchmarks/results/tf_privacy_compare.*.
 """
 
 from __future__ import annotations
@@ -247,16 +237,6 @@ def epsilon(log=print):
     return rows
 
 
-def _time_step(step, data, repeats):
-    step.run(*data[0])                       # build caches, first run
-    times = []
-    for xb, yb in data[1:repeats + 1]:
-        t = time.perf_counter()
-        step.run(xb, yb)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def timing(slow_limit=30.0, repeats=5, log=print):
     mods = systems()
     x, y, _, _ = digits28()
@@ -284,7 +264,7 @@ def timing(slow_limit=30.0, repeats=5, log=print):
             step = Step(mod, model, batch, mb, noise=1.1)
             build = time.perf_counter() - t0
             data = batches(x, y, batch, repeats + 1, seed=3)
-            sec = _time_step(step, data, repeats)
+            sec = common.interleaved({"step": step.run}, data)[0]["step"]
             step.close()
             last[key] = (batch, sec)
             rows.append(dict(system=name, model=model, batch=batch,
