@@ -1,19 +1,11 @@
-"""Framework-free helpers shared by the orchestrator and the workers.
+"""Framework-free helpers shared by the orchestrator, the workers and the benchmarks.
 
-Checks: every system is compared with one reference computed by TensorFlow's
-own gradient on a batch of ONE example, looped over the batch (obviously
-correct: a single example cannot interact with others). The reference is
-summarised as a "signature" that every task can be checked against without
-keeping B full gradients around:
-
-  norms        [B]   global L2 norm of each example's gradient
-  proj/<v>     [B]   <g_i[v], r_v> for a fixed random vector r_v per variable
-  sum/<v>            sum_i g_i[v]                      (the floor's output)
-  wsum/<v>           sum_i f_i g_i[v]                  (task "custom")
-  csum/<v>           sum_i min(1, C/||g_i||) g_i[v]    (tasks "clip", "dpsgd" with noise 0)
-
-with fixed factors f [B] and clip norm C (the median of the norms, so about
-half of the examples are clipped).
+Checks: every system is compared with one reference, TensorFlow's own
+gradient of ONE example looped over the batch, kept as a "signature" each
+task is checked against without B full gradients: `norms` [B], `proj/<v>`
+[B] (<g_i[v], r_v>, r_v a fixed random vector), `sum/<v>`, `wsum/<v>`
+(sum_i f_i g_i[v], fixed factors f) and `csum/<v>` (sum_i min(1, C/||g_i||)
+g_i[v], C the median norm, so about half the examples are clipped).
 """
 import json
 import os
@@ -266,24 +258,6 @@ def md_table(headers, rows, align=None):
     return "\n".join(lines + ["| %s |" % " | ".join(map(str, r)) for r in rows]) + "\n"
 
 
-# --------------------------------------------------------------------------
-# The small benchmarks (benchmarks.dp_step's modes): one command line, one
-# way of writing results.
-
-
-def batch_parser(doc, batch=256, repeats=9, models="mlp,tutorial_cnn"):
-    """The arguments the one-file benchmarks share: --batch, --repeats,
-    --models (comma-separated), --write, --note."""
-    import argparse
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--batch", type=int, default=batch)
-    p.add_argument("--repeats", type=int, default=repeats)
-    p.add_argument("--models", default=models)
-    p.add_argument("--write", action="store_true")
-    p.add_argument("--note", default="")
-    return p
-
-
 def write_outputs(name, obj, md, out=RESULTS):
     """`out`/<name>.json (`obj`) and <name>.md (`md`); returns `md`."""
     os.makedirs(out, exist_ok=True)
@@ -291,30 +265,3 @@ def write_outputs(name, obj, md, out=RESULTS):
     with open(os.path.join(out, name + ".md"), "w") as f:
         f.write(md)
     return md
-
-
-def write_results(name, rows, args, tf_version, table, how):
-    """benchmarks/results/<name>.json (`{"meta", "rows"}`) and <name>.md:
-    `table` then one line: TF version, `how` (e.g. "median of 9
-    interleaved runs, one thread"), the run's --note."""
-    meta = dict(tf=tf_version, python=platform.python_version(),
-                repeats=args.repeats, note=args.note)
-    write_outputs(name, dict(meta=meta, rows=rows), "%s\n\nTF %s, %s. %s\n" % (
-        table.rstrip("\n"), tf_version, how, args.note))
-
-
-def adam_step_pair(loss, xs):
-    """{"step_orig": Adam on the mean loss, "step_dp": custagg's DPOptimizer
-    around Adam (clip 1.0, noise multiplier 1.1)}: the plain step and the
-    DP step the zoo and the conv memory profile compare, each in its own
-    variable scope (their Adam slots apart). `loss`: `[B]`."""
-    import tensorflow as tf
-    import custagg
-    with tf.compat.v1.variable_scope("orig"):
-        orig = tf.compat.v1.train.AdamOptimizer(1e-4).minimize(
-            tf.reduce_mean(loss), var_list=xs)
-    with tf.compat.v1.variable_scope("dp"):
-        dp = custagg.DPOptimizer(
-            tf.compat.v1.train.AdamOptimizer(1e-4), l2_norm_clip=1.0,
-            noise_multiplier=1.1).minimize(loss, var_list=xs)
-    return {"step_orig": orig, "step_dp": dp}

@@ -2,22 +2,13 @@
 
     python benchmarks/distributed.py [--epochs 20] [--repeats 2]
 
-Runs `python -m custagg --distributed local --workers W --aggregation dpsgd`
-(the digits DP-SGD main job, softmax regression) for
-
-* W=1 and W=2 with the same global batch (64: strong scaling, W=2 trains on
-  32 examples per worker per step), and
-* W=2 with a global batch of 128 (64 per worker: weak scaling),
-
-and, for reference, the same job in one process without a cluster (the
-graph of `python -m custagg --aggregation dpsgd`, timed in a subprocess).
-Each configuration runs `--repeats` times; the table gives the median of
-the runners' own figures (training-loop time only, start-up excluded) and
-the final test accuracy. Writes benchmarks/results/distributed.md and .json.
-
-Every process of a cluster, and the client, shares the same CPUs: on a
-2-core machine a second worker adds gRPC traffic and a second process, not
-compute, so the ratio measures overhead, not scaling.
+`python -m custagg --distributed local --workers W --aggregation dpsgd` (the
+digits main job) for W=1 and W=2 at a global batch of 64 (strong scaling),
+W=2 at 128 (weak scaling), and the same job in one process without a
+cluster; the median over `--repeats` of the runners' own examples/s (the
+training loop only) and the final test accuracy. Every process shares the
+same CPUs, so the ratio measures overhead, not scaling. Writes
+benchmarks/results/distributed.{md,json}.
 """
 
 import argparse

@@ -17,7 +17,9 @@ docs/benchmarks.md. With --write: benchmarks/results/MODE.json and MODE.md.
 
 from __future__ import annotations
 
+import argparse
 import collections
+import platform
 import sys
 
 from benchmarks import common
@@ -323,12 +325,15 @@ def markdown(mode, rows):
 
 
 def main(argv=None):
-    p = common.batch_parser(__doc__)
-    p.prog = "python -m benchmarks.dp_step"
+    p = argparse.ArgumentParser(prog="python -m benchmarks.dp_step",
+                                description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=list(MODES))
-    p.add_argument("--sources", default=",".join(SOURCES),
-                   help="input_pipelines: comma list")
-    p.set_defaults(repeats=None)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--repeats", type=int, help="default 9 (microbatches: 7)")
+    p.add_argument("--models", default="mlp,tutorial_cnn")
+    p.add_argument("--sources", default=",".join(SOURCES), help="input_pipelines: comma list")
+    p.add_argument("--write", action="store_true", help="write benchmarks/results/MODE.*")
+    p.add_argument("--note", default="", help="a line for the results file")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (7 if args.mode == "microbatches" else 9)
     tf.compat.v1.disable_eager_execution()
@@ -336,11 +341,13 @@ def main(argv=None):
                             models=tuple(args.models.split(",")),
                             sources=tuple(args.sources.split(",")))
     if args.write:
-        common.write_results(
-            args.mode, rows, args, tf.__version__, markdown(args.mode, rows),
+        meta = dict(tf=tf.__version__, python=platform.python_version(),
+                    repeats=args.repeats, note=args.note)
+        common.write_outputs(args.mode, dict(meta=meta, rows=rows), "%s\n\nTF %s, %s. %s\n" % (
+            markdown(args.mode, rows).rstrip("\n"), tf.__version__,
             "median of %d interleaved runs, one thread%s" % (
-                args.repeats, "; peak from one traced run" if "memory_ratio" in rows[0]
-                else ""))
+                args.repeats, "; peak from one traced run" if "memory_ratio" in rows[0] else ""),
+            args.note))
     return 0
 
 

@@ -1,21 +1,12 @@
 """Benchmark models: one numpy parameter set and data set, three frameworks.
 
-Every framework (TensorFlow, JAX, PyTorch) builds the same models from the
-same numpy arrays, so timings and per-example gradients can be compared number
-for number. This module holds the framework-free part (shapes, seeded weights,
-seeded data) and the TensorFlow graph builders; the JAX and PyTorch versions
-live next to their systems in `benchmarks/systems/`.
-
-Parameter layout is TensorFlow's everywhere: dense kernels are [D_in, D_out],
-conv kernels are [H, W, C_in, C_out], images are NHWC. The PyTorch side
-transposes on the way in and out (see `torch_layout`).
-
-Each model maps a batch (x [B, ...], y [B] int labels) to the per-example loss
-vector [B] (sparse softmax cross-entropy, not averaged): examples never
-interact, so per-example gradients are well defined.
-
-TensorFlow is imported lazily so that JAX/PyTorch workers can import this
-module without paying for (or conflicting with) a TensorFlow import.
+TensorFlow, JAX and PyTorch build the same models from the same seeded
+numpy arrays (`init_params`, `make_batch`), so their numbers compare one to
+one. Here: the framework-free part and the TF graphs; the JAX and PyTorch
+forms live with their systems (benchmarks/systems/). Layout is TF's: dense
+kernels [D_in, D_out], conv kernels [H, W, C_in, C_out], NHWC images. Each
+model maps (x [B, ...], y [B] labels) to the per-example loss [B] (sparse
+softmax cross-entropy, not averaged). TF is imported lazily (peer workers).
 """
 import collections
 

@@ -1,30 +1,17 @@
 """Every benchmark, one after another, in one sitting: `python -m benchmarks.run_all`.
 
     python -m benchmarks.run_all [--peers PREFIX] [--tfp PYTHON] [--jobs 2]
-                                 [--only NAME,...] [--skip NAME,...] [--dry-run]
+                                 [--only NAME,...] [--skip NAME,...] [--dry-run] [--merge]
 
-Runs each benchmark of this folder with the command its docs quote, each
-writing its own results file(s) under benchmarks/results/, and records in
-`benchmarks/results/run_all.md` (and `.json`) what ran: the command, its
-start, its seconds, the load average before and after, its exit code and
-the results files it wrote. Every figure the docs quote is then traceable to
-one results file and, through this record, to one run of one tree
-(`git rev-parse HEAD` and whether the tree was clean are recorded too).
-
-The harness (`python -m benchmarks`) and `--control-flow` run two
-configurations at once themselves (`--jobs` of run.py), so they run alone.
-The others are single-threaded processes; `--jobs 2` (the default on a
-machine with two or more cores) runs two of them at a time, the load the
-harness itself puts on the machine. Every ratio is still measured inside
-one process, interleaved with its own floor.
-
-`--peers PREFIX`: the venvs `bash benchmarks/peers_env.sh PREFIX` made
-(PREFIX-torch: PyTorch and Opacus, PREFIX-jax: JAX and JAX Privacy,
-PREFIX-tf215: TF 2.15 and TF Privacy) for the peer workers of the harness,
-its control flow and `--peers` runs; without it the peers' table is skipped.
-`--tfp PYTHON`: a TF 2.15 interpreter with TF Privacy fully installed, for
-`benchmarks.tf_privacy_compare` (default PREFIX-tf215's); without either
-that benchmark is skipped and its old results are kept, said in the record.
+Runs each benchmark with the command its docs quote (`benchmarks()`: the
+one list), and records in benchmarks/results/run_all.{md,json} each run's
+command, start, seconds, load before and after, exit code and the results
+files it wrote, with the tree's commit: every figure the docs quote traces
+to one run. The harness modes use both cores and run alone; the others run
+`--jobs` at a time. `--peers PREFIX`: the venvs of `benchmarks/peers_env.sh
+PREFIX` for the peers' workers (without it the peers' table is skipped);
+`--tfp PYTHON`: the TF 2.15 interpreter of tf_privacy_compare (default
+PREFIX-tf215's; without either it is skipped, its old results kept).
 """
 from __future__ import print_function
 
@@ -42,9 +29,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
 def benchmarks(peers=None, tfp=None):
-    """[(name, argv, alone, outputs)]: argv relative to the repository root;
-    `alone`: the benchmark uses both cores itself; outputs: the results
-    files (relative to benchmarks/results) it rewrites."""
+    """[(name, argv, alone: uses both cores itself, outputs: the results
+    files under benchmarks/results it rewrites)], argv run from the root."""
     py = sys.executable
     peer_args = []
     if peers:

@@ -1,56 +1,20 @@
 """Other people's TF1 models, re-typed the way their authors write them.
 
-Issue 24's yardstick: six models (and a control) whose style comes from public TF1 code
-(tutorials and widely copied repositories), with their own layers, input
-style and losses, on synthetic data and a dynamic batch (placeholders
-`[None, ...]`; a dynamic sequence length too where the model has one):
+Issue 24's yardstick (`MODELS`: a Transformer on `tf.compat.v1.layers`, a
+bi-LSTM tagger, wide & deep on feature columns, word2vec's `nce_loss`, a PTB
+language model, in-batch negatives (truly coupled) and the in-batch softmax
+control, the bi-LSTM-CRF NER tagger) and issue 34's models whose shapes are
+known only at run time (`DYNAMIC_MODELS`), each in its author's style, on
+synthetic data and a dynamic batch (and sequence length where it has one).
+Each function's docstring says where its style comes from.
 
-* `transformer`: an encoder/classifier on `tf.compat.v1.layers.dense` over
-  `[B, T, D]`, heads moved into axis 0 (`concat(split(Q, h, axis=2),
-  axis=0)`), a hand-written layer norm (`tf.nn.moments` over the last axis),
-  a padding mask, and `tf.compat.v1.losses.softmax_cross_entropy` with
-  `label_smoothing=0.1`, `reduction=NONE`;
-* `bilstm_tagger`: `bidirectional_dynamic_rnn` of two `LSTMCell`s with
-  `sequence_length`, a `[-1, 2H]` reshape and matmul to the tags, per-token
-  softmax cross-entropy masked by `tf.sequence_mask` and summed per
-  sentence;
-* `wide_deep`: `tf.compat.v1.feature_column` (vocabulary list, hash bucket,
-  bucketized numeric, crossed column, embedding columns, a multivalent
-  column fed by a `sparse_placeholder`) through `linear_model` (wide) and
-  `input_layer` + dense layers (deep), sigmoid cross-entropy;
-* `word2vec`: skip-gram with `tf.compat.v1.nn.nce_loss` (its own sampler,
-  candidates shared by the batch), the `[B]` loss it returns;
-* `ptb_lm`: `MultiRNNCell` of two `LSTMCell`s through `dynamic_rnn` from
-  `cell.zero_state(tf.shape(ids)[0])`, logits `[B, T, V]`, the sequence loss
-  (what `tf.contrib.seq2seq.sequence_loss` computes, without contrib) summed
-  per sequence;
-* `in_batch_negatives`: a two-tower retrieval model whose negative for query
-  i is document i-1 (`tf.roll(k, shift=1, axis=0)`): the examples truly
-  interact, so only an exact (O(B^2)) form is right for it;
-* `in_batch_softmax`: the same towers with the full in-batch softmax
-  (`q @ d^T` over the batch), a control whose coupling is a MatMul;
-* `bilstm_crf` (issue 34): the NER tagger of guillaumegenthial/sequence_tagging
-  with its defaults: a character-level bi-LSTM on the `[B*T, L, dc]`
-  characters of every word (rows B*T: a fold of the batch), dropout, a
-  word-level bi-LSTM with `sequence_length`, and tf.contrib.crf's
-  log-likelihood (TF 1.4) re-typed with tf.compat.v1 ops.
-
-Each builder takes `(dtype, rng, full=False)`, creates its variables and
-placeholders in the default graph and returns a `Model`:
-
-* `loss`: the `[B]` per-example loss (what the author averages);
-* `xs`: the trainable variables;
-* `feed(rng, batch, steps=None)`: a feed dict of random data for `batch`
-  examples (and `steps` time steps, default the model's own);
-* `coupled`: names of the variables whose per-example gradients depend on
-  other examples' data (the document tower of `in_batch_negatives`);
-* `dynamic_steps`: whether the model takes any sequence length.
-
-`full=True` gives the sizes the benchmark uses (benchmarks/zoo.py,
-`python -m benchmarks --tf1-models`); the tests
-(tests/per_example/test_tf1_models.py) use the small default.
-Models that TF cannot build in float64 are listed in `FLOAT32_ONLY` with
-the reason. Run `initializer()` (variables and lookup tables) before use.
+A builder takes `(dtype, rng, full=False)`, makes its variables and
+placeholders in the default graph and returns a `zoo_models.Model` (loss
+`[B]`, xs, `feed(rng, batch, steps=None)`, `coupled` variable names,
+`dynamic_steps`). `full=True`: the benchmark's sizes (`python -m benchmarks
+--tf1-models`); the tests use the small default. `FLOAT32_ONLY`: models TF
+cannot build in float64, and why. Run `initializer()` (variables and lookup
+tables) before use.
 """
 
 import collections

@@ -57,17 +57,25 @@ def build(name, full=True):
 
 def fetches(loss, xs, tasks=("norms", "clip"), dp_step=False):
     """{"floor": the aggregated gradient, "norms", "clip": the clipped sum
-    (C = 1) of `tasks`} and, with `dp_step`, common.adam_step_pair's
-    "step_orig" and "step_dp"."""
+    (C = 1) of `tasks`} and, with `dp_step`, "step_orig" (Adam on the mean
+    loss) and "step_dp" (DPOptimizer around Adam, C = 1, sigma = 1.1), each in
+    a variable scope of its own (their Adam slots apart)."""
     import tensorflow as tf
     import custagg
-    from benchmarks import common
     out = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs)}
     if "norms" in tasks:
         out["norms"] = custagg.per_example_norms(loss, xs)
     if "clip" in tasks:
         out["clip"] = custagg.clipped_gradients(loss, xs, 1.0)
-    return dict(out, **(common.adam_step_pair(loss, xs) if dp_step else {}))
+    if dp_step:
+        with tf.compat.v1.variable_scope("orig"):
+            out["step_orig"] = tf.compat.v1.train.AdamOptimizer(1e-4).minimize(
+                tf.reduce_mean(loss), var_list=xs)
+        with tf.compat.v1.variable_scope("dp"):
+            out["step_dp"] = custagg.DPOptimizer(
+                tf.compat.v1.train.AdamOptimizer(1e-4), l2_norm_clip=1.0,
+                noise_multiplier=1.1).minimize(loss, var_list=xs)
+    return out
 
 
 def _measure(sess, floor, tasks, feed, repeats, steps=None):

@@ -1,24 +1,14 @@
 """Graphs written the way users write them, each with a dynamic batch.
 
-Used by the test suite (`tests/test_zoo.py`, small sizes) and by the zoo
-benchmark (`python -m benchmarks --zoo`, `full=True`: the tutorials' own
-sizes, MNIST's 28x28 images).
-
-Every builder takes `(dtype, rng, full=False)`, creates its variables and placeholders
-(`[None, ...]`, as TF1 tutorials and Keras-on-placeholders code write them)
-in the default graph and returns a `Model`:
-
-* `loss`: the `[B]` per-example loss (what the tutorial averages);
-* `xs`: the trainable variables;
-* `feed(rng, batch)`: a feed dict for a batch of `batch` examples;
-* `coupled`: names of the variables whose examples truly interact
-  (batch statistics): "auto" must not use rules for them and "rules" must
-  refuse them. Every other variable must get "rules".
-
-The TF1 tutorials (`mnist_softmax.py`, `mnist_deep.py`) keep their code as
-written -- dense one-hot labels into `softmax_cross_entropy_with_logits`,
-an unshaped `keep_prob`, `tf.reshape(x, [-1, 28, 28, 1])` -- on 8x8 images
-(the bundled digits' size) in the tests, 28x28 in the benchmark.
+Used by the tests (`tests/test_zoo.py`, small sizes) and `python -m
+benchmarks --zoo` (`full=True`: the tutorials' sizes, MNIST's 28x28). A
+builder takes `(dtype, rng, full=False)`, makes its variables and
+`[None, ...]` placeholders in the default graph and returns a `Model`: `loss`
+`[B]` (what the tutorial averages), `xs`, `feed(rng, batch)` and `coupled`,
+the variables whose examples truly interact (batch statistics: "auto" must
+not use rules for them, "rules" must refuse them; every other one gets
+"rules"). The TF1 tutorials keep their code as written (dense one-hot labels,
+an unshaped `keep_prob`, `tf.reshape(x, [-1, 28, 28, 1])`).
 """
 
 import collections
@@ -38,10 +28,6 @@ class Model(collections.namedtuple(
     def __new__(cls, loss, xs, feed, coupled=(), dynamic_steps=False):
         return super(Model, cls).__new__(cls, loss, list(xs), feed,
                                          frozenset(coupled), dynamic_steps)
-
-
-def _np(dtype):
-    return tf.as_dtype(dtype).as_numpy_dtype
 
 
 def _one_hot(rng, batch, classes):

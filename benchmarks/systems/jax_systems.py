@@ -34,47 +34,35 @@ def _forward(jnp, lax, model, p, x):
     if model == "text":
         e = jnp.take(p["emb"], x, axis=0)
         return _dense(e.mean(axis=1), p["dense_w"], p["dense_b"])
-    if model == "lstm":
-        def step(carry, xt):
+    if model == "transformer":
+        return _transformer(jnp, p, x)
+    # The recurrent models: x [B, T, D], scanned over T.
+    x_tm, h0 = jnp.transpose(x, (1, 0, 2)), jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
+    if model in ("lstm", "keras_lstm"):
+        def affine(xt, h):
+            if model == "lstm":
+                return jnp.concatenate([xt, h], axis=1) @ p["kernel"] + p["bias"]
+            return xt @ p["kernel"] + h @ p["recurrent_kernel"] + p["bias"]
+
+        def lstm_step(carry, xt):
             h, c = carry
-            z = jnp.concatenate([xt, h], axis=1) @ p["kernel"] + p["bias"]
-            i, f, g, o = jnp.split(z, 4, axis=1)
-            c = _sigmoid(jnp, f) * c + _sigmoid(jnp, i) * jnp.tanh(g)
-            h = _sigmoid(jnp, o) * jnp.tanh(c)
-            return (h, c), None
-        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
-        (h, _), _ = lax.scan(step, (h0, h0), jnp.transpose(x, (1, 0, 2)))
-        return _dense(h, p["dense_w"], p["dense_b"])
-    if model == "gru":
-        def gru_step(h, xt):
-            xz, xr, xn = jnp.split(xt @ p["kernel"] + p["bias"], 3, axis=1)
-            hz, hr, hn = jnp.split(h @ p["recurrent"], 3, axis=1)
-            z = _sigmoid(jnp, xz + hz)
-            r = _sigmoid(jnp, xr + hr)
-            n = jnp.tanh(xn + r * hn)
-            return (1.0 - z) * n + z * h, None
-        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
-        h, _ = lax.scan(gru_step, h0, jnp.transpose(x, (1, 0, 2)))
-        return _dense(h, p["dense_w"], p["dense_b"])
-    if model == "keras_lstm":
-        def keras_lstm_step(carry, xt):
-            h, c = carry
-            z = xt @ p["kernel"] + h @ p["recurrent_kernel"] + p["bias"]
-            i, f, g, o = jnp.split(z, 4, axis=1)
+            i, f, g, o = jnp.split(affine(xt, h), 4, axis=1)
             c = _sigmoid(jnp, f) * c + _sigmoid(jnp, i) * jnp.tanh(g)
             return (_sigmoid(jnp, o) * jnp.tanh(c), c), None
-        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
-        (h, _), _ = lax.scan(keras_lstm_step, (h0, h0), jnp.transpose(x, (1, 0, 2)))
+        (h, _), _ = lax.scan(lstm_step, (h0, h0), x_tm)
         return _dense(h, p["dense_w"], p["dense_b"])
-    if model == "keras_gru":
-        def keras_gru_step(h, xt):      # reset_after=True: bias [input, recurrent]
-            xz, xr, xh = jnp.split(xt @ p["kernel"] + p["bias"][0], 3, axis=1)
-            rz, rr, rh = jnp.split(h @ p["recurrent_kernel"] + p["bias"][1], 3, axis=1)
-            z = _sigmoid(jnp, xz + rz)
-            r = _sigmoid(jnp, xr + rr)
-            return z * h + (1.0 - z) * jnp.tanh(xh + r * rh), None
-        h0 = jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
-        h, _ = lax.scan(keras_gru_step, h0, jnp.transpose(x, (1, 0, 2)))
+    if model in ("gru", "keras_gru"):
+        # keras_gru: reset_after=True, its bias [input, recurrent].
+        recurrent, bx, bh = ((p["recurrent"], p["bias"], 0.0) if model == "gru" else
+                             (p["recurrent_kernel"], p["bias"][0], p["bias"][1]))
+
+        def gru_step(h, xt):
+            xz, xr, xn = jnp.split(xt @ p["kernel"] + bx, 3, axis=1)
+            hz, hr, hn = jnp.split(h @ recurrent + bh, 3, axis=1)
+            z = _sigmoid(jnp, xz + hz)
+            r = _sigmoid(jnp, xr + hr)
+            return (1.0 - z) * jnp.tanh(xn + r * hn) + z * h, None
+        h, _ = lax.scan(gru_step, h0, x_tm)
         return _dense(h, p["dense_w"], p["dense_b"])
     if model == "norule_rnn":
         def norule_step(carry, xt):
@@ -86,11 +74,9 @@ def _forward(jnp, lax, model, p, x):
         n = x.shape[0]
         init = (jnp.zeros((n, models.LSTM_IN), x.dtype),
                 jnp.zeros((n, models.NUM_CLASSES), x.dtype))
-        (_, acc), _ = lax.scan(norule_step, init, jnp.transpose(x, (1, 0, 2)))
+        (_, acc), _ = lax.scan(norule_step, init, x_tm)
         return acc * (1.0 / models.LSTM_STEPS)
-    if model == "transformer":
-        return _transformer(jnp, p, x)
-    raise ValueError(model)
+    raise ValueError("no JAX form of model %r" % model)
 
 
 def _sigmoid(jnp, v):
