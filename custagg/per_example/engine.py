@@ -30,6 +30,7 @@ from custagg.per_example import norm_algebra
 from custagg.per_example import planning
 from custagg.per_example.certificate import Certificate
 from custagg.per_example.forms import EXACT as FORMS_EXACT
+from custagg.per_example.forms import EXACT_BEHIND_LOOPS
 from custagg.per_example.forms import FORMS
 from custagg.per_example.forms import REFUSAL_TYPES
 from custagg.per_example.forms import is_refusal
@@ -142,7 +143,9 @@ class Engine(object):
         same values, and a `tf.cond` branch captures every tensor it reads
         as an input computed on every step, so an exact form on the
         original loss would run the original loops forward (and hold
-        their activations) on a certified step too (issue 26)."""
+        their activations) on a certified step too (issue 26). There the
+        exact form is the loop over the examples (`EXACT_BEHIND_LOOPS`:
+        pfor's conversion of the loops takes minutes to build)."""
         one = self.shared.built_one_pass()
         if one is None:
             out = self.build_form(FORMS_EXACT, group)
@@ -150,9 +153,10 @@ class Engine(object):
         on_copies = [a.on_tensor(one.tensor_of(a.tensor)) for a in group]
         saved = self.loss, self.batch_size
         self.loss = self.shared.loss()
-        self.batch_size = self.shared.batch_size()
+        # A tensor, so the loop form builds one while loop, never B passes.
+        self.batch_size = tf.convert_to_tensor(self.shared.batch_size())
         try:
-            out = self.build_form(FORMS_EXACT, on_copies)
+            out = self.build_form(EXACT_BEHIND_LOOPS, on_copies)
         finally:
             self.loss, self.batch_size = saved
         return [tf.cast(out[id(b)], x_dtype(a))

@@ -52,11 +52,14 @@ class SharedPass(object):
         consumers = [c for c in found if isinstance(c, rules_form.Consumer)]
         uses = [c for c in found if isinstance(c, loop_rules.LoopUse)]
         one = None
+        # One scope for the pass (re-entered below, not "..._1").
+        with tf.name_scope("per_example_rules") as scope:
+            pass
         if uses:
             # The tapped loops and the loss recomputed from them: one
             # forward and one backward pass of each loop (the certificate
             # checks rows of the same recomputed graph: `tensor_of`).
-            with tf.name_scope("per_example_rules"):
+            with tf.name_scope(scope):
                 one, why = loop_rules.one_pass(uses, self.plan.loss)
             if one is None:
                 _LOG.info("custagg: the loop rules run their loops twice: %s",
@@ -93,7 +96,7 @@ class SharedPass(object):
                 t = t if one is None else one.tensor_of(t)
                 if not any(t is c for c in checks):
                     checks.append(t)
-        with tf.name_scope("per_example_rules"):
+        with tf.name_scope(scope):
             grads = gradients(loss, outs + targets + eps + flat + checks,
                               skip_unneeded_captures=True) \
                 if outs or targets or eps else []

@@ -38,6 +38,7 @@ class LoopForm(base.Form):
             rows = [one(i) for i in range(batch)]
             return dict(zip(ids, [tf.stack(list(col), axis=0)
                                   for col in zip(*rows)]))
+        batch = tf.cast(batch, tf.int32)
         arrays = [tf.TensorArray(engine.x_dtype(a), size=batch,
                                  element_shape=engine.static_x_shape(a))
                   for a in group]
