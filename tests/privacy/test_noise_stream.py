@@ -178,6 +178,26 @@ def test_variables_are_non_trainable_and_collected():
     assert all(v in tf.compat.v1.global_variables() for v in vs)
 
 
+def test_prepare_makes_the_variables_a_draw_uses_and_draws_nothing():
+    """What a replica that adds no noise calls (DistributedDPOptimizer):
+    the same variables as a drawing replica's, and no random op."""
+    tf.compat.v1.set_random_seed(2)
+    stream = noise.NoiseStream("s")
+    stream.prepare()
+    vs = stream.variables()
+    assert len(vs) == 2
+    graph = tf.compat.v1.get_default_graph()
+    assert not [op for op in graph.get_operations()
+                if op.type.startswith("StatelessRandom")]
+    out = stream.normal([tf.zeros([3])], 1.0)
+    assert stream.variables() == vs
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        counter, = [v for v in vs if v.name.startswith("s_step")]
+        assert sess.run(counter) == 0
+        assert sess.run(out)[0].shape == (3,)
+
+
 def test_none_entries_and_no_draw():
     stream = noise.NoiseStream("s")
     assert stream.normal([None, None], 1.0) == [None, None]
