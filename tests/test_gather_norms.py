@@ -5,7 +5,7 @@ three forms by the graph (custagg/rules/gather.py): the pooled form when the
 lookups' output gradient is one row per example broadcast along them (mean
 or sum pooling), the masked Gram for at most `_MASKED_GRAM_MAX_LOOKUPS`
 lookups per example, the per-example sort above that; the pooled form counts
-repeated ids by comparison or, for many lookups, by a sort. Ids are drawn
+repeated ids by comparison or, for many lookups, by unique counts. Ids are drawn
 from a few rows so repeats within an example are the rule, not the
 exception; clipped sums (which use the norms) are checked too.
 """

@@ -109,15 +109,27 @@ def _same_id(ids, dtype):
 def _squared_id_counts(ids, dtype):
     """`[B]`: `sum_{t,s} [ids_t == ids_s]`, the sum of each id's count squared.
 
+    Up to 64 lookups a `[B, T, T]` comparison summed in int32; beyond, each
+    (example, id) pair's count from `tf.unique_with_counts` (O(B T), no
+    sort). Per run on 2 cores, float32: B=512, T=32 0.45 ms against 0.68
+    ms for the float comparison this replaced; B=64, T=256 0.79 ms against
+    2.0 ms for the per-example sort it replaced (a loaded machine).
+
     Args:
-      ids: `[B, T]` ids.
+      ids: `[B, T]` ids (>= 0, as any lookup that ran).
     """
-    if ids.shape[1] is not None and ids.shape[1] <= 4 * MASKED_GRAM_MAX_LOOKUPS:
-        # A [B, T, T] comparison: no sort, and cheap at this size.
-        return tf.reduce_sum(_same_id(ids, dtype), axis=[1, 2])
-    # Rows of ones: the merged rows are the counts.
-    return sorted_squared_norms(
-        ids, tf.ones(tf.concat([tf.shape(ids), [1]], 0), dtype))
+    if ids.shape[1] is not None and ids.shape[1] <= 2 * MASKED_GRAM_MAX_LOOKUPS:
+        same = tf.equal(ids[:, :, None], ids[:, None, :])
+        return tf.cast(tf.reduce_sum(tf.cast(same, tf.int32), axis=[1, 2]),
+                       dtype)
+    batch = tf.shape(ids, out_type=tf.int64)[0]
+    ids = tf.cast(ids, tf.int64)
+    # One key per (example, id): b * (max id + 1) + id.
+    span = tf.maximum(tf.reduce_max(ids), 0) + 1   # B=0: empty, any span
+    keys = tf.reshape(tf.range(batch)[:, None] * span + ids, [-1])
+    unique, _, counts = tf.unique_with_counts(keys)
+    return tf.math.unsorted_segment_sum(
+        tf.square(tf.cast(counts, dtype)), unique // span, batch)
 
 
 def broadcast_row(grad):
