@@ -153,13 +153,10 @@ def _run(graph, x, y, loss, xs, batches, extra=None, feed_fn=None,
         sess.run(tf.compat.v1.global_variables_initializer())
         for b in batches:
             feed = feed_fn(rng, b) if feed_fn else _feed(x, y, rng, b)
-            feed[clip] = 1.0
-            values = sess.run(dict(fetches, ref=fetches["ref"][:b]), feed)
-            per_example = [np.stack(col) for col in zip(*values["ref"])]
-            feed[clip] = float(np.median(
-                testing.numpy_norms(per_example))) or 1.0
-            values = sess.run(dict(fetches, ref=fetches["ref"][:b]), feed)
-            values["reference"] = per_example
+            values = per_example_reference.run_at_median_clip(
+                sess, dict(fetches, ref=fetches["ref"][:b]), feed, clip)
+            values["reference"] = per_example_reference.stacked(
+                values["ref"])
             values["clip"] = feed[clip]
             out[b] = values
     return out

@@ -204,15 +204,13 @@ def _run(graph, inputs, labels, loss, xs, batches, num_true=1):
             # Repeated labels, and labels among the sampled ids (the
             # sampler favours small ids): accidental hits and repeats.
             feed = {inputs: rng.integers(0, VOCAB, [b]),
-                    labels: rng.integers(0, 8, [b, num_true]), clip: 1.0}
-            run = dict(fetches, ref=fetches["ref"][:b])
-            values = sess.run(run, feed)
-            ref = [np.stack(col) for col in zip(*values["ref"])]
-            feed[clip] = float(np.median(testing.numpy_norms(ref))) or 1.0
-            # The sampler draws again: reference and custagg from one run.
-            values = sess.run(run, feed)
-            values["reference"] = [np.stack(col) for col in
-                                   zip(*values["ref"])]
+                    labels: rng.integers(0, 8, [b, num_true])}
+            values = per_example_reference.run_at_median_clip(
+                sess, dict(fetches, ref=fetches["ref"][:b]), feed, clip)
+            # The sampler draws again in the second run: the reference is
+            # that run's, as custagg's values are.
+            values["reference"] = per_example_reference.stacked(
+                values["ref"])
             values["clip"] = feed[clip]
             out[b] = values
     return out
