@@ -138,7 +138,7 @@ def _run(graph, x, y, loss, xs, batches, extra=None, feed_fn=None,
     norms and clipped sum next to the loop reference at each B; returns
     {B: values}. `feed_fn(rng, b)`: the feed of b examples (default
     `_model`'s, on `x` and `y`)."""
-    clip = tf.compat.v1.placeholder(tf.float64, [])
+    clip = tf.compat.v1.placeholder(loss.dtype, [])
     fetches = {
         "ref": testing.loop_per_example(loss, xs, max(batches), rows=True),
         "clipped": custagg.clipped_gradients(loss, xs, clip,

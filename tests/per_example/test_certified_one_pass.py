@@ -169,18 +169,28 @@ def _fail_every_check(monkeypatch):
 
 @pytest.mark.skipif(not tf1_models.has_tf1_layers(),
                     reason="the v1 RNN cells need the tf-keras package")
-@pytest.mark.parametrize("batches", [
-    BATCHES, pytest.param(SLOW_BATCHES, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["ptb_lm", "bilstm_tagger"])
-def test_failing_checks_on_tf1_models_are_exact(name, batches, graph,
+@pytest.mark.parametrize("name, dtype, batches", [
+    pytest.param("ptb_lm", tf.float64, BATCHES, id="ptb_lm-batches0"),
+    pytest.param("bilstm_tagger", tf.float64, BATCHES,
+                 id="bilstm_tagger-batches0"),
+    pytest.param("ptb_lm", tf.float32, BATCHES, id="ptb_lm-float32"),
+    pytest.param("ptb_lm", tf.float64, SLOW_BATCHES, id="ptb_lm-batches1",
+                 marks=pytest.mark.slow),
+    pytest.param("bilstm_tagger", tf.float64, SLOW_BATCHES,
+                 id="bilstm_tagger-batches1", marks=pytest.mark.slow),
+    pytest.param("bilstm_tagger", tf.float32, SLOW_BATCHES,
+                 id="bilstm_tagger-float32-batches1",
+                 marks=pytest.mark.slow)])
+def test_failing_checks_on_tf1_models_are_exact(name, dtype, batches, graph,
                                                 monkeypatch):
     """ptb_lm (every variable certified, an embedding below a two-layer
     LSTM) and bilstm_tagger (loop rules and a certified projection on
     folded rows), small, with every check failing: the exact form on the
-    recomputed graph gives the loop reference's values; the step still
-    runs no original loop."""
+    recomputed graph (the loop over the examples, `EXACT_BEHIND_LOOPS`)
+    gives the loop reference's values; the step still runs no original
+    loop."""
     _fail_every_check(monkeypatch)
-    model = tf1_models.MODELS[name](tf.float64, np.random.default_rng(26))
+    model = tf1_models.MODELS[name](dtype, np.random.default_rng(26))
     originals = _originals(graph)
     plan = custagg.plan_per_example(model.loss, model.xs)
     assert "certified" in plan.forms(), str(plan)
@@ -191,7 +201,9 @@ def test_failing_checks_on_tf1_models_are_exact(name, batches, graph,
     values = test_certified._run(  # pylint: disable=protected-access
         graph, None, None, model.loss, model.xs, batches, feed_fn=feed)
     for b, got in values.items():
-        per_example_reference.assert_exact(got, "%s B=%d" % (name, b), RTOL)
+        per_example_reference.assert_exact(
+            got, "%s %s B=%d" % (name, dtype.name, b),
+            RTOL if dtype == tf.float64 else 1e-4)
     fetches = _clipped(model.loss, model.xs)
     loops = _ran_loops(fetches, feed(np.random.default_rng(1), 7))
     assert not {op.name for op in originals} & loops
