@@ -71,6 +71,24 @@ def test_clipped_sums_run_one_forward_and_one_backward_loop(graph, name):
     assert len(with_floats) == 2 * len(before), [op.name for op in new]
 
 
+@pytest.mark.parametrize("name", V2)
+def test_pushed_rows_take_no_zeros_in_the_backward_pass(graph, name):
+    """The rows a rebuilt loop pushes for its taps (the lists it starts
+    from `EmptyTensorList`) are no input of its gradient loop: no
+    `[T, B, ...]` list of zeros is made for them and popped at every step
+    (`loop_rebuild._as_bits`)."""
+    loss, xs, _ = test_loops.MODELS[name]()
+    zeros = []
+    for op in walks.upstream(_clipped_fetches(loss, xs), control=True):
+        if op.type != "ZerosLike" or op.inputs[0].dtype != tf.variant:
+            continue
+        loop, k = op.inputs[0].op, op.inputs[0].value_index
+        if loop.type in op_kinds.V2_LOOPS and \
+                loop.inputs[k].op.type == "EmptyTensorList":
+            zeros.append(op.name)
+    assert not zeros, zeros
+
+
 def test_the_executed_step_runs_no_original_loop(graph):
     """The same from the run's step stats: the nodes the executor ran."""
     loss, xs, feed = test_loops.MODELS["keras_lstm_sequence"]()

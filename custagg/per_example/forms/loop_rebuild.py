@@ -47,6 +47,21 @@ def _element_shape(t):
                                for d in t.shape.as_list()[1:]], tf.int32)
 
 
+# The integer dtype of each floating dtype's size: pushed rows are kept in
+# their lists as these bits (`_as_bits`).
+_BITS = {tf.float16: tf.int16, tf.bfloat16: tf.int16, tf.float32: tf.int32,
+         tf.float64: tf.int64, tf.complex64: tf.int64}
+
+
+def _as_bits(dtype):
+    """The dtype a tap's pushed rows of `dtype` are listed as: the integer
+    of its size, so the list is an untrainable accumulator (while_v2 passes
+    no gradient into it). A float list is trainable: the backward pass
+    makes a `[T, B, ...]` list of zeros for it, and its gradient loop pops
+    a zero row per step and adds it to the row's gradient (GRU B=512: 1.1 ms
+    of ZerosLike alone in a 30 ms step). `tf.bitcast` shares the buffer."""
+    return _BITS.get(dtype.base_dtype, dtype)
+
 
 def _gradient_owner(tap, taps, tap_of_op):
     """The index of the tap whose dz is also `tap`'s: `tap`'s output (or a
@@ -173,7 +188,7 @@ class Hook(object):
             else:
                 out.append(tf.raw_ops.EmptyTensorList(
                     element_shape=_element_shape(t), max_num_elements=-1,
-                    element_dtype=t.dtype))
+                    element_dtype=_as_bits(t.dtype)))
         return out
 
     def _array(self, key, flow):
@@ -209,8 +224,10 @@ class Hook(object):
                 self.lists[(i, k)] = self._array(
                     (i, k), self.lists[(i, k)]).write(self.step, a).flow
             else:
+                bits = _as_bits(a.dtype)
                 self.lists[(i, k)] = tf.raw_ops.TensorListPushBack(
-                    input_handle=self.lists[(i, k)], tensor=a)
+                    input_handle=self.lists[(i, k)],
+                    tensor=a if bits == a.dtype else tf.bitcast(a, bits))
         if i not in self.owners:
             # Its dz is read at the tap it feeds (`slot`): no eps of its
             # own, nothing read.
@@ -269,9 +286,12 @@ class Hook(object):
             if self.v1:
                 stacked = self._array(key, lst).stack()
             else:
+                bits = _as_bits(t.dtype)
                 stacked = tf.raw_ops.TensorListStack(
                     input_handle=lst, element_shape=_element_shape(t),
-                    element_dtype=t.dtype)
+                    element_dtype=bits)
+                if bits != t.dtype:
+                    stacked = tf.bitcast(stacked, t.dtype.base_dtype)
             stacked.set_shape(tf.TensorShape([None, None]).concatenate(
                 t.shape[1:]))
             self.inputs[key] = stacked
