@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import custagg
 from custagg import testing
+from custagg.graph import walks
 from custagg.rules import gather
 
 tf1 = tf.compat.v1
@@ -84,3 +85,63 @@ def test_pooled_form_is_recognized_only_for_a_broadcast_row():
             grad, = tf1.gradients(loss, e)
             assert (gather._broadcast_row(grad) is not None) is expected, \
                 pooling
+
+
+@pytest.mark.parametrize("pooling", ["mean", "sum"])
+@pytest.mark.parametrize("lookups, dynamic_t", [(5, False), (140, False),
+                                                (7, True)])
+def test_pooled_clipped_sums_of_an_empty_batch(pooling, lookups, dynamic_t):
+    """B=0 (a Poisson-sampled batch can be empty): the pooled form's norms
+    are `[0]` and its clipped sums zero, through TF's tile of u (mean and
+    sum pooling) whose batch multiple the weighted sum recomputes."""
+    with tf.Graph().as_default():
+        ids, loss, xs = _model(tf.float64, lookups, pooling, dynamic_t)
+        clipped, norms = custagg.clipped_gradients(
+            loss, xs, 0.5, strategy="rules", return_norms=True)
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            got, n = sess.run([clipped, norms],
+                              {ids: np.zeros([0, lookups], np.int32)})
+    assert n.shape == (0,)
+    for g, x in zip(got, xs):
+        dense = testing.to_numpy(g)
+        assert dense.shape == tuple(x.shape.as_list())
+        assert not dense.any()
+
+
+@pytest.mark.parametrize("static_batch, batch", [(True, 4), (False, 4),
+                                                 (True, 0)])
+def test_pooled_weighted_sum_skips_tfs_spread_of_the_rows(static_batch,
+                                                          batch):
+    """Mean pooling: the clipped sum's `[B*T, D]` values come from the
+    per-example row u_b scaled, then spread: TF's own spread of u (the
+    gradient pass's `[B, T, D]`: a Tile where every shape is static, else a
+    BroadcastTo) and a `[B, T, D]` product are not run; the values are
+    the loop reference's (B=0: zeros)."""
+    with tf.Graph().as_default():
+        ids = tf1.placeholder(tf.int32, [batch if static_batch else None, 5])
+        table = tf.Variable(np.random.default_rng(1).normal(
+            size=(VOCAB, DIM)))
+        h = tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1)
+        loss = tf.reduce_sum(tf.square(h), axis=1)                 # [B]
+        clipped = custagg.clipped_gradients(loss, [table], 0.5,
+                                            strategy="rules")
+        behind = walks.upstream([clipped[0].values], control=True)
+        spreads = [op.name for op in behind
+                   if op.type in ("Tile", "BroadcastTo")]
+        assert any("/gradients/Mean_grad/" in op.name for op in behind)
+        assert spreads and not any("/gradients/Mean_grad/" in name
+                                   for name in spreads), spreads
+        reference = testing.loop_per_example(tf.reshape(loss, [batch]),
+                                             [table]) if batch else []
+        with tf1.Session() as sess:
+            sess.run(tf1.global_variables_initializer())
+            feed = {ids: np.random.default_rng(3).choice([0, 3, 7], (batch,
+                                                                     5))}
+            got, per_example = sess.run([clipped, reference], feed)
+    if not batch:
+        assert not testing.to_numpy(got[0]).any()
+        return
+    want, _ = testing.numpy_clipped([testing.to_numpy(per_example[0])], 0.5)
+    testing.assert_close(testing.to_numpy(got[0]), want[0], 1e-9,
+                         "clipped sum")

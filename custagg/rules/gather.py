@@ -221,17 +221,27 @@ class GatherRule(registry.Rule):
         ctx = self._lookups(ctx)
         rows = _Rows(ctx)
         pooled = _broadcast_row(ctx.grad)
-        if pooled is not None and pooled[2].type == "BroadcastTo":
-            # c_b (scale u_b) broadcast as TF broadcast u: the same rows
-            # times c_b, one pass over [B, T, Dp] instead of three. (Exact
-            # whatever u's axis 1 is at run time: broadcasting commutes
-            # with a per-example factor.)
+        if pooled is not None:
+            # c_b (scale u_b) spread as TF spread u: the same rows times
+            # c_b, one pass over [B, T, Dp] instead of three, and TF's own
+            # spread of u (Mean's and Sum's gradients tile it) is not run.
+            # Exact whatever u's axis 1 is at run time: spreading commutes
+            # with a per-example factor.
             u, scale, spread = pooled
             c = tf.reshape(tf.cast(weights, u.dtype),
                            [-1] + [1] * (u.shape.rank - 1))
             if scale is not None:
                 c = c * tf.cast(scale, u.dtype)
-            values = tf.broadcast_to(u * c, _spread_shape(u, spread))
+            uc = u * c
+            if spread.type == "BroadcastTo":
+                values = tf.broadcast_to(uc, _spread_shape(u, spread))
+            else:
+                # Tile's multiples were for u, whose batch may be 1 (tiled
+                # to B): u*c has B rows, so its batch multiple is 1; the
+                # other axes' are unchanged (c is 1 there). B=0: no rows
+                # to tile, any multiple.
+                values = tf.tile(uc, tf.cast(spread.inputs[1], tf.int32) *
+                                 tf.shape(u) // tf.maximum(tf.shape(uc), 1))
         else:
             _, values = rows.per_example_rows()                   # [B, T, Dp]
             values = values * tf.cast(weights, values.dtype)[:, None, None]
