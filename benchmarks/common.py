@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -226,6 +227,15 @@ def machine_info(extra=None):
     }
     info.update(extra or {})
     return info
+
+
+def git(tree, *argv):
+    """`git -C tree ARGV`'s output, stripped; "?" if git fails."""
+    try:
+        return subprocess.run(["git", "-C", tree] + list(argv), capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def dump_json(path, obj):

@@ -365,3 +365,42 @@ def tf_variables(model, seed=0):
         if name not in variables:
             variables[name] = tf.Variable(value, name=name)
     return variables, list(variables.values())
+
+
+# --------------------------------------------------------------------------
+# The other model sets: graphs as users write them (`--zoo`,
+# benchmarks/zoo_models.py) and other people's TF1 models (`--tf1-models`,
+# benchmarks/tf1_models.py), each a builder `(dtype, rng, full)`.
+# --------------------------------------------------------------------------
+
+HARNESS_ZOO = ("cnn", "mlp", "text")   # the harness's models `build` builds too (--profile)
+
+
+def builders():
+    """name -> builder `(dtype, rng, full)`: the zoo, then the TF1 models
+    (static shapes, then issue 34's dynamic ones). Imports TensorFlow."""
+    import os
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # their Keras 2 layers
+    from benchmarks import tf1_models, zoo_models
+    out = collections.OrderedDict(zoo_models.ZOO)
+    for table in (tf1_models.MODELS, tf1_models.DYNAMIC_MODELS):
+        for name, build_model in table.items():
+            out.setdefault(name, build_model)
+    return out
+
+
+def build(name, full=True):
+    """(loss `[B]`, xs, feed(batch) -> feed dict, coupled variable names) of
+    model `name` (a builder's, or one of HARNESS_ZOO) in float32 with a
+    dynamic batch, in the default graph."""
+    import tensorflow as tf
+    if name in HARNESS_ZOO:
+        x, y = tf_placeholders(name, None, dynamic=True)
+        variables, xs = tf_variables(name)
+        return (tf_loss(name, variables, x, y), xs,
+                lambda batch: dict(zip((x, y), make_batch(name, batch))), ())
+    tf.compat.v1.set_random_seed(3)
+    model = builders()[name](tf.float32, np.random.default_rng(3), full=full)
+    return (model.loss, model.xs,
+            lambda batch: model.feed(np.random.default_rng(batch), batch), model.coupled)

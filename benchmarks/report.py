@@ -1,4 +1,7 @@
-"""results.md and results.png from the records of results.json."""
+"""The harness's reports: results.md, the plots and the docs' tables from
+results.json's records, peers.md, zoo.md and tf1_models.md from their rows,
+before_after.md from the records of two trees."""
+import collections
 import statistics
 
 from benchmarks import common
@@ -385,3 +388,254 @@ def write_peers(path, records, meta):
             for (system, note), w in where.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------
+# `--zoo` and `--tf1-models`: a row per model and batch size
+# (`tf_systems.bench_model`).
+# --------------------------------------------------------------------------
+
+def describe_row(row):
+    """The one line printed per model and batch size."""
+    head = "%-28s B=%-4d" % (row["model"], row["batch_size"])
+    forms = "[%s]" % _forms_cell(row)
+    if "error" in row:
+        return "%s ERROR %s  %s" % (head, row["error"], forms)
+    tasks = "  ".join("%s %.2fx mem %.2fx" % (k, row[k + "_ratio"], row[k + "_peak_ratio"] or 0)
+                      for k in ("norms", "clip", "step") if k + "_ratio" in row)
+    return "%s floor %8.2f ms %8.2f MB  %s  %s" % (
+        head, row["floor_ms"], row["floor_peak_mb"] or 0.0, tasks, forms)
+
+
+def _mem_cell(r, key, peak_key):
+    ratio, peak_mb = r.get(key), r.get(peak_key)
+    if ratio is None:
+        return "-"
+    return "%.2fx (%s MB)" % (ratio, "%.3g" % peak_mb if peak_mb < 1000 else "%.0f" % peak_mb)
+
+
+def _forms_cell(r):
+    return ", ".join("%s %d" % kv for kv in r["forms"].items())
+
+
+def _rows_page(title, intro, meta, columns, rows):
+    """A results page: `title`, `intro`, the machine line, then a table of
+    `columns` [(header, fn(row) -> cell)] with a row per `rows`."""
+    return "\n".join([
+        "# " + title, "", intro, "",
+        "Machine: %s; TF %s; %d repeats; %d thread(s); load average (1 min) %s at the start, "
+        "%s at the end." % (meta["machine"], meta["tf"], meta["repeats"], meta["threads"],
+                            meta.get("load_start", "?"), meta.get("load_end", "?")), ""]) + \
+        "\n" + common.md_table([h for h, _ in columns], [[fn(r) for _, fn in columns]
+                                                         for r in rows])
+
+
+def _peak_mb(r):
+    return "%.3g" % r["floor_peak_mb"] if r.get("floor_peak_mb") is not None else "-"
+
+
+def zoo_markdown(rows, meta):
+    """zoo.md."""
+    def step(fn):
+        return lambda r: fn(r) if "step_ratio" in r else ""
+    return _rows_page(
+        "Zoo benchmark (`python -m benchmarks --zoo`)",
+        "Models written the way users write them (benchmarks/zoo_models.py, full size, "
+        "float32, dynamic batch). Each ratio is a median of runs alternated with the "
+        "aggregated gradient (floor) in the same process. Memory: the step's peak bytes of "
+        "live tensors (TF's allocation records of one traced step, benchmarks/memory.py) over "
+        "the floor's (the DP step: over the original step's), then the peak in MB.", meta,
+        [("model", lambda r: r["model"]), ("B", lambda r: "%d" % r["batch_size"]),
+         ("floor ms", lambda r: "%.2f" % r["floor_ms"]), ("floor peak MB", _peak_mb),
+         ("norms", lambda r: "%.2fx" % r["norms_ratio"]),
+         ("norms memory", lambda r: _mem_cell(r, "norms_peak_ratio", "norms_peak_mb")),
+         ("clipped sum", lambda r: "%.2fx" % r["clip_ratio"]),
+         ("clipped sum memory", lambda r: _mem_cell(r, "clip_peak_ratio", "clip_peak_mb")),
+         ("DP step / original step", step(lambda r: "%.2fx (%.1f / %.1f ms)" % (
+             r["step_ratio"], r["step_dp_ms"], r["step_orig_ms"]))),
+         ("DP step memory", step(lambda r: _mem_cell(r, "step_peak_ratio", "step_dp_peak_mb"))),
+         ("not on rules", lambda r: ", ".join(r["not_rules"]) or "-")], rows)
+
+
+def tf1_markdown(rows, meta):
+    """tf1_models.md."""
+    def ok(fn):
+        return lambda r: "-" if "error" in r else fn(r)
+    return _rows_page(
+        "Other people's TF1 models (`python -m benchmarks --tf1-models`)",
+        "Issue 24's yardstick: the models of benchmarks/tf1_models.py (%s size, float32, "
+        "dynamic batch and sequence length). The clipped sum (`custagg.clipped_gradients`, "
+        "strategy \"auto\") against the aggregated gradient (floor), same process: time, a "
+        "median of runs alternated with the floor; memory, the step's peak bytes of live "
+        "tensors (benchmarks/memory.py). Forms: variables per form of the plan; indicative "
+        "only." % meta.get("size", "full"), meta,
+        [("model", lambda r: r["model"]), ("B", lambda r: "%d" % r["batch_size"]),
+         ("floor ms", ok(lambda r: "%.2f" % r["floor_ms"])),
+         ("clipped sum", lambda r: "error: " + r["error"].replace("|", "/") if "error" in r
+          else "%.2fx (%.1f ms)" % (r["clip_ratio"], r["clip_ms"])),
+         ("floor peak MB", ok(_peak_mb)),
+         ("clipped sum memory", ok(lambda r: _mem_cell(r, "clip_peak_ratio", "clip_peak_mb"))),
+         ("variables", lambda r: "%d" % r["variables"]), ("forms", _forms_cell)], rows)
+
+
+# --------------------------------------------------------------------------
+# `--before`: two trees' records of the same configurations, over rounds.
+# --------------------------------------------------------------------------
+
+TREES = ("before", "after")
+# Below these relative differences a cell is never "changed": three rounds'
+# range underestimates the spread of a loaded machine's timings.
+TIME_TOLERANCE = 0.05
+MEMORY_TOLERANCE = 0.02
+
+
+def cfg_key(cfg):
+    """"harness/mlp/B64/norms" or "zoo/mnist_deep/B64"."""
+    if "task" in cfg:
+        return "harness/%s/B%d/%s" % (cfg["model"], cfg["batch_size"], cfg["task"])
+    return "zoo/%s/B%d" % (cfg["model"], cfg["batch_size"])
+
+
+def _measures(rec):
+    """{measure: {ratio, ms, base_ms, peak_ratio, peak_mb, repeats, check}}
+    of a record: a harness record's task; a zoo row's norms, clip and DP step
+    (over the tutorial's Adam step)."""
+    if "task" in rec:
+        return {rec["task"]: dict(
+            ratio=rec["ratio_to_floor"], ms=rec["median_ms"], base_ms=rec["floor_ms"],
+            peak_ratio=rec["peak_ratio"], peak_mb=rec["peak_mb"], repeats=rec["repeats"],
+            check=rec["check"])} if rec.get("status") == "ok" else {}
+    return {k: dict(ratio=rec[k + "_ratio"], ms=rec[key + "_ms"], base_ms=rec[base + "_ms"],
+                    peak_ratio=rec[k + "_peak_ratio"], peak_mb=rec[key + "_peak_mb"],
+                    repeats=rec.get("repeats"))
+            for k, key, base in (("norms", "norms", "floor"), ("clip", "clip", "floor"),
+                                 ("step", "step_dp", "step_orig")) if k + "_ratio" in rec}
+
+
+def summarise(records):
+    """Cells from `--before`'s records (each with its `tree` and `round`):
+    one per (configuration, measure), with each tree's ratios, median, range
+    and peak ratios, `after_over_before` and `changed` (None below two
+    rounds a tree: no spread to judge against)."""
+    by = collections.OrderedDict()
+    for rec in records:
+        for measure, c in _measures(rec).items():
+            key = cfg_key(rec)
+            cell = by.setdefault((key, measure), {"key": key, "measure": measure, "before": [],
+                                                  "after": [], "forms": {}, "plan": {},
+                                                  "checks": {}})
+            cell[rec["tree"]].append(c)
+            cell["forms"][rec["tree"]] = rec.get("forms")
+            cell["plan"][rec["tree"]] = rec.get("plan")
+            if c.get("check"):
+                cell["checks"].setdefault(rec["tree"], set()).add(c["check"])
+    out = []
+    for cell in by.values():
+        row = dict(cell, checks={t: sorted(v) for t, v in cell["checks"].items()})
+        ratios, peaks = {}, {}
+        for tree in TREES:
+            runs = cell[tree]
+            ratios[tree] = [c["ratio"] for c in runs]
+            peaks[tree] = [c["peak_ratio"] for c in runs if c.get("peak_ratio") is not None]
+            row[tree] = {
+                "ratios": ratios[tree], "median": _median(ratios[tree]),
+                "range": (min(ratios[tree]), max(ratios[tree])) if runs else None,
+                "base_ms": _median([c["base_ms"] for c in runs]),
+                "peak_ratio": _median(peaks[tree]),
+                "peak_range": (min(peaks[tree]), max(peaks[tree])) if peaks[tree] else None,
+                "peak_mb": _median([c["peak_mb"] for c in runs])}
+        b, a = row["before"], row["after"]
+        for prefix, key, values, tol in (("", "median", ratios, TIME_TOLERANCE),
+                                         ("peak_", "peak_ratio", peaks, MEMORY_TOLERANCE)):
+            row[prefix + "after_over_before"] = a[key] / b[key] if a[key] and b[key] else None
+            row[prefix + "changed"] = changed(values["before"], values["after"], tol)
+        out.append(row)
+    return out
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def changed(before, after, rel_floor):
+    """Whether the medians differ by more than the larger round-to-round
+    range (and than `rel_floor` of before's median); None below 2 rounds."""
+    if len(before) < 2 or len(after) < 2:
+        return None
+    mb, ma = statistics.median(before), statistics.median(after)
+    noise = max(max(before) - min(before), max(after) - min(after), rel_floor * abs(mb))
+    return abs(ma - mb) > noise
+
+
+def before_after_markdown(cells, meta):
+    """before_after.md: a row per cell, both trees' medians (ranges) and
+    memory, their quotient, and the forms of each tree's plan."""
+    def tree(t):
+        m = meta[t]
+        return "`%s` at %s (custagg/ last changed in %s%s)" % (
+            m["dir"], m.get("commit", "?"), m.get("custagg_commit", "?"),
+            ", uncommitted edits" if m.get("dirty") else "")
+
+    def verdict(r, moved):
+        return "-" if r is None else "%.2f%s" % (r, " **changed**" if moved else "")
+
+    def ratio(t):
+        return "-" if t["median"] is None else "%.2fx (%.2f-%.2f)" % ((t["median"],) + t["range"])
+    lines = [
+        "# Before/after: two trees' custagg in one run", "",
+        "Both trees interleaved in one run (`python -m benchmarks --before`), %d round(s); each "
+        "ratio from its own process over its own floor (the aggregated gradient; `step`: the "
+        "tutorial's Adam step); a cell: the median over rounds (their range). \"changed\": the "
+        "medians differ by more than both trees' ranges and %d%% (memory: %d%%). Memory: peak "
+        "bytes of one traced step (benchmarks/memory.py) over the floor's." % (
+            meta["rounds"], int(100 * TIME_TOLERANCE), int(100 * MEMORY_TOLERANCE)), "",
+        "- before: %s; after: %s (same benchmark code: this tree's)" % (tree("before"),
+                                                                         tree("after")),
+        "- command: `%s`" % meta["command"],
+        "- machine: %s, %d cores, TF %s; load average (1/5/15 min) %s at the start, %s at the "
+        "end; %s wall" % (meta["cpu"], meta["cores"], meta.get("tf", "?"),
+                          _load(meta["loadavg_start"]), _load(meta.get("loadavg_end")),
+                          "%.0f s" % meta["wall_s"] if meta.get("wall_s") else "?"), ""]
+    rows = []
+    for c in cells:
+        suite, model, b = c["key"].split("/")[:3]
+        bf, af = c["before"], c["after"]
+        forms = [", ".join("%s %d" % kv for kv in sorted((c["forms"].get(t) or {}).items()))
+                 for t in TREES]
+        rows.append([suite, model, b[1:], c["measure"], ratio(bf), ratio(af),
+                     verdict(c["after_over_before"], c["changed"]),
+                     "%.3g / %.3g" % (bf["base_ms"], af["base_ms"])
+                     if bf["base_ms"] and af["base_ms"] else "-",
+                     _num(bf["peak_ratio"], "%.2fx"), _num(af["peak_ratio"], "%.2fx"),
+                     verdict(c["peak_after_over_before"], c["peak_changed"]),
+                     forms[0] if forms[0] == forms[1] else "%s → %s" % tuple(forms)])
+    lines.append(common.md_table(
+        ["suite", "model", "B", "measure", "before", "after", "after/before",
+         "floor ms (before / after)", "memory before", "memory after", "memory after/before",
+         "forms (before → after)"], rows, ["---", "---", "---:", "---", "---", "---"]
+        + ["---:"] * 5 + ["---"]))
+    checks = [c for c in cells if any(v != ["pass"] for v in c["checks"].values())]
+    if checks:
+        lines += ["Check not passed against the loop reference: " + "; ".join(
+            "%s %s %s" % (c["key"], c["measure"], c["checks"]) for c in checks), ""]
+    if meta.get("note"):
+        lines += [meta["note"], ""]
+    return "\n".join(lines)
+
+
+def write_before_after(folder, meta, records):
+    """before_after.json (meta, cells, the records without plans and norms)
+    and before_after.md in `folder`; the meta gets the largest relative
+    difference of the trees' per-example norms of each zoo configuration
+    (the same feed in both)."""
+    worst = {}
+    for key in {cfg_key(r) for r in records}:
+        norms = {r["tree"]: r["norms"] for r in records
+                 if cfg_key(r) == key and r.get("norms")}
+        if len(norms) == 2:
+            worst[key] = common.rel_err(norms["after"], norms["before"])
+    meta["zoo_norms_rel_err_after_vs_before"] = worst
+    cells = summarise(records)
+    slim = [{k: v for k, v in r.items() if k not in ("plan", "norms")} for r in records]
+    common.write_outputs("before_after", {"meta": meta, "cells": cells, "samples": slim},
+                         before_after_markdown(cells, meta), folder)

@@ -124,7 +124,7 @@ def test_peak_from_step_stats_orders_by_time():
 
 
 def test_zoo_table_shows_memory_beside_time():
-    from benchmarks import zoo
+    from benchmarks import report
     row = {"model": "mnist_deep", "batch_size": 64, "floor_ms": 10.0, "norms_ms": 12.0,
            "clip_ms": 11.0, "norms_ratio": 1.2, "clip_ratio": 1.1, "not_rules": [],
            "floor_peak_mb": 30.0, "norms_peak_mb": 90.0, "clip_peak_mb": 33.0,
@@ -132,7 +132,7 @@ def test_zoo_table_shows_memory_beside_time():
            "step_dp_ms": 30.0, "step_ratio": 1.5, "step_orig_peak_mb": 40.0,
            "step_dp_peak_mb": 60.0, "step_peak_ratio": 1.5}
     meta = {"machine": "x", "tf": "2", "repeats": 3, "threads": 1}
-    text = zoo._markdown([row, dict(row, model="layers_mlp", norms_peak_ratio=None)], meta)
+    text = report.zoo_markdown([row, dict(row, model="layers_mlp", norms_peak_ratio=None)], meta)
     assert "| mnist_deep | 64 | 10.00 | 30 | 1.20x | 3.00x (90 MB) | 1.10x | 1.10x (33 MB) |" in text
     assert "| 1.50x (60 MB) |" in text
     assert "| layers_mlp | 64 | 10.00 | 30 | 1.20x | - |" in text

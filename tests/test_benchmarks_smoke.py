@@ -210,19 +210,21 @@ def test_control_flow_preset():
 
 
 def test_tf1_models_benchmark_rows_and_table():
-    # Issue 24's benchmark (benchmarks/zoo.py, --tf1-models), in this process, on the
-    # smallest model at the tests' size: a row with both timings, both
-    # peaks and the plan's forms, and its table line. No timing assertion.
-    from benchmarks import zoo as tf1_bench
-    row = tf1_bench.bench_model("word2vec", [4], repeats=1, threads=1,
-                                tasks=("clip",), full=False)[0]
+    # Issue 24's benchmark (--tf1-models: tf_systems.bench_model), in this
+    # process, on the smallest model at the tests' size: a row with both
+    # timings, both peaks and the plan's forms, and its table line. No
+    # timing assertion.
+    from benchmarks import report
+    from benchmarks.systems import tf_systems
+    row = tf_systems.bench_model("word2vec", [4], repeats=1, threads=1,
+                                 tasks=("clip",), full=False)[0]
     assert "error" not in row, row
     assert row["floor_ms"] > 0 and row["clip_ms"] > 0
     assert row["clip_ratio"] == pytest.approx(row["clip_ms"] / row["floor_ms"])
     assert row["floor_peak_mb"] is not None and row["clip_peak_mb"] > 0
     assert sum(row["forms"].values()) == row["variables"] == 3
     failed = dict(row, model="in_batch_negatives", error="InvalidArgumentError: x")
-    text = tf1_bench.markdown([row, failed], {
+    text = report.tf1_markdown([row, failed], {
         "machine": "x", "tf": "2", "repeats": 1, "threads": 1, "size": "small"})
     assert "| word2vec | 4 | %.2f | %.2fx (" % (row["floor_ms"], row["clip_ratio"]) in text
     assert "| in_batch_negatives | 4 | - | error: InvalidArgumentError: x |" in text

@@ -378,3 +378,146 @@ def run(cfg):
             floor_system="tf.compat.v1.gradients(sum(loss))",
             framework_version="tensorflow " + tf.__version__,
             batch_axis="dynamic" if dynamic else "static", **extra)
+
+
+# --------------------------------------------------------------------------
+# The zoo and the TF1 models (`--zoo`, `--tf1-models`): a builder's graph as
+# written, the tasks timed against its own aggregated gradient.
+# --------------------------------------------------------------------------
+
+def zoo_fetches(loss, xs, tasks=("norms", "clip"), dp_step=False):
+    """{"floor": the aggregated gradient, "norms", "clip": the clipped sum
+    (C = 1) of `tasks`} and, with `dp_step`, "step_orig" (Adam on the mean
+    loss) and "step_dp" (DPOptimizer around Adam, C = 1, sigma = 1.1), each in
+    a variable scope of its own (their Adam slots apart)."""
+    tf = _tf()
+    import custagg
+    out = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs)}
+    if "norms" in tasks:
+        out["norms"] = custagg.per_example_norms(loss, xs)
+    if "clip" in tasks:
+        out["clip"] = custagg.clipped_gradients(loss, xs, 1.0)
+    if dp_step:
+        adam = tf.compat.v1.train.AdamOptimizer
+        with tf.compat.v1.variable_scope("orig"):
+            out["step_orig"] = adam(1e-4).minimize(tf.reduce_mean(loss), var_list=xs)
+        with tf.compat.v1.variable_scope("dp"):
+            out["step_dp"] = custagg.DPOptimizer(adam(1e-4), l2_norm_clip=1.0,
+                                                 noise_multiplier=1.1).minimize(loss, var_list=xs)
+    return out
+
+
+def bench_model(name, batch_sizes, repeats, threads=1, tasks=("norms", "clip"),
+                dp_step=False, full=True, detail=False):
+    """Rows of model `name` (`models.build`), one per batch size: for each of
+    `tasks` `<task>_ms`, `_ratio` (to the floor), `_peak_mb`, `_peak_ratio`;
+    with `dp_step` the `step_*` fields (DP step over the plain step); the
+    plan's `forms` and the variables `not_rules`. Times: medians of `repeats`
+    runs, floor, tasks and steps in turn (`common.interleaved`); peaks: one
+    traced step each, after them. A run-time failure gives the row `error`
+    instead of figures. `detail`: also `plan` (its text) and `norms` (the
+    per-example norms)."""
+    tf = _tf()
+    import custagg
+    from benchmarks import tf1_models
+    rows = []
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, feed_of, coupled = models.build(name, full)
+        t0 = time.perf_counter()
+        plan = custagg.plan_per_example(loss, xs)
+        timed = zoo_fetches(loss, xs, tasks, dp_step)
+        steps = {k: timed.pop(k) for k in ("step_orig", "step_dp") if k in timed}
+        forms = collections.Counter(f or "unconnected" for f in plan.forms())
+        head = dict(variables=len(xs), forms=collections.OrderedDict(forms.most_common()),
+                    build_s=time.perf_counter() - t0, coupled=len(coupled),
+                    not_rules=["%s: %s" % (a.name, a.form) for a in plan.assignments
+                               if a.form not in ("rules", None)], **(
+                                   {"plan": str(plan)} if detail else {}))
+        with common.session(graph, threads) as sess:
+            sess.run(tf1_models.initializer())
+            for batch in batch_sizes:
+                feed = feed_of(batch)
+                row = dict(model=name, batch_size=batch, **head)
+                rows.append(row)
+                try:
+                    values = sess.run(timed, feed)            # a failure shows here
+                except tf.errors.OpError as e:
+                    row["error"] = "%s: %s" % (type(e).__name__, _first_line(e.message))
+                    continue
+                fetches = dict(timed, **steps)
+                med, peak = common.interleaved(
+                    {k: (lambda f=f: sess.run(f, feed)) for k, f in fetches.items()},
+                    [()] * (repeats + 1),
+                    {k: (lambda f=f: memory.step_peak_bytes(sess, f, feed)[0])
+                     for k, f in fetches.items()})
+                row.update(floor_ms=1e3 * med["floor"], floor_peak_mb=memory.mb(peak["floor"]))
+                pairs = [(k, k, "floor") for k in timed if k != "floor"]
+                pairs += [("step", "step_dp", "step_orig")] if steps else []
+                for field, key, base in pairs:
+                    row.update({field + "_ratio": med[key] / med[base], field + "_peak_ratio":
+                                peak[key] / float(peak[base]) if peak[base] else None})
+                for key in fetches:
+                    if key != "floor":
+                        row.update({key + "_ms": 1e3 * med[key],
+                                    key + "_peak_mb": memory.mb(peak[key])})
+                if detail:
+                    row["norms"] = [float(v) for v in np.ravel(values.get("norms", []))]
+    return rows
+
+
+def run_zoo(cfg):
+    """One configuration of `--zoo`, `--tf1-models` or `--before` (`kind`
+    "zoo"): `bench_model`'s row of `cfg["model"]` at `cfg["batch_size"]`."""
+    return bench_model(cfg["model"], [cfg["batch_size"]], cfg["repeats"], cfg.get("threads", 1),
+                       cfg["tasks"], cfg.get("dp_step", False), detail=cfg.get("detail"))[0]
+
+
+def _first_line(message):
+    """The line of a TF error saying what failed (a graph execution error's
+    first line is only "Graph execution error:")."""
+    lines = [l.strip() for l in message.strip().split("\n") if l.strip()]
+    for line in lines:
+        if "assertion failed" in line or "custagg" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def profile(name, batch_sizes, top=8, times=False):
+    """`--zoo --profile`: prints, per batch size and fetch, the traced step's
+    peak and the tensors live at it (with `times`, also where its kernel time
+    goes: a profile for ratios inside one process, not a benchmark).
+    Returns {(batch, fetch name): peak bytes}."""
+    tf = _tf()
+    found = {}
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, feed, _ = models.build(name)
+        fetch_of = zoo_fetches(loss, xs, dp_step=name in ("mnist_deep", "cnn", "mlp"))
+        with common.session(graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for batch in batch_sizes:
+                fd = feed(batch)
+                for key, fetch in fetch_of.items():
+                    sess.run(fetch, fd)                      # warm up
+                    stats = memory.traced_step_stats(sess, fetch, fd)
+                    found[(batch, key)] = peak = memory.peak_from_step_stats(stats)[0]
+                    base = "floor" if not key.startswith("step") else "step_orig"
+                    print("%s B=%d %-9s peak %8.2f MB  %.2fx %s" % (
+                        name, batch, key, peak / 1e6, peak / float(found[(batch, base)]),
+                        base), flush=True)
+                    for nbytes, node, op_type in memory.live_at_peak(stats)[:top]:
+                        print("    %8.2f MB  %-16s %s" % (nbytes / 1e6, op_type, node))
+                    if times:
+                        total = memory.op_times(stats)
+                        for _ in range(2):
+                            total.update(memory.op_times(memory.traced_step_stats(sess, fetch, fd)))
+                        by_type = collections.Counter()
+                        for (_, op_type), ms in total.items():
+                            by_type[op_type] += ms / 3
+                        print("%s B=%d %-9s kernel time %.1f ms (traced, mean of 3): by type %s"
+                              % (name, batch, key, sum(by_type.values()), ", ".join(
+                                  "%s %.1f" % kv for kv in by_type.most_common(top))))
+                        for (node, op_type), ms in total.most_common(top):
+                            print("    %8.2f ms  %-16s %s" % (ms / 3, op_type, node))
+    return found
