@@ -28,79 +28,49 @@ LN_EPS = 1e-5
 # "emb" normal(0, 0.1), "gamma" 1 + small normal, "beta" small normal.
 ParamSpec = collections.namedtuple("ParamSpec", "name shape init")
 
+
+def _layer(w, b, shape):
+    """A weight of `shape` (Glorot) and its bias (the last dimension)."""
+    return [ParamSpec(w, shape, "w"), ParamSpec(b, shape[-1:], "b")]
+
+
+def _weights(names, shape, init="w"):
+    """Weights of one shape and init kind, their names space-separated."""
+    return [ParamSpec(name, shape, init) for name in names.split()]
+
+
+_H, _C, _D = LSTM_HIDDEN, NUM_CLASSES, TR_DIM
+_HEAD = _layer("dense_w", "dense_b", (_H, _C))          # the recurrent models' readout
 _SPECS = {
-    "softmax": [
-        ParamSpec("w", (784, NUM_CLASSES), "w"),
-        ParamSpec("b", (NUM_CLASSES,), "b"),
-    ],
-    "mlp": [
-        ParamSpec("w1", (784, 256), "w"), ParamSpec("b1", (256,), "b"),
-        ParamSpec("w2", (256, 256), "w"), ParamSpec("b2", (256,), "b"),
-        ParamSpec("w3", (256, NUM_CLASSES), "w"),
-        ParamSpec("b3", (NUM_CLASSES,), "b"),
-    ],
-    "cnn": [
-        ParamSpec("conv1_w", (5, 5, 1, 16), "w"), ParamSpec("conv1_b", (16,), "b"),
-        ParamSpec("conv2_w", (5, 5, 16, 32), "w"), ParamSpec("conv2_b", (32,), "b"),
-        ParamSpec("dense_w", (7 * 7 * 32, NUM_CLASSES), "w"),
-        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
-    ],
-    "text": [
-        ParamSpec("emb", (TEXT_VOCAB, TEXT_DIM), "emb"),
-        ParamSpec("dense_w", (TEXT_DIM, NUM_CLASSES), "w"),
-        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
-    ],
-    "lstm": [
-        ParamSpec("kernel", (LSTM_IN + LSTM_HIDDEN, 4 * LSTM_HIDDEN), "w"),
-        ParamSpec("bias", (4 * LSTM_HIDDEN,), "b"),
-        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
-        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
-    ],
-    "transformer": [
-        ParamSpec("tok_emb", (TR_VOCAB, TR_DIM), "emb"),
-        ParamSpec("pos_emb", (TR_LEN, TR_DIM), "emb"),
-        ParamSpec("ln1_g", (TR_DIM,), "gamma"), ParamSpec("ln1_b", (TR_DIM,), "beta"),
-        ParamSpec("wq", (TR_DIM, TR_DIM), "w"),
-        ParamSpec("wk", (TR_DIM, TR_DIM), "w"),
-        ParamSpec("wv", (TR_DIM, TR_DIM), "w"),
-        ParamSpec("wo", (TR_DIM, TR_DIM), "w"), ParamSpec("bo", (TR_DIM,), "b"),
-        ParamSpec("ln2_g", (TR_DIM,), "gamma"), ParamSpec("ln2_b", (TR_DIM,), "beta"),
-        ParamSpec("w1", (TR_DIM, TR_FF), "w"), ParamSpec("b1", (TR_FF,), "b"),
-        ParamSpec("w2", (TR_FF, TR_DIM), "w"), ParamSpec("b2", (TR_DIM,), "b"),
-        ParamSpec("out_w", (TR_DIM, NUM_CLASSES), "w"),
-        ParamSpec("out_b", (NUM_CLASSES,), "b"),
-    ],
+    "softmax": _layer("w", "b", (784, _C)),
+    "mlp": _layer("w1", "b1", (784, 256)) + _layer("w2", "b2", (256, 256))
+    + _layer("w3", "b3", (256, _C)),
+    "cnn": _layer("conv1_w", "conv1_b", (5, 5, 1, 16))
+    + _layer("conv2_w", "conv2_b", (5, 5, 16, 32)) + _layer("dense_w", "dense_b", (1568, _C)),
+    "text": _weights("emb", (TEXT_VOCAB, TEXT_DIM), "emb")
+    + _layer("dense_w", "dense_b", (TEXT_DIM, _C)),
+    "lstm": _layer("kernel", "bias", (LSTM_IN + _H, 4 * _H)) + _HEAD,
+    "transformer": _weights("tok_emb", (TR_VOCAB, _D), "emb")
+    + _weights("pos_emb", (TR_LEN, _D), "emb")
+    + _weights("ln1_g", (_D,), "gamma") + _weights("ln1_b", (_D,), "beta")
+    + _weights("wq wk wv", (_D, _D)) + _layer("wo", "bo", (_D, _D))
+    + _weights("ln2_g", (_D,), "gamma") + _weights("ln2_b", (_D,), "beta")
+    + _layer("w1", "b1", (_D, TR_FF)) + _layer("w2", "b2", (TR_FF, _D))
+    + _layer("out_w", "out_b", (_D, _C)),
     # Last, so the seeds of the models above (from their index) stay put.
-    "gru": [
-        ParamSpec("kernel", (LSTM_IN, 3 * LSTM_HIDDEN), "w"),
-        ParamSpec("recurrent", (LSTM_HIDDEN, 3 * LSTM_HIDDEN), "w"),
-        ParamSpec("bias", (3 * LSTM_HIDDEN,), "b"),
-        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
-        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
-    ],
+    "gru": _weights("kernel", (LSTM_IN, 3 * _H)) + _weights("recurrent", (_H, 3 * _H))
+    + _weights("bias", (3 * _H,), "b") + _HEAD,
     # Every weight meets batch data inside the loop through an op custagg has
     # no per-example rule for (SquaredDifference, Pow): only pfor knows them.
-    "norule_rnn": [
-        ParamSpec("center", (LSTM_IN,), "b"),
-        ParamSpec("power", (LSTM_IN,), "gamma"),
-        ParamSpec("protos", (NUM_CLASSES, LSTM_IN), "emb"),
-    ],
+    "norule_rnn": _weights("center", (LSTM_IN,), "b") + _weights("power", (LSTM_IN,), "gamma")
+    + _weights("protos", (_C, LSTM_IN), "emb"),
     # tf.keras LSTM / GRU layers (Keras 2, graph mode) on the same sizes as
-    # lstm / gru, in Keras's weight layout; the dense head as above.
-    "keras_lstm": [
-        ParamSpec("kernel", (LSTM_IN, 4 * LSTM_HIDDEN), "w"),
-        ParamSpec("recurrent_kernel", (LSTM_HIDDEN, 4 * LSTM_HIDDEN), "w"),
-        ParamSpec("bias", (4 * LSTM_HIDDEN,), "b"),
-        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
-        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
-    ],
-    "keras_gru": [
-        ParamSpec("kernel", (LSTM_IN, 3 * LSTM_HIDDEN), "w"),
-        ParamSpec("recurrent_kernel", (LSTM_HIDDEN, 3 * LSTM_HIDDEN), "w"),
-        ParamSpec("bias", (2, 3 * LSTM_HIDDEN), "b"),     # reset_after: input, recurrent
-        ParamSpec("dense_w", (LSTM_HIDDEN, NUM_CLASSES), "w"),
-        ParamSpec("dense_b", (NUM_CLASSES,), "b"),
-    ],
+    # lstm / gru, in Keras's weight layout (GRU's reset_after bias: input,
+    # recurrent); the dense head as above.
+    "keras_lstm": _weights("kernel", (LSTM_IN, 4 * _H))
+    + _weights("recurrent_kernel", (_H, 4 * _H)) + _weights("bias", (4 * _H,), "b") + _HEAD,
+    "keras_gru": _weights("kernel", (LSTM_IN, 3 * _H))
+    + _weights("recurrent_kernel", (_H, 3 * _H)) + _weights("bias", (2, 3 * _H), "b") + _HEAD,
 }
 
 MODELS = tuple(_SPECS)
@@ -189,7 +159,8 @@ def forward(o, model, x):
         dh = TR_DIM // TR_HEADS
         h = o.add_param(o.embed(x, "tok_emb"), "pos_emb")           # [B, T, D]
         a = o.layer_norm(h, "ln1_g", "ln1_b")
-        q, k, v = (o.reshape(o.dense(a, w), [-1, TR_LEN, TR_HEADS, dh]) for w in ("wq", "wk", "wv"))
+        q, k, v = (o.reshape(o.dense(a, w), [-1, TR_LEN, TR_HEADS, dh]) for w in ("wq", "wk",
+                                                                                  "wv"))
         w = o.softmax(o.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / np.sqrt(dh)))
         h = h + o.dense(o.reshape(o.einsum("bhqk,bkhd->bqhd", w, v), [-1, TR_LEN, TR_DIM]),
                         "wo", "bo")
