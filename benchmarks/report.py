@@ -4,7 +4,7 @@ before_after.md from the records of two trees."""
 import collections
 import statistics
 
-from benchmarks import common
+from benchmarks import common, models
 from benchmarks.systems import SYSTEMS, TASKS
 
 _SHORT = {"ok": None, "skipped": "skip", "timeout": "timeout", "failed": "FAIL"}
@@ -392,19 +392,29 @@ def write_peers(path, records, meta):
 
 # --------------------------------------------------------------------------
 # `--zoo` and `--tf1-models`: a row per model and batch size
-# (`tf_systems.bench_model`).
+# (`zoo_rows`: a row per model and B from their records).
 # --------------------------------------------------------------------------
 
-def describe_row(row):
-    """The one line printed per model and batch size."""
-    head = "%-28s B=%-4d" % (row["model"], row["batch_size"])
-    forms = "[%s]" % _forms_cell(row)
-    if "error" in row:
-        return "%s ERROR %s  %s" % (head, row["error"], forms)
-    tasks = "  ".join("%s %.2fx mem %.2fx" % (k, row[k + "_ratio"], row[k + "_peak_ratio"] or 0)
-                      for k in ("norms", "clip", "step") if k + "_ratio" in row)
-    return "%s floor %8.2f ms %8.2f MB  %s  %s" % (
-        head, row["floor_ms"], row["floor_peak_mb"] or 0.0, tasks, forms)
+def zoo_rows(records):
+    """zoo.md's and tf1_models.md's rows from the records: per model and B the
+    floor, each task's ratio, ms and peak (`step`: the DP step over the plain
+    step), the plan's forms and the variables not on rules; `error`: the
+    first record that did not run."""
+    rows = collections.OrderedDict()
+    for r in records:
+        row = rows.setdefault((r["model"], r["batch_size"]), dict(
+            model=r["model"], batch_size=r["batch_size"], forms=r.get("forms") or {},
+            variables=sum((r.get("forms") or {}).values()), not_rules=r.get("not_rules") or []))
+        if r["status"] != "ok":
+            row.setdefault("error", r["note"] or r["status"])
+            continue
+        task = r["task"]
+        if task != "step":
+            row.update(floor_ms=r["floor_ms"], floor_peak_mb=r["floor_peak_mb"])
+        row.update({task + "_ratio": r["ratio_to_floor"], task + "_ms": r["median_ms"],
+                    task + "_peak_ratio": r["peak_ratio"], task + "_peak_mb": r["peak_mb"],
+                    task + "_floor_ms": r["floor_ms"]})
+    return list(rows.values())
 
 
 def _mem_cell(r, key, peak_key):
@@ -446,15 +456,16 @@ def zoo_markdown(rows, meta):
         "live tensors (TF's allocation records of one traced step, benchmarks/memory.py) over "
         "the floor's (the DP step: over the original step's), then the peak in MB.", meta,
         [("model", lambda r: r["model"]), ("B", lambda r: "%d" % r["batch_size"]),
-         ("floor ms", lambda r: "%.2f" % r["floor_ms"]), ("floor peak MB", _peak_mb),
-         ("norms", lambda r: "%.2fx" % r["norms_ratio"]),
+         ("floor ms", lambda r: _num(r.get("floor_ms"), "%.2f")), ("floor peak MB", _peak_mb),
+         ("norms", lambda r: _num(r.get("norms_ratio"), "%.2fx")),
          ("norms memory", lambda r: _mem_cell(r, "norms_peak_ratio", "norms_peak_mb")),
-         ("clipped sum", lambda r: "%.2fx" % r["clip_ratio"]),
+         ("clipped sum", lambda r: _num(r.get("clip_ratio"), "%.2fx")),
          ("clipped sum memory", lambda r: _mem_cell(r, "clip_peak_ratio", "clip_peak_mb")),
          ("DP step / original step", step(lambda r: "%.2fx (%.1f / %.1f ms)" % (
-             r["step_ratio"], r["step_dp_ms"], r["step_orig_ms"]))),
-         ("DP step memory", step(lambda r: _mem_cell(r, "step_peak_ratio", "step_dp_peak_mb"))),
-         ("not on rules", lambda r: ", ".join(r["not_rules"]) or "-")], rows)
+             r["step_ratio"], r["step_ms"], r["step_floor_ms"]))),
+         ("DP step memory", step(lambda r: _mem_cell(r, "step_peak_ratio", "step_peak_mb"))),
+         ("not on rules", lambda r: "error: " + r["error"].replace("|", "/") if "error" in r
+          else ", ".join(r["not_rules"]) or "-")], rows)
 
 
 def tf1_markdown(rows, meta):
@@ -490,26 +501,9 @@ MEMORY_TOLERANCE = 0.02
 
 
 def cfg_key(cfg):
-    """"harness/mlp/B64/norms" or "zoo/mnist_deep/B64"."""
-    if "task" in cfg:
-        return "harness/%s/B%d/%s" % (cfg["model"], cfg["batch_size"], cfg["task"])
-    return "zoo/%s/B%d" % (cfg["model"], cfg["batch_size"])
-
-
-def _measures(rec):
-    """{measure: {ratio, ms, base_ms, peak_ratio, peak_mb, repeats, check}}
-    of a record: a harness record's task; a zoo row's norms, clip and DP step
-    (over the tutorial's Adam step)."""
-    if "task" in rec:
-        return {rec["task"]: dict(
-            ratio=rec["ratio_to_floor"], ms=rec["median_ms"], base_ms=rec["floor_ms"],
-            peak_ratio=rec["peak_ratio"], peak_mb=rec["peak_mb"], repeats=rec["repeats"],
-            check=rec["check"])} if rec.get("status") == "ok" else {}
-    return {k: dict(ratio=rec[k + "_ratio"], ms=rec[key + "_ms"], base_ms=rec[base + "_ms"],
-                    peak_ratio=rec[k + "_peak_ratio"], peak_mb=rec[key + "_peak_mb"],
-                    repeats=rec.get("repeats"))
-            for k, key, base in (("norms", "norms", "floor"), ("clip", "clip", "floor"),
-                                 ("step", "step_dp", "step_orig")) if k + "_ratio" in rec}
+    """"harness/mlp/B64/norms", "zoo/mnist_deep/B64/clip"."""
+    return "%s/%s/B%d/%s" % ("harness" if cfg["model"] in models.MODELS else "zoo", cfg["model"],
+                             cfg["batch_size"], cfg["task"])
 
 
 def summarise(records):
@@ -519,16 +513,18 @@ def summarise(records):
     rounds a tree: no spread to judge against)."""
     by = collections.OrderedDict()
     for rec in records:
-        for measure, c in _measures(rec).items():
-            key = cfg_key(rec)
+        if rec.get("status") == "ok":
+            measure, key = rec["task"], cfg_key(rec)
+            c = dict(ratio=rec["ratio_to_floor"], base_ms=rec["floor_ms"],
+                     peak_ratio=rec["peak_ratio"], peak_mb=rec["peak_mb"])
             cell = by.setdefault((key, measure), {"key": key, "measure": measure, "before": [],
                                                   "after": [], "forms": {}, "plan": {},
                                                   "checks": {}})
             cell[rec["tree"]].append(c)
             cell["forms"][rec["tree"]] = rec.get("forms")
             cell["plan"][rec["tree"]] = rec.get("plan")
-            if c.get("check"):
-                cell["checks"].setdefault(rec["tree"], set()).add(c["check"])
+            if rec["check"] in ("pass", "fail"):
+                cell["checks"].setdefault(rec["tree"], set()).add(rec["check"])
     out = []
     for cell in by.values():
         row = dict(cell, checks={t: sorted(v) for t, v in cell["checks"].items()})

@@ -13,7 +13,7 @@ or "failed" and the run goes on. The modes are presets of that run:
 - `--zoo`, `--tf1-models`: a configuration is (model of
   benchmarks/zoo_models.py or tf1_models.py, B); the child measures its
   per-example norms and clipped sum (mnist_deep: also a DP step) against the
-  aggregated gradient (`tf_systems.bench_model`): zoo.{json,md},
+  aggregated gradient, each in its own child: zoo.{json,md},
   tf1_models.{json,md}. `--zoo --profile [--times]`: where each step's peak
   memory (and kernel time) goes, printed from this process;
 - `--before DIR`: the same configurations (custagg_auto on mlp, cnn and
@@ -46,7 +46,7 @@ REPO = os.path.dirname(HERE)
 _JOBS = 2 if (os.cpu_count() or 1) >= 2 else 1
 _RUN = dict(batch_sizes=[32, 128, 512], timeout=600.0, budget=2.0, slow_limit=30.0, jobs=_JOBS)
 # One process per model and B, one at a time: no timeout to speak of.
-_ZOO = dict(timeout=3600.0, jobs=1, out=common.RESULTS)
+_ZOO = dict(timeout=3600.0, budget=10.0, slow_limit=0.0, jobs=1, out=common.RESULTS)
 PRESETS = {
     "full": dict(_RUN, models=[m for m in models.MODELS if m not in models.CONTROL_FLOW_ONLY],
                  repeats=10, timeout=120.0, out=common.RESULTS),
@@ -306,14 +306,14 @@ class ForkServer:
 def plan(args):
     """The configurations, B ascending within each model (estimates need that)."""
     if args.mode == "before":
-        base = [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf",
-                     plan=True) for m in args.models for b in BEFORE_BATCHES[m] for t in args.tasks]
-        base += [_zoo_cfg(args, m, b) for m in args.zoo_models for b in args.zoo_batches
-                 if (m, b) not in BEFORE_SKIP]
-        return [dict(cfg, tree=tree, round=r) for r in range(args.rounds) for cfg in base
+        base = [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf")
+                for m in args.models for b in BEFORE_BATCHES[m] for t in args.tasks]
+        base += _zoo_configs(args.zoo_models, args.zoo_batches, ["norms", "clip"])
+        return [dict(cfg, tree=tree, round=r, plan=True) for r in range(args.rounds)
+                for cfg in base if (cfg["model"], cfg["batch_size"]) not in BEFORE_SKIP
                 for tree in (("before", "after") if r % 2 == 0 else ("after", "before"))]
     if args.mode in ("zoo", "tf1_models"):
-        return [_zoo_cfg(args, m, b) for m in args.models for b in sorted(args.batch_sizes)]
+        return _zoo_configs(args.models, sorted(args.batch_sizes), args.tasks)
     configs = []
     for model in args.models:
         for batch_size in sorted(args.batch_sizes):
@@ -325,14 +325,12 @@ def plan(args):
     return configs
 
 
-def _zoo_cfg(args, model, batch_size):
-    """A `tf_systems.run_zoo` configuration: the zoo's tasks (the TF1
-    models': the clipped sum), mnist_deep's DP step; --before and --plans
-    keep the plan (and the norms)."""
-    return dict(kind="zoo", model=model, batch_size=batch_size, framework="tf",
-                tasks=["clip"] if args.mode == "tf1_models" else ["norms", "clip"],
-                dp_step=args.mode != "tf1_models" and model == "mnist_deep",
-                detail=args.mode == "before" or args.plans)
+def _zoo_configs(names, batch_sizes, tasks):
+    """custagg_auto on a builder's models (`models.build`) with the plan's
+    forms; mnist_deep also the DP step over its Adam step (task "step")."""
+    return [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf", plan=True)
+            for m in names for b in batch_sizes
+            for t in list(tasks) + ["step"] * (m == "mnist_deep")]
 
 
 def _same_family(rec, cfg):
@@ -417,14 +415,9 @@ def execute(worker, cfg, dirs, tag):
 
 
 def _progress(i, n, rec, wall):
-    head = "[%3d/%d] " % (i, n) + ("r%d %-6s " % (rec["round"], rec["tree"]) if "tree" in rec
-                                   else "")
-    if "task" not in rec:
-        from benchmarks import report
-        print("%s%s  (%.1fs)" % (head, report.describe_row(rec), wall), flush=True)
-        return
-    head += "%-11s B=%-4d %-6s %-22s" % (rec["model"], rec["batch_size"], rec["task"],
-                                          rec["system"])
+    head = "[%3d/%d] %s%-11s B=%-4d %-6s %-22s" % (
+        i, n, "r%d %-6s " % (rec["round"], rec["tree"]) if "tree" in rec else "", rec["model"],
+        rec["batch_size"], rec["task"], rec["system"])
     if rec["status"] == "ok":
         body = "ok      %9.2f ms  x%-7.2f %s build %6.2fs  check %s" % (
             rec["median_ms"], rec["ratio_to_floor"],
@@ -525,65 +518,50 @@ def main(argv=None):
                                                                  tfv)
             missing = dict(unavailable)
             family = list(done)
+        rec = dict({k: None for k in RECORD_KEYS}, status="failed", note="", check="n/a",
+                   machine=machine_info["short"], **cfg)
+        rec["loadavg_1m"] = os.getloadavg()[0]
         t0 = time.monotonic()
-        run_cfg = dict(cfg, repeats=args.repeats, budget_s=args.budget, timeout=args.timeout,
-                       threads=args.threads)
-        plan_text = None
-        tag = "_".join(str(cfg[k]) for k in ("model", "batch_size", "task", "system", "round",
-                                              "tree") if k in cfg)
-        if "task" not in cfg:        # a zoo row: the figures, or the error
-            rec = dict(cfg) if "tree" in cfg else dict(model=cfg["model"],
-                                                       batch_size=cfg["batch_size"])
-            result = {"status": "skipped", "note": "TensorFlow: %s" % missing.get(tf_key)}
-            if tf_key not in missing:
-                result, reply = execute(workers[key], run_cfg, dirs, tag)
-            if result.get("status") != "ok":
-                result = dict(error="%s: %s" % (result.get("status"), result.get("note")),
-                              forms={}, variables=0, not_rules=[])
-            rec.update(result, loadavg_1m=os.getloadavg()[0])
-            if "tree" not in cfg:                   # --plans: printed, not kept
-                plan_text = rec.pop("plan", None)
-                rec.pop("norms", None)
+        # The harness's models are checked against the loop reference of
+        # (model, B); only the job that owns a model computes its references.
+        ref_key = (cfg["model"], cfg["batch_size"]) if cfg["model"] in models.MODELS else None
+        ref_path = ref_key and os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
+            ref_key + (code_hash,)))
+        if key in missing:
+            rec.update(status="skipped", note="%s not available (%s); see "
+                       "benchmarks/requirements-peers.txt" % (cfg["framework"], missing[key]))
+        elif tf_key in missing:
+            rec.update(status="skipped", note="reference needs TensorFlow: %s" % missing[tf_key])
         else:
-            rec = dict({k: None for k in RECORD_KEYS}, status="failed", note="", check="n/a",
-                       machine=machine_info["short"], **cfg)
-            rec["loadavg_1m"] = os.getloadavg()[0]
-            ref_key = (cfg["model"], cfg["batch_size"])
-            ref_path = os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
-                cfg["model"], cfg["batch_size"], code_hash))
-            fw = cfg["framework"]
-            if key in missing:
-                rec.update(status="skipped", note="%s not available (%s); see "
-                           "benchmarks/requirements-peers.txt" % (fw, missing[key]))
-            elif tf_key in missing:
-                rec.update(status="skipped", note="reference needs TensorFlow: %s"
-                           % missing[tf_key])
+            if ref_key and ref_key not in references:
+                references[ref_key] = _reference(workers[tf_key], cfg, ref_path, args, dirs)
+            skip = None if "tree" in cfg else predict_skip(cfg, family, args)
+            if ref_key and not references[ref_key]["ok"]:
+                rec.update(status="skipped", note="no reference: " + references[ref_key]["note"])
+            elif skip:
+                rec.update(status="skipped", note=skip)
             else:
-                # Only the job that owns a model computes its references.
-                if ref_key not in references:
-                    references[ref_key] = _reference(workers[tf_key], cfg, ref_path, args, dirs)
-                skip = None if "tree" in cfg else predict_skip(cfg, family, args)
-                if not references[ref_key]["ok"]:
-                    rec.update(status="skipped", note="no reference: "
-                               + references[ref_key]["note"])
-                elif skip:
-                    rec.update(status="skipped", note=skip)
-                else:
-                    result, reply = execute(workers[key], dict(run_cfg, ref_path=ref_path),
-                                            dirs, tag)
-                    rec.update(result)
-                    if rec.get("peak_rss_mb") is None and reply.get("maxrss_mb"):
-                        rec["peak_rss_mb"] = reply["maxrss_mb"]
-                    rec["wall_s"] = reply.get("wall_s")
-            rec["note"] = rec.get("note") or ""
+                tag = "_".join(str(cfg[k]) for k in ("model", "batch_size", "task", "system",
+                                                      "round", "tree") if k in cfg)
+                result, reply = execute(workers[key], dict(
+                    cfg, repeats=args.repeats, budget_s=args.budget, timeout=args.timeout,
+                    threads=args.threads, ref_path=ref_path), dirs, tag)
+                rec.update(result)
+                if rec.get("peak_rss_mb") is None and reply.get("maxrss_mb"):
+                    rec["peak_rss_mb"] = reply["maxrss_mb"]
+                rec["wall_s"] = reply.get("wall_s")
+        rec["note"] = rec.get("note") or ""
+        plan_text = rec.pop("plan", None) if "tree" not in cfg else None
+        if "tree" not in cfg:
+            rec.pop("norms", None)
         with lock:
             done.append(rec)
             counter[0] += 1
             _progress(counter[0], len(configs), rec, time.monotonic() - t0)
-            if plan_text:
+            if plan_text and args.plans:
                 print(plan_text, flush=True)
-            _write_outputs(args, _merged(old, done), machine, versions, references, started,
-                           final=False)
+            _write_outputs(args, _merged(args, old, done), machine, versions, references,
+                           started, final=False)
 
     # Whole models are dealt to the jobs, costliest first (each job runs a
     # model's configurations in plan order: B ascending, so the skip
@@ -626,12 +604,12 @@ def main(argv=None):
     if failures:
         raise failures[0]
     machine["loadavg_end"] = os.getloadavg()
-    _write_outputs(args, _merged(old, done), machine, versions, references, started, final=True)
+    _write_outputs(args, _merged(args, old, done), machine, versions, references, started,
+                   final=True)
     counts = {}
     for r in done:
-        status = r.get("status", "ok") if "error" not in r else "failed"
-        counts[status] = counts.get(status, 0) + 1
-    fails = sum(1 for r in done if r.get("check") == "fail")
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    fails = sum(1 for r in done if r["check"] == "fail")
     print("done in %.0f s: %s; check failures: %d; results in %s" % (
         time.time() - started, ", ".join("%d %s" % (v, k) for k, v in sorted(counts.items())),
         fails, os.path.relpath(args.out, REPO)), flush=True)
@@ -657,10 +635,10 @@ def _reference(worker, cfg, ref_path, args, dirs):
     return {"ok": ok, "note": note}
 
 
-def _merged(old, done):
+def _merged(args, old, done):
     """The records of this run, and --merge's old ones it did not redo, in
-    the tables' order (rows of --zoo, --tf1-models and --before as run)."""
-    if not done or "task" not in done[0] or "tree" in done[0]:
+    the tables' order (--zoo, --tf1-models and --before: as run)."""
+    if args.mode in ("zoo", "tf1_models", "before"):
         return list(done)
 
     def key(r):
@@ -704,9 +682,14 @@ def _write_outputs(args, records, machine, versions, references, started, final)
                 "tf": (versions.get("tf") or {}).get("tensorflow", "?"), "repeats": args.repeats,
                 "threads": args.threads, "load_start": "%.2f" % machine["loadavg_start"][0],
                 "load_end": "%.2f" % os.getloadavg()[0]}
-        return common.write_outputs(args.stem, {"meta": meta, "rows": records}, (
-            report.zoo_markdown if args.mode == "zoo" else report.tf1_markdown)(records, meta),
-            args.out)
+        rows = report.zoo_rows(records)
+        common.dump_json(os.path.join(args.out, args.stem + ".json"),
+                         {"meta": meta, "rows": rows, "records": records})
+        if final:
+            with open(os.path.join(args.out, args.stem + ".md"), "w") as f:
+                f.write((report.zoo_markdown if args.mode == "zoo" else report.tf1_markdown)(
+                    rows, meta))
+        return
     common.dump_json(os.path.join(args.out, args.stem + ".json"), records)
     if not final:
         return

@@ -85,8 +85,7 @@ def import_framework(framework, tree=None):
 def execute(cfg):
     """Run one configuration in this process; returns the result dict."""
     module = importlib.import_module("benchmarks.systems.%s_systems" % cfg["framework"])
-    kind = cfg.get("kind", "run")   # "reference", "zoo" (tf_systems only) or "run"
-    result = getattr(module, "run" if kind == "run" else "run_" + kind)(cfg)
+    result = (module.run_reference if cfg.get("kind") == "reference" else module.run)(cfg)
     import resource
     result.setdefault("status", "ok")
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

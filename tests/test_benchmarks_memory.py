@@ -128,9 +128,8 @@ def test_zoo_table_shows_memory_beside_time():
     row = {"model": "mnist_deep", "batch_size": 64, "floor_ms": 10.0, "norms_ms": 12.0,
            "clip_ms": 11.0, "norms_ratio": 1.2, "clip_ratio": 1.1, "not_rules": [],
            "floor_peak_mb": 30.0, "norms_peak_mb": 90.0, "clip_peak_mb": 33.0,
-           "norms_peak_ratio": 3.0, "clip_peak_ratio": 1.1, "step_orig_ms": 20.0,
-           "step_dp_ms": 30.0, "step_ratio": 1.5, "step_orig_peak_mb": 40.0,
-           "step_dp_peak_mb": 60.0, "step_peak_ratio": 1.5}
+           "norms_peak_ratio": 3.0, "clip_peak_ratio": 1.1, "step_floor_ms": 20.0,
+           "step_ms": 30.0, "step_ratio": 1.5, "step_peak_mb": 60.0, "step_peak_ratio": 1.5}
     meta = {"machine": "x", "tf": "2", "repeats": 3, "threads": 1}
     text = report.zoo_markdown([row, dict(row, model="layers_mlp", norms_peak_ratio=None)], meta)
     assert "| mnist_deep | 64 | 10.00 | 30 | 1.20x | 3.00x (90 MB) | 1.10x | 1.10x (33 MB) |" in text

@@ -322,155 +322,98 @@ STATIC_BATCH_SYSTEMS = ("tf_loop", "tf_jacobian", "custagg_loop", "custagg_custo
 
 
 def dynamic_batch(model, system):
-    """Whether `system` on `model` is built on `[None, ...]` placeholders."""
-    return model in models.DYNAMIC_BATCH_MODELS and system not in STATIC_BATCH_SYSTEMS
+    """Whether `system` on `model` is built on `[None, ...]` placeholders (a
+    builder's model: always)."""
+    return (model in models.DYNAMIC_BATCH_MODELS or model not in models.MODELS) and \
+        system not in STATIC_BATCH_SYSTEMS
 
 
 def run(cfg):
+    """One configuration: `cfg["model"]` a harness model (checked against the
+    loop reference of cfg["ref_path"]) or a builder's (`models.build`, the
+    zoo and the TF1 models: C = 1, no check); task "step" (the zoo's): the DP
+    step over the tutorial's Adam step."""
     tf = _tf()
     model, batch_size, task = cfg["model"], cfg["batch_size"], cfg["task"]
-    sig = common.load_signature(cfg["ref_path"])
-    x_np, y_np = models.make_batch(model, batch_size)
+    sig = common.load_signature(cfg["ref_path"]) if cfg.get("ref_path") else None
     dynamic = dynamic_batch(model, cfg["system"])
     graph = tf.Graph()
     with graph.as_default():
-        variables, var_list = models.tf_variables(model)
-        x, y = models.tf_placeholders(model, batch_size, dynamic=dynamic)
-        loss = models.tf_loss(model, variables, x, y)
+        if model in models.MODELS:
+            variables, var_list = models.tf_variables(model)
+            x, y = models.tf_placeholders(model, batch_size, dynamic=dynamic)
+            loss = models.tf_loss(model, variables, x, y)
+            feed, names = dict(zip((x, y), models.make_batch(model, batch_size))), list(variables)
+        else:
+            loss, var_list, feed_of, _ = models.build(model)
+            x = y = variables = None
+            feed, names = feed_of(batch_size), [v.op.name for v in var_list]
         f = tf.compat.v1.placeholder(tf.float32, [None if dynamic else batch_size],
                                      name="factors")
         noise_scale = tf.compat.v1.placeholder_with_default(
             tf.constant(common.NOISE_MULTIPLIER, tf.float32), [], name="noise_multiplier")
-        ctx = Ctx(tf, model, batch_size, variables, var_list, list(variables), x, y, loss,
-                  f, float(sig["clip"]), noise_scale)
+        ctx = Ctx(tf, model, batch_size, variables, var_list, names, x, y, loss, f,
+                  float(sig["clip"]) if sig else 1.0, noise_scale)
 
         n0, t0 = _count_ops(graph), time.perf_counter()
-        floor = tf.compat.v1.gradients(tf.reduce_sum(loss), var_list)
+        floor = (adam_step(tf, loss, var_list) if task == "step" else
+                 tf.compat.v1.gradients(tf.reduce_sum(loss), var_list))
         floor_build_s, floor_n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
 
         n0, t0 = _count_ops(graph), time.perf_counter()
         try:
-            built = BUILDERS[cfg["system"]](ctx, task)
+            built = (Built(adam_step(tf, loss, var_list, dp=True), {}, "") if task == "step"
+                     else BUILDERS[cfg["system"]](ctx, task))
         except _Skip as e:
             return {"status": "skipped", "note": str(e)}
         build_s, n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
-        init = tf.compat.v1.global_variables_initializer()
+        init = tf.group(tf.compat.v1.global_variables_initializer(),
+                        tf.compat.v1.tables_initializer())
         extra = {}
-        if cfg.get("plan"):   # what a regression comes from (benchmarks.before_after)
+        if cfg.get("plan"):   # what a regression comes from (--before, --tf1-models --plans)
             plan = _custagg().plan_per_example(loss, var_list)
-            extra = dict(forms=dict(collections.Counter(plan.forms())), plan=str(plan))
+            extra = dict(forms=dict(collections.Counter(f or "unconnected" for f in plan.forms())),
+                         plan=str(plan), not_rules=["%s: %s" % (a.name, a.form)
+                                                    for a in plan.assignments
+                                                    if a.form not in ("rules", None)])
 
-    feed = {x: x_np, y: y_np, f: sig["factors"]}
+    feed[f] = sig["factors"] if sig else common.factors(batch_size)
     with common.session(graph, cfg.get("threads", 0)) as sess:
         sess.run(init)
-        floor_first_ms = common.timed_ms(lambda: sess.run(floor, feed))
-        first_run_ms = common.timed_ms(lambda: sess.run(built.fetch, feed))
+        try:
+            floor_first_ms = common.timed_ms(lambda: sess.run(floor, feed))
+            first_run_ms = common.timed_ms(lambda: sess.run(built.fetch, feed))
+        except tf.errors.OpError as e:          # the TF1 models' run-time failures
+            return dict(extra, status="failed", note="%s: %s" % (type(e).__name__,
+                                                                 _first_line(e.message)))
         values = sess.run(dict(built.check), {**feed, noise_scale: 0.0})
         var_shapes = {n: v.shape.as_list() for n, v in zip(ctx.names, var_list)}
         values = {k: common.dense_value(v, var_shapes.get(k.split("/", 1)[-1]))
                   for k, v in values.items()}
+        if cfg.get("plan") and "norms" in values:   # --before's trees compare them
+            extra["norms"] = [float(v) for v in values["norms"]]
         return common.measured(
             sig, values, lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
             cfg, first_run_ms, lambda: (memory.step_peak_bytes(sess, floor, feed)[0],
                                         memory.step_peak_bytes(sess, built.fetch, feed)[0]),
             note=built.note, build_s=build_s, n_ops=n_ops, floor_build_s=floor_build_s,
             floor_n_ops=floor_n_ops, floor_first_run_ms=floor_first_ms,
-            floor_system="tf.compat.v1.gradients(sum(loss))",
-            framework_version="tensorflow " + tf.__version__,
+            floor_system="tf.compat.v1.gradients(sum(loss))" if task != "step" else
+            "Adam(1e-4) on the mean loss", framework_version="tensorflow " + tf.__version__,
             batch_axis="dynamic" if dynamic else "static", **extra)
 
 
-# --------------------------------------------------------------------------
-# The zoo and the TF1 models (`--zoo`, `--tf1-models`): a builder's graph as
-# written, the tasks timed against its own aggregated gradient.
-# --------------------------------------------------------------------------
-
-def zoo_fetches(loss, xs, tasks=("norms", "clip"), dp_step=False):
-    """{"floor": the aggregated gradient, "norms", "clip": the clipped sum
-    (C = 1) of `tasks`} and, with `dp_step`, "step_orig" (Adam on the mean
-    loss) and "step_dp" (DPOptimizer around Adam, C = 1, sigma = 1.1), each in
-    a variable scope of its own (their Adam slots apart)."""
-    tf = _tf()
+def adam_step(tf, loss, xs, dp=False):
+    """The tutorial's Adam step on the mean loss, or (`dp`) DPOptimizer
+    around it (C = 1, sigma = 1.1), in a variable scope of its own (their
+    Adam slots apart)."""
     import custagg
-    out = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs)}
-    if "norms" in tasks:
-        out["norms"] = custagg.per_example_norms(loss, xs)
-    if "clip" in tasks:
-        out["clip"] = custagg.clipped_gradients(loss, xs, 1.0)
-    if dp_step:
-        adam = tf.compat.v1.train.AdamOptimizer
-        with tf.compat.v1.variable_scope("orig"):
-            out["step_orig"] = adam(1e-4).minimize(tf.reduce_mean(loss), var_list=xs)
-        with tf.compat.v1.variable_scope("dp"):
-            out["step_dp"] = custagg.DPOptimizer(adam(1e-4), l2_norm_clip=1.0,
-                                                 noise_multiplier=1.1).minimize(loss, var_list=xs)
-    return out
-
-
-def bench_model(name, batch_sizes, repeats, threads=1, tasks=("norms", "clip"),
-                dp_step=False, full=True, detail=False):
-    """Rows of model `name` (`models.build`), one per batch size: for each of
-    `tasks` `<task>_ms`, `_ratio` (to the floor), `_peak_mb`, `_peak_ratio`;
-    with `dp_step` the `step_*` fields (DP step over the plain step); the
-    plan's `forms` and the variables `not_rules`. Times: medians of `repeats`
-    runs, floor, tasks and steps in turn (`common.interleaved`); peaks: one
-    traced step each, after them. A run-time failure gives the row `error`
-    instead of figures. `detail`: also `plan` (its text) and `norms` (the
-    per-example norms)."""
-    tf = _tf()
-    import custagg
-    from benchmarks import tf1_models
-    rows = []
-    graph = tf.Graph()
-    with graph.as_default():
-        loss, xs, feed_of, coupled = models.build(name, full)
-        t0 = time.perf_counter()
-        plan = custagg.plan_per_example(loss, xs)
-        timed = zoo_fetches(loss, xs, tasks, dp_step)
-        steps = {k: timed.pop(k) for k in ("step_orig", "step_dp") if k in timed}
-        forms = collections.Counter(f or "unconnected" for f in plan.forms())
-        head = dict(variables=len(xs), forms=collections.OrderedDict(forms.most_common()),
-                    build_s=time.perf_counter() - t0, coupled=len(coupled),
-                    not_rules=["%s: %s" % (a.name, a.form) for a in plan.assignments
-                               if a.form not in ("rules", None)], **(
-                                   {"plan": str(plan)} if detail else {}))
-        with common.session(graph, threads) as sess:
-            sess.run(tf1_models.initializer())
-            for batch in batch_sizes:
-                feed = feed_of(batch)
-                row = dict(model=name, batch_size=batch, **head)
-                rows.append(row)
-                try:
-                    values = sess.run(timed, feed)            # a failure shows here
-                except tf.errors.OpError as e:
-                    row["error"] = "%s: %s" % (type(e).__name__, _first_line(e.message))
-                    continue
-                fetches = dict(timed, **steps)
-                med, peak = common.interleaved(
-                    {k: (lambda f=f: sess.run(f, feed)) for k, f in fetches.items()},
-                    [()] * (repeats + 1),
-                    {k: (lambda f=f: memory.step_peak_bytes(sess, f, feed)[0])
-                     for k, f in fetches.items()})
-                row.update(floor_ms=1e3 * med["floor"], floor_peak_mb=memory.mb(peak["floor"]))
-                pairs = [(k, k, "floor") for k in timed if k != "floor"]
-                pairs += [("step", "step_dp", "step_orig")] if steps else []
-                for field, key, base in pairs:
-                    row.update({field + "_ratio": med[key] / med[base], field + "_peak_ratio":
-                                peak[key] / float(peak[base]) if peak[base] else None})
-                for key in fetches:
-                    if key != "floor":
-                        row.update({key + "_ms": 1e3 * med[key],
-                                    key + "_peak_mb": memory.mb(peak[key])})
-                if detail:
-                    row["norms"] = [float(v) for v in np.ravel(values.get("norms", []))]
-    return rows
-
-
-def run_zoo(cfg):
-    """One configuration of `--zoo`, `--tf1-models` or `--before` (`kind`
-    "zoo"): `bench_model`'s row of `cfg["model"]` at `cfg["batch_size"]`."""
-    return bench_model(cfg["model"], [cfg["batch_size"]], cfg["repeats"], cfg.get("threads", 1),
-                       cfg["tasks"], cfg.get("dp_step", False), detail=cfg.get("detail"))[0]
+    adam = tf.compat.v1.train.AdamOptimizer(1e-4)
+    with tf.compat.v1.variable_scope("dp" if dp else "orig"):
+        if dp:
+            return custagg.DPOptimizer(adam, l2_norm_clip=1.0,
+                                       noise_multiplier=1.1).minimize(loss, var_list=xs)
+        return adam.minimize(tf.reduce_mean(loss), var_list=xs)
 
 
 def _first_line(message):
@@ -489,11 +432,17 @@ def profile(name, batch_sizes, top=8, times=False):
     goes: a profile for ratios inside one process, not a benchmark).
     Returns {(batch, fetch name): peak bytes}."""
     tf = _tf()
+    import custagg
     found = {}
     graph = tf.Graph()
     with graph.as_default():
         loss, xs, feed, _ = models.build(name)
-        fetch_of = zoo_fetches(loss, xs, dp_step=name in ("mnist_deep", "cnn", "mlp"))
+        fetch_of = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs),
+                    "norms": custagg.per_example_norms(loss, xs),
+                    "clip": custagg.clipped_gradients(loss, xs, 1.0)}
+        if name in ("mnist_deep", "cnn", "mlp"):
+            fetch_of["step_orig"], fetch_of["step_dp"] = (adam_step(tf, loss, xs, dp)
+                                                          for dp in (False, True))
         with common.session(graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for batch in batch_sizes:
