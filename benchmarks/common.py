@@ -263,8 +263,7 @@ def session(graph=None, threads=1):
 def md_table(headers, rows, align=None):
     """A markdown table: `rows` of cell strings; `align` per column
     ("---", "---:"; default left)."""
-    lines = ["| %s |" % " | ".join(headers),
-             "|%s|" % "|".join(align or ["---"] * len(headers))]
+    lines = ["| %s |" % " | ".join(headers), "|%s|" % "|".join(align or ["---"] * len(headers))]
     return "\n".join(lines + ["| %s |" % " | ".join(map(str, r)) for r in rows]) + "\n"
 
 

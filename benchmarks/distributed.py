@@ -26,8 +26,7 @@ TIMEOUT_S = 900
 
 
 def _run(flags):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
-               os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "custagg"] + flags,
                           capture_output=True, text=True, env=env, cwd=ROOT,
@@ -46,11 +45,9 @@ def _cluster(workers, batch, epochs):
                       "--epochs", str(epochs)])
     per_worker = [float(m) for m in re.findall(
         r"^worker \d+: .* in [\d.]+ s: (\d+) examples/s$", out, re.M)]
-    total = float(re.search(r"^all workers: (\d+) examples/s", out,
-                            re.M).group(1))
+    total = float(re.search(r"^all workers: (\d+) examples/s", out, re.M).group(1))
     acc = float(re.search(r"final test accuracy: ([\d.]+)", out).group(1))
-    return {"per_worker": per_worker, "total": total, "accuracy": acc,
-            "wall_s": wall}
+    return {"per_worker": per_worker, "total": total, "accuracy": acc, "wall_s": wall}
 
 
 def _single(batch, epochs):
@@ -79,8 +76,7 @@ def _single_process(batch, epochs):
     from custagg.app import train  # pylint: disable=g-import-not-at-top
     from custagg.app.models import build_model  # pylint: disable=g-import-not-at-top
     tf.compat.v1.disable_eager_execution()
-    args = cli.build_parser().parse_args(
-        ["--aggregation", "dpsgd", "--batch-size", str(batch)])
+    args = cli.build_parser().parse_args(["--aggregation", "dpsgd", "--batch-size", str(batch)])
     data = datasets.load_dataset(args.dataset, seed=args.seed)
     with tf.Graph().as_default():
         tf.compat.v1.set_random_seed(args.seed)
@@ -89,18 +85,15 @@ def _single_process(batch, epochs):
         logits, variables = build_model(args.model, x, data.image_shape,
                                         data.num_classes, args.hidden,
                                         args.seed)
-        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                              logits=logits)
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         step = tf.compat.v1.train.get_or_create_global_step()
         opt = train.make_optimizer(args, train.learning_rate(args))
         train_op = opt.minimize(loss, global_step=step, var_list=variables)
-        x_eval = tf.compat.v1.placeholder(tf.float32, [None,
-                                                       data.num_features])
+        x_eval = tf.compat.v1.placeholder(tf.float32, [None, data.num_features])
         y_eval = tf.compat.v1.placeholder(tf.int64, [None])
         eval_logits, _ = build_model(args.model, x_eval, data.image_shape,
                                      data.num_classes, args.hidden, args.seed)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(eval_logits, 1),
-                                                 y_eval), tf.float32))
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(eval_logits, 1), y_eval), tf.float32))
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             secs, examples = 0.0, 0
@@ -112,11 +105,9 @@ def _single_process(batch, epochs):
                     sess.run(train_op, {x: xb, y: yb})
                     examples += batch
                 secs += time.perf_counter() - t0
-            acc = sess.run(correct, {x_eval: data.x_test,
-                                     y_eval: data.y_test}) / len(data.y_test)
+            acc = sess.run(correct, {x_eval: data.x_test, y_eval: data.y_test}) / len(data.y_test)
     rate = examples / secs
-    print(json.dumps({"per_worker": [rate], "total": rate,
-                      "accuracy": float(acc)}))
+    print(json.dumps({"per_worker": [rate], "total": rate, "accuracy": float(acc)}))
     del np
 
 

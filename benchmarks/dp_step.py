@@ -73,8 +73,7 @@ class Graph(object):
             self.stop = start(self.sess) if start else None
 
     def runner(self, kind):
-        return lambda xb, yb: self.sess.run(self.fetches[kind],
-                                            self.feed(kind, xb, yb))
+        return lambda xb, yb: self.sess.run(self.fetches[kind], self.feed(kind, xb, yb))
 
     def peak(self, kind):
         return lambda xb, yb: memory.step_peak_bytes(
@@ -87,8 +86,7 @@ class Graph(object):
 
 
 def _loss(model, xb, yb):
-    return tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=yb, logits=tpc.MODELS[model](xb))
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=tpc.MODELS[model](xb))
 
 
 # --------------------------------------------------------------------------
@@ -128,8 +126,7 @@ def make_query(kind, num_vars, batch, sigma=1.1):
          for _ in range(num_vars)])
 
 
-def adaptive_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
-                      log=print, **_):
+def adaptive_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), log=print, **_):
     x, y = _data()
     rows = []
     for model in models:
@@ -183,8 +180,7 @@ def _users_graph(model, batch):
     return Graph(build)
 
 
-def user_level_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
-                        log=print, **_):
+def user_level_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), log=print, **_):
     x, y = _data()
     rows = []
     for model in models:
@@ -223,8 +219,7 @@ def _source(kind, x, y, batch):
         return xb, yb, dict, None
     if kind == "shuffle_batch_queue":
         # The TF1 tutorials' pipeline: slice_input_producer + shuffle_batch.
-        xs, ys = tf.compat.v1.train.slice_input_producer(
-            [tf.constant(x), tf.constant(y)], seed=3)
+        xs, ys = tf.compat.v1.train.slice_input_producer([tf.constant(x), tf.constant(y)], seed=3)
         xb, yb = tf.compat.v1.train.shuffle_batch(
             [xs, ys], batch_size=batch, capacity=4 * batch,
             min_after_dequeue=2 * batch, num_threads=1, seed=3)
@@ -232,8 +227,7 @@ def _source(kind, x, y, batch):
         def start(sess):
             coord = tf.train.Coordinator()
             threads = tf.compat.v1.train.start_queue_runners(sess, coord)
-            return lambda: (coord.request_stop(),
-                            coord.join(threads, stop_grace_period_secs=10))
+            return lambda: (coord.request_stop(), coord.join(threads, stop_grace_period_secs=10))
         return xb, yb, dict, start
     if kind == "variables":
         # A batch held in non-trainable variables (benchmarks, small-data

@@ -143,8 +143,7 @@ def task_tables(records, tasks=None, heading="##", cell=None, title=None):
                 row = [idx.get((model, b, task, s)) for s in systems]
                 if not any(row):
                     continue
-                lines.append("| %s | %d | %s |" % (
-                    model, b, " | ".join(cell(r) for r in row)))
+                lines.append("| %s | %d | %s |" % (model, b, " | ".join(cell(r) for r in row)))
         lines.append("")
     return lines
 
@@ -626,8 +625,7 @@ def write_before_after(folder, meta, records):
     (the same feed in both)."""
     worst = {}
     for key in {cfg_key(r) for r in records}:
-        norms = {r["tree"]: r["norms"] for r in records
-                 if cfg_key(r) == key and r.get("norms")}
+        norms = {r["tree"]: r["norms"] for r in records if cfg_key(r) == key and r.get("norms")}
         if len(norms) == 2:
             worst[key] = common.rel_err(norms["after"], norms["before"])
     meta["zoo_norms_rel_err_after_vs_before"] = worst

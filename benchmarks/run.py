@@ -259,8 +259,7 @@ class ForkServer:
     def ensure(self):
         if self.proc is not None and self.proc.poll() is None:
             return True
-        log = open(os.path.join(self.log_dir, "server_%s_job%d.log" % (self.key, self.job)),
-                   "a")
+        log = open(os.path.join(self.log_dir, "server_%s_job%d.log" % (self.key, self.job)), "a")
         self.proc = subprocess.Popen(
             [self.python] + self.argv,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO,

@@ -98,8 +98,7 @@ def _run_one(name, argv, outputs, logdir):
         os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in argv),
         started=datetime.datetime.now().isoformat(timespec="seconds"),
         load_start=_load())
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
-               + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(os.path.join(logdir, name + ".log"), "w") as log:
         rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT,
@@ -146,16 +145,14 @@ def main(argv=None):
                                 description=__doc__.split("\n")[0])
     p.add_argument("--peers", metavar="PREFIX",
                    help="the peers' venvs made by benchmarks/peers_env.sh PREFIX")
-    p.add_argument("--tfp", metavar="PYTHON",
-                   help="TF 2.15 interpreter with tensorflow-privacy")
+    p.add_argument("--tfp", metavar="PYTHON", help="TF 2.15 interpreter with tensorflow-privacy")
     p.add_argument("--jobs", type=int,
                    default=2 if (os.cpu_count() or 1) >= 2 else 1,
                    help="single-threaded benchmarks run at once (default 2 "
                         "on 2+ cores)")
     p.add_argument("--only", help="comma list of benchmark names")
     p.add_argument("--skip", help="comma list of benchmark names")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the commands, run nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--merge", action="store_true",
                    help="keep run_all.json's records of the benchmarks not "
                         "run this time (a re-run of one that failed)")
@@ -175,8 +172,7 @@ def main(argv=None):
         todo = [t for t in todo if t[0] not in args.skip.split(",")]
     if args.dry_run:
         for name, argv_, alone, _ in todo:
-            print("%-20s %s%s" % (name, " ".join(argv_),
-                                  "  (alone)" if alone else ""))
+            print("%-20s %s%s" % (name, " ".join(argv_), "  (alone)" if alone else ""))
         return 0
     logdir = os.path.join(RESULTS, "run_all_logs")
     os.makedirs(logdir, exist_ok=True)
@@ -190,8 +186,7 @@ def main(argv=None):
         machine="%d cores; python %s" % (os.cpu_count() or 1,
                                          sys.version.split()[0]))
     if not (args.tfp or args.peers) and (not args.only or "tf_privacy_compare" in args.only):
-        meta["skipped"] = [dict(name="tf_privacy_compare",
-                                why="no --tfp interpreter given")]
+        meta["skipped"] = [dict(name="tf_privacy_compare", why="no --tfp interpreter given")]
     records = []
     for name, argv_, alone, outputs in [t for t in todo if t[2]]:
         records.append(_run_one(name, argv_, outputs, logdir))

@@ -81,11 +81,9 @@ def digits28(seed=0):
     def up(x):
         x = x.reshape(-1, 8, 8)
         x = np.kron(x, np.ones((1, 3, 3), np.float32))
-        return np.pad(x, ((0, 0), (2, 2), (2, 2)))[..., None].astype(
-            np.float32)
+        return np.pad(x, ((0, 0), (2, 2), (2, 2)))[..., None].astype(np.float32)
 
-    return (up(ds.x_train), ds.y_train.astype(np.int32), up(ds.x_test),
-            ds.y_test.astype(np.int32))
+    return (up(ds.x_train), ds.y_train.astype(np.int32), up(ds.x_test), ds.y_test.astype(np.int32))
 
 
 def tutorial_cnn(features):
@@ -134,8 +132,7 @@ class Step(object):
                     l2_norm_clip=1.0, noise_multiplier=noise,
                     num_microbatches=microbatches, learning_rate=lr))
             global_step = tf.compat.v1.train.get_or_create_global_step()
-            self.grads = [g for g, _ in optimizer.compute_gradients(
-                vector_loss, self.vars)]
+            self.grads = [g for g, _ in optimizer.compute_gradients(vector_loss, self.vars)]
             self.train_op = optimizer.apply_gradients(
                 zip(self.grads, self.vars), global_step=global_step)
             self.sess = common.session(self.graph)
@@ -150,8 +147,7 @@ class Step(object):
                 v.load(value, self.sess)
 
     def run(self, xb, yb, fetch=None):
-        return self.sess.run(self.train_op if fetch is None else fetch,
-                             {self.x: xb, self.y: yb})
+        return self.sess.run(self.train_op if fetch is None else fetch, {self.x: xb, self.y: yb})
 
     def close(self):
         self.sess.close()
@@ -179,8 +175,7 @@ def parity(steps=5, log=print):
     rows = []
     for model, batch, mb in [("tutorial_cnn", 64, 64), ("tutorial_cnn", 64, 16),
                              ("mlp", 64, 64), ("mlp", 64, 16)]:
-        runs = {name: Step(mod, model, batch, mb, noise=0.0)
-                for name, mod in mods.items()}
+        runs = {name: Step(mod, model, batch, mb, noise=0.0) for name, mod in mods.items()}
         init = runs["tf_privacy"].weights()
         runs["custagg"].set_weights(init)
         for xb, yb in batches(x, y, batch, steps, seed=1):
@@ -196,8 +191,7 @@ def parity(steps=5, log=print):
             noisy = Step(mod, model, batch, mb, noise=1.1, seed=10 + k)
             noisy.set_weights(init)
             xb, yb = batches(x, y, batch, 1, seed=2)[0]
-            draws = np.array([noisy.run(xb, yb, noisy.grads[-1])
-                              for _ in range(200)])
+            draws = np.array([noisy.run(xb, yb, noisy.grads[-1]) for _ in range(200)])
             stds[name] = float(draws.std(axis=0).mean())
             noisy.close()
         row = dict(model=model, batch=batch, microbatches=mb, steps=steps,
@@ -219,10 +213,8 @@ def epsilon(log=print):
     rows = []
     for s in EPSILON_SETTINGS:
         ours, order = custagg_accounting.compute_dp_sgd_privacy(*s)
-        pld, _ = custagg_accounting.compute_dp_sgd_privacy(*s,
-                                                           accountant="pld")
-        row = dict(setting=list(s), custagg_rdp=ours, custagg_order=order,
-                   custagg_pld=pld)
+        pld, _ = custagg_accounting.compute_dp_sgd_privacy(*s, accountant="pld")
+        row = dict(setting=list(s), custagg_rdp=ours, custagg_order=order, custagg_pld=pld)
         if tfp is not None:
             theirs, t_order = tfp[1].compute_dp_sgd_privacy(*s)
             row.update(tf_privacy=float(theirs), tf_privacy_order=float(t_order),
@@ -284,18 +276,15 @@ def tutorial(epochs=3, dp_module=custagg_dp, accounting=custagg_accounting,
 
     def model_fn(features, labels, mode, params):  # pylint: disable=unused-argument
         logits = tutorial_cnn(features)
-        vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=labels, logits=logits)
+        vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
         scalar_loss = tf.reduce_mean(input_tensor=vector_loss)
         if mode == tf_estimator.ModeKeys.TRAIN:
             optimizer = dp_module.DPGradientDescentGaussianOptimizer(
                 l2_norm_clip=1.0, noise_multiplier=1.1,
                 num_microbatches=microbatches, learning_rate=0.15)
             global_step = tf.compat.v1.train.get_global_step()
-            train_op = optimizer.minimize(loss=vector_loss,
-                                          global_step=global_step)
-            return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss,
-                                              train_op=train_op)
+            train_op = optimizer.minimize(loss=vector_loss, global_step=global_step)
+            return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss, train_op=train_op)
         acc = tf.compat.v1.metrics.accuracy(
             labels=labels, predictions=tf.argmax(input=logits, axis=1))
         return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss,
@@ -314,8 +303,7 @@ def tutorial(epochs=3, dp_module=custagg_dp, accounting=custagg_accounting,
     for epoch in range(1, epochs + 1):
         clf.train(input_fn=input_fn(x, y, -1), steps=steps_per_epoch)
         acc = float(clf.evaluate(input_fn=input_fn(xt, yt, 1))["accuracy"])
-        eps, _ = accounting.compute_dp_sgd_privacy(n, batch_size, 1.1, epoch,
-                                                   1e-5)
+        eps, _ = accounting.compute_dp_sgd_privacy(n, batch_size, 1.1, epoch, 1e-5)
         log("Test accuracy after %d epochs is: %.3f" % (epoch, acc))
         log("For delta=1e-5, the current epsilon is: %.2f" % eps)
         rows.append(dict(epoch=epoch, accuracy=acc, epsilon=eps))
@@ -392,8 +380,7 @@ def main(argv=None):
     p.add_argument("--timing", action="store_true")
     p.add_argument("--tutorial", action="store_true")
     p.add_argument("--slow-limit", type=float, default=30.0)
-    p.add_argument("--json", action="store_true",
-                   help="print the result as JSON on the last line")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on the last line")
     p.add_argument("--write", action="store_true",
                    help="write benchmarks/results/tf_privacy_compare.json/.md")
     args = p.parse_args(argv)

@@ -348,8 +348,7 @@ def run(cfg):
             loss, var_list, feed_of, _ = models.build(model)
             x = y = variables = None
             feed, names = feed_of(batch_size), [v.op.name for v in var_list]
-        f = tf.compat.v1.placeholder(tf.float32, [None if dynamic else batch_size],
-                                     name="factors")
+        f = tf.compat.v1.placeholder(tf.float32, [None if dynamic else batch_size], name="factors")
         noise_scale = tf.compat.v1.placeholder_with_default(
             tf.constant(common.NOISE_MULTIPLIER, tf.float32), [], name="noise_multiplier")
         ctx = Ctx(tf, model, batch_size, variables, var_list, names, x, y, loss, f,
