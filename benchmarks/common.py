@@ -267,6 +267,14 @@ def md_table(headers, rows, align=None):
     return "\n".join(lines + ["| %s |" % " | ".join(map(str, r)) for r in rows]) + "\n"
 
 
+def table(columns, rows):
+    """A markdown table of `rows` (dicts): `columns` [(header, key or fn(row),
+    format)]; a column whose format is not "%s" is right-aligned."""
+    return md_table([c[0] for c in columns],
+                    [[fmt % (key(r) if callable(key) else r[key]) for _, key, fmt in columns]
+                     for r in rows], ["---" if c[2] == "%s" else "---:" for c in columns])
+
+
 def write_outputs(name, obj, md, out=RESULTS):
     """`out`/<name>.json (`obj`) and <name>.md (`md`); returns `md`."""
     os.makedirs(out, exist_ok=True)

@@ -310,12 +310,7 @@ MODES = collections.OrderedDict((m, globals()[m]) for m in _COLUMNS)
 
 
 def markdown(mode, rows):
-    cols = _COLUMNS[mode]
-    return common.md_table(
-        [h for h, _, _ in cols],
-        [[fmt % (key(r) if callable(key) else r[key]) for _, key, fmt in cols]
-         for r in rows],
-        align=["---" if fmt == "%s" else "---:" for _, _, fmt in cols])
+    return common.table(_COLUMNS[mode], rows)
 
 
 def main(argv=None):

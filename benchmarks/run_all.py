@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -31,48 +33,35 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 def benchmarks(peers=None, tfp=None):
     """[(name, argv, alone: uses both cores itself, outputs: the results
     files under benchmarks/results it rewrites)], argv run from the root."""
-    py = sys.executable
-    peer_args = []
+    py, harness = sys.executable, [sys.executable, "-m", "benchmarks"]
+    peer_args = ["--python", "jax=%s-jax/bin/python" % peers,
+                 "--python", "torch=%s-torch/bin/python" % peers] if peers else []
+    tfp = tfp or (peers and "%s-tf215/bin/python" % peers)
+
+    def files(stem, *more):
+        return [stem + ".md", stem + ".json"] + list(more)
+    out = [("harness", harness + ["--readme", "docs/benchmarks.md"] + peer_args, True,
+            files("results", "results.png", "results_memory.png", "machine.json")),
+           ("control_flow", harness + ["--control-flow"] + peer_args, True,
+            files("control_flow/results", "control_flow/results.png",
+                  "control_flow/results_memory.png", "control_flow/machine.json"))]
     if peers:
-        peer_args = ["--python", "jax=%s-jax/bin/python" % peers,
-                     "--python", "torch=%s-torch/bin/python" % peers]
-        tfp = tfp or "%s-tf215/bin/python" % peers
-    out = [
-        ("harness", [py, "-m", "benchmarks", "--readme", "docs/benchmarks.md"]
-         + peer_args, True, ["results.md", "results.json", "results.png",
-                             "results_memory.png", "machine.json"]),
-        ("control_flow", [py, "-m", "benchmarks", "--control-flow"]
-         + peer_args, True, ["control_flow/results.md",
-                             "control_flow/results.json",
-                             "control_flow/results.png",
-                             "control_flow/results_memory.png"]),
-    ] + ([
-        ("peers", [py, "-m", "benchmarks", "--peers"] + peer_args
-         + ["--python", "keras=" + tfp], True, ["peers.md", "peers.json"]),
-    ] if peers else []) + [
-        ("zoo", [py, "-m", "benchmarks", "--zoo", "--batch-sizes", "64,256"],
-         False, ["zoo.md", "zoo.json"]),
-        ("tf1_models", [py, "-m", "benchmarks", "--tf1-models"], False,
-         ["tf1_models.md", "tf1_models.json"]),
-    ] + [
-        (mode, [py, "-m", "benchmarks.dp_step", mode] + extra + ["--write"],
-         False, [mode + ".md", mode + ".json"])
-        for mode, extra in (("input_pipelines", []), ("microbatches", []),
-                            ("adaptive_clipping", ["--batch", "256"]),
-                            ("user_level_clipping", ["--batch", "256"]))
-    ] + [
-        ("custom_forms", [py, "-m", "benchmarks.custom_forms"], False,
-         ["custom_forms.md", "custom_forms.json"]),
-        ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20",
-                         "--repeats", "2"], False,
-         ["distributed.md", "distributed.json"]),
-    ]
+        out.append(("peers", harness + ["--peers"] + peer_args + ["--python", "keras=" + tfp],
+                    True, files("peers", "peers_machine.json")))
+    out += [("zoo", harness + ["--zoo", "--batch-sizes", "64,256"], False, files("zoo")),
+            ("tf1_models", harness + ["--tf1-models"], False, files("tf1_models"))]
+    out += [(mode, [py, "-m", "benchmarks.dp_step", mode] + extra + ["--write"], False,
+             files(mode)) for mode, extra in (
+                 ("input_pipelines", []), ("microbatches", []),
+                 ("adaptive_clipping", ["--batch", "256"]),
+                 ("user_level_clipping", ["--batch", "256"]))]
+    out += [("custom_forms", [py, "-m", "benchmarks.custom_forms"], False, files("custom_forms")),
+            ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20", "--repeats", "2"],
+             False, files("distributed"))]
     if tfp:
-        out.append(("tf_privacy_compare",
-                    [tfp, "-m", "benchmarks.tf_privacy_compare", "--parity",
-                     "--epsilon", "--timing", "--slow-limit", "20",
-                     "--write"], False,
-                    ["tf_privacy_compare.md", "tf_privacy_compare.json"]))
+        out.append(("tf_privacy_compare", [tfp, "-m", "benchmarks.tf_privacy_compare", "--parity",
+                                           "--epsilon", "--timing", "--slow-limit", "20",
+                                           "--write"], False, files("tf_privacy_compare")))
     return out
 
 
@@ -80,14 +69,6 @@ def _load():
     try:
         return "/".join("%.1f" % v for v in os.getloadavg())
     except OSError:
-        return "?"
-
-
-def _git(*args):
-    try:
-        return subprocess.run(["git"] + list(args), cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
         return "?"
 
 
@@ -115,29 +96,22 @@ def _run_one(name, argv, outputs, logdir):
 
 
 def _markdown(meta, records):
-    lines = ["# One run of every benchmark", "",
-             "- Command: `%s`" % meta["command"],
-             "- Tree: %s%s" % (meta["commit"],
-                               "" if meta["clean"] else " (with local changes)"),
+    rows = [["%s" % r["name"], "`%s`%s" % (r["command"], " (re-run: `%s`)" % r["rerun"]
+                                           if r.get("rerun") else ""),
+             r["started"], "%.0f" % r["seconds"], "%s -> %s" % (r["load_start"], r["load_end"]),
+             "%d" % r["exit"], ", ".join(r["outputs"]) or "none"] for r in records]
+    rows += [[s["name"], "not run: " + s["why"], "", "", "", "", "kept from an earlier run"]
+             for s in meta.get("skipped", [])]
+    lines = ["# One run of every benchmark", "", "- Command: `%s`" % meta["command"],
+             "- Tree: %s%s" % (meta["commit"], "" if meta["clean"] else " (with local changes)"),
              "- Started %s, took %.0f s; %s" % (meta["started"], meta["seconds"],
                                                meta["machine"]), "",
-             "Each results file below was written by the run on its row.", "",
-             "| benchmark | command | started | seconds | load (1/5/15 min) "
-             "start -> end | exit | results files |",
-             "|---|---|---|---:|---|---:|---|"]
-    for r in records:
-        lines.append("| %s | `%s`%s | %s | %.0f | %s -> %s | %d | %s |" % (
-            r["name"], r["command"], " (re-run: `%s`)" % r["rerun"]
-            if r.get("rerun") else "", r["started"], r["seconds"],
-            r["load_start"], r["load_end"], r["exit"],
-            ", ".join(r["outputs"]) or "none"))
-    for s in meta.get("skipped", []):
-        lines.append("| %s | not run: %s | | | | | kept from an earlier run |"
-                     % (s["name"], s["why"]))
-    for rerun in meta.get("reruns", []):
-        lines += ["", "Re-run: `%s` on %s, started %s." % (
-            rerun["command"], rerun["commit"], rerun["started"])]
-    return "\n".join(lines) + "\n"
+             "Each results file below was written by the run on its row.", "", common.md_table(
+                 ["benchmark", "command", "started", "seconds", "load (1/5/15 min) start -> end",
+                  "exit", "results files"], rows, ["---"] * 3 + ["---:", "---", "---:", "---"])]
+    lines += ["Re-run: `%s` on %s, started %s.\n" % (r["command"], r["commit"], r["started"])
+              for r in meta.get("reruns", [])]
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -180,8 +154,8 @@ def main(argv=None):
     meta = dict(
         command="python -m benchmarks.run_all " + " ".join(
             argv if argv is not None else sys.argv[1:]),
-        commit=_git("rev-parse", "--short", "HEAD"),
-        clean=_git("status", "--porcelain", "--untracked-files=no") == "",
+        commit=common.git(ROOT, "rev-parse", "--short", "HEAD"),
+        clean=common.git(ROOT, "status", "--porcelain", "--untracked-files=no") == "",
         started=datetime.datetime.now().isoformat(timespec="seconds"),
         machine="%d cores; python %s" % (os.cpu_count() or 1,
                                          sys.version.split()[0]))

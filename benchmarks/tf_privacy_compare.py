@@ -311,65 +311,52 @@ def tutorial(epochs=3, dp_module=custagg_dp, accounting=custagg_accounting,
 
 
 def _markdown(result):
+    def noise(r):
+        std = r["noise_std"]
+        return "%.5f / %.5f / %.5f" % (std["tf_privacy"], std["custagg"], r["noise_std_expected"])
+
+    def pick(key, fmt):
+        return lambda r: fmt % r[key] if key in r else "-"
     lines = ["# custagg.privacy vs TF Privacy 0.9.0 (one process)", "",
              "`%s`; %s." % (result["command"], result["machine"]), ""]
     if isinstance(result.get("parity"), list):
-        lines += ["## Parity (noise off, same weights and batches)", "",
-                  "| model | B | M | steps | max abs weight diff | noise std "
-                  "tfp / custagg / expected |", "|---|---:|---:|---:|---:|---|"]
-        for r in result["parity"]:
-            lines.append("| %s | %d | %d | %d | %.1e | %.5f / %.5f / %.5f |" % (
-                r["model"], r["batch"], r["microbatches"], r["steps"],
-                r["max_abs_weight_diff"], r["noise_std"]["tf_privacy"],
-                r["noise_std"]["custagg"], r["noise_std_expected"]))
-        lines.append("")
+        lines += ["## Parity (noise off, same weights and batches)", "", common.table([
+            ("model", "model", "%s"), ("B", "batch", "%d"), ("M", "microbatches", "%d"),
+            ("steps", "steps", "%d"), ("max abs weight diff", "max_abs_weight_diff", "%.1e"),
+            ("noise std tfp / custagg / expected", noise, "%s")], result["parity"])]
     if result.get("epsilon"):
-        lines += ["## epsilon (compute_dp_sgd_privacy)", "",
-                  "| n | B | sigma | epochs | delta | TF Privacy | custagg RDP "
-                  "| rel diff | custagg PLD |", "|---|---|---|---|---|---:|---:|"
-                  "---:|---:|"]
-        for r in result["epsilon"]:
-            lines.append("| %s | %s | %s | %s | %s | %s | %.6g | %s | %.6g |" % (
-                tuple(r["setting"]) + (
-                    "%.6g" % r["tf_privacy"] if "tf_privacy" in r else "-",
-                    r["custagg_rdp"],
-                    "%.1e" % r["rel_diff"] if "rel_diff" in r else "-",
-                    r["custagg_pld"])))
-        lines.append("")
+        lines += ["## epsilon (compute_dp_sgd_privacy)", "", common.table(
+            [(h, lambda r, i=i: r["setting"][i], "%s")
+             for i, h in enumerate(("n", "B", "sigma", "epochs", "delta"))]
+            + [("TF Privacy", pick("tf_privacy", "%.6g"), "%s"),
+               ("custagg RDP", "custagg_rdp", "%.6g"),
+               ("rel diff", pick("rel_diff", "%.1e"), "%s"),
+               ("custagg PLD", "custagg_pld", "%.6g")], result["epsilon"])]
     if result.get("timing"):
-        lines += ["## Seconds per DP-SGD step (median, 1 thread)", "",
-                  "| model | B | M | TF Privacy | custagg | ratio |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        cells = {}
-        for r in result["timing"]:
-            cells[(r["model"], r["batch"], r["microbatches"], r["system"])] = r
-        keys = sorted({k[:3] for k in cells}, key=lambda k: (k[0], k[1], -k[2]))
-        for model, b, mb in keys:
-            t = cells.get((model, b, mb, "tf_privacy"), {})
-            c = cells.get((model, b, mb, "custagg"), {})
-            ts = t.get("seconds_per_step")
-            cs = c.get("seconds_per_step")
-            lines.append("| %s | %d | %d | %s | %s | %s |" % (
-                model, b, mb,
-                "%.4f" % ts if ts else t.get("skipped", "-"),
-                "%.4f" % cs if cs else c.get("skipped", "-"),
-                "%.0fx" % (ts / cs) if ts and cs else "-"))
-        mlp = {r["microbatches"]: r.get("seconds_per_step")
-               for r in result["timing"] if r["system"] == "custagg"
-               and r["model"] == "mlp" and r["batch"] == 512}
+        cells = {(r["model"], r["batch"], r["microbatches"], r["system"]): r
+                 for r in result["timing"]}
+        rows = []
+        for model, b, mb in sorted({k[:3] for k in cells}, key=lambda k: (k[0], k[1], -k[2])):
+            t, c = (cells.get((model, b, mb, s), {}) for s in ("tf_privacy", "custagg"))
+            ts, cs = t.get("seconds_per_step"), c.get("seconds_per_step")
+            rows.append([model, b, mb, "%.4f" % ts if ts else t.get("skipped", "-"),
+                         "%.4f" % cs if cs else c.get("skipped", "-"),
+                         "%.0fx" % (ts / cs) if ts and cs else "-"])
+        lines += ["## Seconds per DP-SGD step (median, 1 thread)", "", common.md_table(
+            ["model", "B", "M", "TF Privacy", "custagg", "ratio"], rows,
+            ["---"] + ["---:"] * 5)]
+        mlp = {r["microbatches"]: r.get("seconds_per_step") for r in result["timing"]
+               if r["system"] == "custagg" and r["model"] == "mlp" and r["batch"] == 512}
         if mlp.get(512) and mlp.get(128):
-            lines += ["", "custagg MLP B=512: M=B/4 step / M=B step = %.2fx "
-                      "(timed one after the other on a shared machine; "
-                      "`python -m benchmarks.dp_step microbatches` times them "
-                      "interleaved: benchmarks/results/microbatches.md)."
-                      % (mlp[128] / mlp[512])]
-        lines.append("")
+            lines += ["custagg MLP B=512: M=B/4 step / M=B step = %.2fx (timed one after the "
+                      "other on a shared machine; `python -m benchmarks.dp_step microbatches` "
+                      "times them interleaved: benchmarks/results/microbatches.md)."
+                      % (mlp[128] / mlp[512]), ""]
     if result.get("tutorial"):
-        lines += ["## The tutorial's Estimator loop with custagg (digits)", ""]
-        for r in result["tutorial"]:
-            lines.append("- epoch %d: test accuracy %.3f, epsilon %.2f"
-                         % (r["epoch"], r["accuracy"], r["epsilon"]))
-        lines.append("")
+        lines += ["## The tutorial's Estimator loop with custagg (digits)", ""] + [
+            "- epoch %d: test accuracy %.3f, epsilon %.2f" % (r["epoch"], r["accuracy"],
+                                                              r["epsilon"])
+            for r in result["tutorial"]] + [""]
     return "\n".join(lines)
 
 
