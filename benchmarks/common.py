@@ -10,12 +10,13 @@ g_i[v], C the median norm, so about half the examples are clipped).
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import time
 
 import numpy as np
+
+from benchmarks import memory
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TOLERANCE = 1e-3          # max |a - b| / max |b|, per array
@@ -191,18 +192,9 @@ def measured(sig, values, system_fn, floor_fn, cfg, first_run_ms, peaks, **extra
         status="ok", note="", n_ops=None, first_run_ms=first_run_ms, median_ms=median_ms,
         floor_ms=floor_ms, ratio_to_floor=median_ms / floor_ms, check=check,
         check_err=check_err, check_key=check_key, repeats=repeats,
-        peak_mb=_mb(peak), floor_peak_mb=_mb(floor_peak),
+        peak_mb=memory.mb(peak), floor_peak_mb=memory.mb(floor_peak),
         peak_ratio=peak / float(floor_peak) if peak is not None and floor_peak else None,
         peak_method="tf step_stats allocation records (benchmarks/memory.py)"), **extra)
-
-
-def _mb(nbytes):
-    return None if nbytes is None else round(nbytes / 1e6, 3)
-
-
-def peak_rss_mb():
-    """Peak resident set size of this process so far (Linux: ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def cpu_model():

@@ -23,16 +23,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.zoo_models import Model  # noqa: F401  (one Model for both)
+from benchmarks.zoo_models import Model, _glorot, _new_variables  # noqa: F401  (one Model)
 
 tf1 = tf.compat.v1
-
-
-def _new_variables(fn):
-    """Runs `fn`; returns (its result, the trainable variables it made)."""
-    before = set(v.ref() for v in tf1.trainable_variables())
-    out = fn()
-    return out, [v for v in tf1.trainable_variables() if v.ref() not in before]
 
 
 def _lengths(rng, batch, steps):
@@ -88,9 +81,7 @@ def transformer(dtype, rng, full=False):
     labels = tf1.placeholder(tf.int32, [None], name="labels")
 
     def build():
-        with tf1.variable_scope("transformer", initializer=(
-                tf1.glorot_uniform_initializer(
-                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+        with tf1.variable_scope("transformer", initializer=_glorot(rng, dtype)):
             table = tf1.get_variable("lookup_table", [vocab, dim], dtype)
             enc = tf.nn.embedding_lookup(table, ids) * math.sqrt(dim)
             # Learned positions, looked up from a [B, T] tile of range(T).
@@ -154,7 +145,7 @@ def bilstm_tagger(dtype, rng, full=False):
     labels = tf1.placeholder(tf.int32, [None, None], name="labels")
 
     def build():
-        init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
         with tf1.variable_scope("words"):
             embeddings = tf1.get_variable("_word_embeddings", [vocab, dim],
                                           dtype, initializer=init)
@@ -224,7 +215,7 @@ def wide_deep(dtype, rng, full=False):
             wide_logits = fc.linear_model(features, wide_columns)   # [B, 1]
         with tf1.variable_scope("deep"):
             net = fc.input_layer(features, deep_columns)
-            init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+            init = _glorot(rng)
             for i, units in enumerate(hidden):
                 net = tf1.layers.dense(net, units, activation=tf.nn.relu,
                                        kernel_initializer=init,
@@ -351,7 +342,7 @@ def _two_towers(dtype, rng, full):
     doc = tf1.placeholder(dtype, [None, d_dim], name="doc")
 
     def build():
-        init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
 
         def tower(x, scope):
             with tf1.variable_scope(scope):
@@ -494,9 +485,7 @@ def ctc_lstm(dtype, rng, full=False):
     seq_len = tf1.placeholder(tf.int32, [None], name="seq_len")
 
     def build():
-        with tf1.variable_scope("ctc", initializer=(
-                tf1.glorot_uniform_initializer(
-                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+        with tf1.variable_scope("ctc", initializer=_glorot(rng, dtype)):
             cell = tf1.nn.rnn_cell.LSTMCell(num_hidden, state_is_tuple=True)
             stack = tf1.nn.rnn_cell.MultiRNNCell([cell], state_is_tuple=True)
             outputs, _ = tf1.nn.dynamic_rnn(stack, inputs, seq_len, dtype=dtype)
@@ -541,7 +530,7 @@ def neurobind(dtype, rng, full=False):
     y = tf1.placeholder(dtype, [None], name="y")
 
     def build():
-        init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
         with tf1.variable_scope("net", initializer=init):
             table = tf1.get_variable("lookup_table", [vocab, units], dtype)
             enc = tf.nn.embedding_lookup(table, x)
@@ -594,9 +583,7 @@ def attention_pooling(dtype, rng, full=False):
         return exp / tf.expand_dims(tf.reduce_sum(exp, -1), -1)
 
     def build():
-        with tf1.variable_scope("reader", initializer=(
-                tf1.glorot_uniform_initializer(
-                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+        with tf1.variable_scope("reader", initializer=_glorot(rng, dtype)):
             table = tf1.get_variable("word_mat", [vocab, dim], dtype)
             mask = tf.sequence_mask(lengths, tf.shape(ids)[1], dtype=dtype)
             value = tf.nn.tanh(dense(tf.nn.embedding_lookup(table, ids), hidden, scope="encoder"))
@@ -718,7 +705,7 @@ def bilstm_crf(dtype, rng, full=False, static_steps=False):
     dropout = tf1.placeholder(dtype, [], name="dropout")
 
     def build():
-        init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
         with tf1.variable_scope("words"):
             _word_embeddings = tf1.get_variable(
                 "_word_embeddings", [vocab, dim], dtype, initializer=init)

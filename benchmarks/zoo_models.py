@@ -128,25 +128,29 @@ def mnist_deep(dtype, rng, full=False):
 # tf.compat.v1.layers
 
 
-def _scoped(fn):
-    """Runs `fn` in a fresh variable scope; returns (result, new variables)."""
+def _new_variables(fn):
+    """Runs `fn`; returns (its result, the trainable variables it made)."""
     before = set(v.ref() for v in tf1.trainable_variables())
     out = fn()
-    new = [v for v in tf1.trainable_variables() if v.ref() not in before]
-    return out, new
+    return out, [v for v in tf1.trainable_variables() if v.ref() not in before]
+
+
+def _glorot(rng, dtype=tf.float32):
+    """Glorot-uniform with a seed drawn from `rng`."""
+    return tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)), dtype=dtype)
 
 
 def layers_mlp(dtype, rng, full=False):
     width, hidden = (784, 256) if full else (12, 16)
     x = tf1.placeholder(dtype, [None, width])
     labels = tf1.placeholder(tf.int32, [None])
-    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+    init = _glorot(rng)
 
     def build():
         h = tf1.layers.dense(x, hidden, activation=tf.nn.relu,
                              kernel_initializer=init, name="dense1")
         return tf1.layers.dense(h, 5, kernel_initializer=init, name="dense2")
-    logits, xs = _scoped(build)
+    logits, xs = _new_variables(build)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
     def feed(rng, batch):
@@ -159,7 +163,7 @@ def layers_text_cnn(dtype, rng, full=False):
     vocab, dim, steps, filters = (5000, 64, 32, 64) if full else (20, 6, 7, 5)
     ids = tf1.placeholder(tf.int32, [None, steps])
     labels = tf1.placeholder(tf.int32, [None])
-    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+    init = _glorot(rng)
 
     def build():
         table = tf1.get_variable("table", [vocab, dim], dtype, initializer=init)
@@ -168,7 +172,7 @@ def layers_text_cnn(dtype, rng, full=False):
                               kernel_initializer=init, name="conv")
         pooled = tf.reduce_max(h, axis=1)
         return tf1.layers.dense(pooled, 3, kernel_initializer=init, name="out")
-    logits, xs = _scoped(build)
+    logits, xs = _new_variables(build)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
     def feed(rng, batch):
@@ -422,7 +426,7 @@ def official_resnet_cifar(dtype, rng, full=False):
             inputs = tf.identity(inputs, "final_reduce_mean")
             inputs = tf.squeeze(inputs, axes)
             return tf1.layers.dense(inputs, 10)
-    logits, xs = _scoped(build)
+    logits, xs = _new_variables(build)
     loss = tf1.losses.sparse_softmax_cross_entropy(
         labels, logits, reduction=tf1.losses.Reduction.NONE)
 
@@ -446,7 +450,7 @@ def dcgan_generator(dtype, rng, full=False):
         (6, 2, (8, 6, 4))
     noise = tf1.placeholder(dtype, [None, noise_dim])
     target = tf1.placeholder(dtype, [None, 4 * side, 4 * side, 1])
-    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+    init = _glorot(rng)
 
     def batch_norm(x):
         # Keras' default: fused for the images, unfused for the dense rows.
@@ -465,7 +469,7 @@ def dcgan_generator(dtype, rng, full=False):
         return tf1.layers.conv2d_transpose(
             x, 1, 5, strides=2, padding="same", use_bias=False,
             activation=tf.tanh, kernel_initializer=init)
-    image, xs = _scoped(build)
+    image, xs = _new_variables(build)
     loss = tf.reduce_sum(tf.square(image - target), axis=[1, 2, 3])
 
     def feed(rng, batch):
