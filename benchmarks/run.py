@@ -1,29 +1,18 @@
 """The harness: `python -m benchmarks [MODE] [options]`, one run for every mode.
 
-Each configuration runs in a forked child of a warm worker server
-(benchmarks/worker.py); one that hangs or crashes is recorded as "timeout"
-or "failed" and the run goes on. The modes are presets of that run:
-
-- none, `--quick`, `--control-flow`: a configuration is (model of
-  benchmarks/models.py, B, task, system); the child builds model, floor and
-  system in one graph, checks the system against the loop reference and
-  times system and floor alternately. Writes results.json, results.md,
-  results.png, results_memory.png and machine.json; `--peers`: custagg
-  beside the DP peers, peers.{json,md} and peers_machine.json;
-- `--zoo`, `--tf1-models`: a configuration is (model of
-  benchmarks/zoo_models.py or tf1_models.py, B); the child measures its
-  per-example norms and clipped sum (mnist_deep: also a DP step) against the
-  aggregated gradient, each in its own child: zoo.{json,md},
-  tf1_models.{json,md}. `--zoo --profile [--times]`: where each step's peak
-  memory (and kernel time) goes, printed from this process;
-- `--before DIR`: the same configurations (custagg_auto on mlp, cnn and
-  lstm; the zoo's) run by two trees' custagg, one worker server per tree
-  (each importing its tree's custagg and running this tree's benchmark
-  code), every configuration once per tree in each of `--rounds` rounds,
-  the trees' order swapped in odd rounds: before_after.{json,md}.
-
-Writes to --out (default benchmarks/results) and its logs/.
-docs/benchmarks.md describes the tasks, systems and figures.
+A configuration (model, B, task, system) runs in a forked child of a warm
+worker server (benchmarks/worker.py), which builds model, floor and system in
+one graph, checks the system against the loop reference (the harness's
+models) and times system and floor alternately; one that hangs or crashes is
+recorded as "timeout" or "failed" and the run goes on. The modes are presets:
+none, `--quick`, `--control-flow` (results.json, .md, .png, results_memory.png,
+machine.json), `--peers` (peers.json, .md, peers_machine.json), `--zoo` and
+`--tf1-models` (the models of zoo_models.py and tf1_models.py, `models.build`:
+zoo.json, .md, tf1_models.json, .md; `--zoo --profile`: where each step's
+peak memory goes, printed), `--before DIR` (two trees' custagg on the same
+configurations, one worker server per tree, interleaved over rounds:
+before_after.json, .md). Writes to --out (default benchmarks/results) and its
+logs/. docs/benchmarks.md describes the tasks, systems and figures.
 """
 import argparse
 import datetime
