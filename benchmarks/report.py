@@ -59,14 +59,16 @@ def noisy_records(records):
     """ids of the records whose time ratio is less trustworthy: fewer than 3
     timed runs, or a floor time more than NOISE_FACTOR away from the median
     floor time of its (model, B, framework) in `records`. The floor is the
-    same computation in every configuration of a (model, B, framework), so a
-    floor far from its median says the machine's load moved during that
-    configuration. Memory figures are not affected by load."""
+    same computation in every configuration of a (model, B, framework) (the
+    zoo's task "step": the Adam step, apart), so a floor far from its median
+    says the machine's load moved during that configuration. Memory figures
+    are not affected by load."""
+    def key(r):
+        return r["model"], r["batch_size"], r.get("framework"), r["task"] == "step"
     groups = {}
     for r in records:
         if r.get("status") == "ok" and r.get("floor_ms"):
-            key = (r["model"], r["batch_size"], r.get("framework"))
-            groups.setdefault(key, []).append(r["floor_ms"])
+            groups.setdefault(key(r), []).append(r["floor_ms"])
     medians = {k: statistics.median(v) for k, v in groups.items()}
     noisy = set()
     for r in records:
@@ -75,7 +77,7 @@ def noisy_records(records):
         if r.get("repeats") is not None and r["repeats"] < 3:
             noisy.add(id(r))
             continue
-        med = medians.get((r["model"], r["batch_size"], r.get("framework")))
+        med = medians.get(key(r))
         if med and r.get("floor_ms") and not (
                 med / NOISE_FACTOR <= r["floor_ms"] <= med * NOISE_FACTOR):
             noisy.add(id(r))
@@ -211,12 +213,13 @@ _MEMORY_NOTE = ("Peak memory: the step's peak bytes of live tensors over the flo
                 "it, nor does the machine's load move it.")
 
 
-def write_markdown(path, records, meta):
-    """results.md: the machine, a time table and a memory table per task, the
-    check failures, what did not run, the systems and every record."""
+def write_markdown(path, records, meta, title="custagg comparison benchmark", intro=None):
+    """results.md (zoo.md, tf1_models.md: `title`, `intro`): the machine, a
+    time table and a memory table per task, the check failures, the plans'
+    forms, what did not run, the systems and every record."""
     versions = ["%s %s" % kv for v in meta.get("versions", {}).values() for kv in v.items()]
     lines = [
-        "# custagg comparison benchmark", "",
+        "# " + title, ""] + ([intro, ""] if intro else []) + [
         "- Machine: %s, %s cores, %s GB RAM; %s; Python %s" % (
             meta.get("cpu"), meta.get("cores"), meta.get("memory_gb"), meta.get("platform"),
             meta.get("python")),
@@ -241,7 +244,12 @@ def write_markdown(path, records, meta):
     bad = [r for r in records if r.get("check") == "fail"]
     lines += ["## Check failures", "", common.md_table(key + ["worst error", "on"], [
         head(r) + ["%.3g" % (r.get("check_err") or 0), r.get("check_key")] for r in bad])
-        if bad else "None: every system that ran agrees with the reference.", ""]
+        if bad else "None: every system that ran agrees with the reference.", ""] * any(
+            r.get("check") in ("pass", "fail") for r in records)
+    plans = collections.OrderedDict((r["model"], r) for r in records if r.get("forms"))
+    lines += ["## Plans", "", common.md_table(["model", "forms", "not on rules"], [
+        [m, ", ".join("%s %d" % kv for kv in sorted(r["forms"].items())),
+         ", ".join(r.get("not_rules") or []) or "-"] for m, r in plans.items()]), ""] * bool(plans)
     notrun = [r for r in records if r["status"] != "ok"]
     lines += ["## Not run or not finished", "", common.md_table(key + ["status", "note"], [
         head(r) + [r["status"], (r.get("note") or "").replace("|", "/")[:300]] for r in notrun])
@@ -387,105 +395,6 @@ def write_peers(path, records, meta):
             for (system, note), w in where.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-
-
-# --------------------------------------------------------------------------
-# `--zoo` and `--tf1-models`: a row per model and batch size
-# (`zoo_rows`: a row per model and B from their records).
-# --------------------------------------------------------------------------
-
-def zoo_rows(records):
-    """zoo.md's and tf1_models.md's rows from the records: per model and B the
-    floor, each task's ratio, ms and peak (`step`: the DP step over the plain
-    step), the plan's forms and the variables not on rules; `error`: the
-    first record that did not run."""
-    rows = collections.OrderedDict()
-    for r in records:
-        row = rows.setdefault((r["model"], r["batch_size"]), dict(
-            model=r["model"], batch_size=r["batch_size"], forms=r.get("forms") or {},
-            variables=sum((r.get("forms") or {}).values()), not_rules=r.get("not_rules") or []))
-        if r["status"] != "ok":
-            row.setdefault("error", r["note"] or r["status"])
-            continue
-        task = r["task"]
-        if task != "step":
-            row.update(floor_ms=r["floor_ms"], floor_peak_mb=r["floor_peak_mb"])
-        row.update({task + "_ratio": r["ratio_to_floor"], task + "_ms": r["median_ms"],
-                    task + "_peak_ratio": r["peak_ratio"], task + "_peak_mb": r["peak_mb"],
-                    task + "_floor_ms": r["floor_ms"]})
-    return list(rows.values())
-
-
-def _mem_cell(r, key, peak_key):
-    ratio, peak_mb = r.get(key), r.get(peak_key)
-    if ratio is None:
-        return "-"
-    return "%.2fx (%s MB)" % (ratio, "%.3g" % peak_mb if peak_mb < 1000 else "%.0f" % peak_mb)
-
-
-def _forms_cell(r):
-    return ", ".join("%s %d" % kv for kv in r["forms"].items())
-
-
-def _rows_page(title, intro, meta, columns, rows):
-    """A results page: `title`, `intro`, the machine line, then a table of
-    `columns` [(header, fn(row) -> cell)] with a row per `rows`."""
-    return "\n".join([
-        "# " + title, "", intro, "",
-        "Machine: %s; TF %s; %d repeats; %d thread(s); load average (1 min) %s at the start, "
-        "%s at the end." % (meta["machine"], meta["tf"], meta["repeats"], meta["threads"],
-                            meta.get("load_start", "?"), meta.get("load_end", "?")), ""]) + \
-        "\n" + common.md_table([h for h, _ in columns], [[fn(r) for _, fn in columns]
-                                                         for r in rows])
-
-
-def _peak_mb(r):
-    return "%.3g" % r["floor_peak_mb"] if r.get("floor_peak_mb") is not None else "-"
-
-
-def zoo_markdown(rows, meta):
-    """zoo.md."""
-    def step(fn):
-        return lambda r: fn(r) if "step_ratio" in r else ""
-    return _rows_page(
-        "Zoo benchmark (`python -m benchmarks --zoo`)",
-        "Models written the way users write them (benchmarks/zoo_models.py, full size, "
-        "float32, dynamic batch). Each ratio is a median of runs alternated with the "
-        "aggregated gradient (floor) in the same process. Memory: the step's peak bytes of "
-        "live tensors (TF's allocation records of one traced step, benchmarks/memory.py) over "
-        "the floor's (the DP step: over the original step's), then the peak in MB.", meta,
-        [("model", lambda r: r["model"]), ("B", lambda r: "%d" % r["batch_size"]),
-         ("floor ms", lambda r: _num(r.get("floor_ms"), "%.2f")), ("floor peak MB", _peak_mb),
-         ("norms", lambda r: _num(r.get("norms_ratio"), "%.2fx")),
-         ("norms memory", lambda r: _mem_cell(r, "norms_peak_ratio", "norms_peak_mb")),
-         ("clipped sum", lambda r: _num(r.get("clip_ratio"), "%.2fx")),
-         ("clipped sum memory", lambda r: _mem_cell(r, "clip_peak_ratio", "clip_peak_mb")),
-         ("DP step / original step", step(lambda r: "%.2fx (%.1f / %.1f ms)" % (
-             r["step_ratio"], r["step_ms"], r["step_floor_ms"]))),
-         ("DP step memory", step(lambda r: _mem_cell(r, "step_peak_ratio", "step_peak_mb"))),
-         ("not on rules", lambda r: "error: " + r["error"].replace("|", "/") if "error" in r
-          else ", ".join(r["not_rules"]) or "-")], rows)
-
-
-def tf1_markdown(rows, meta):
-    """tf1_models.md."""
-    def ok(fn):
-        return lambda r: "-" if "error" in r else fn(r)
-    return _rows_page(
-        "Other people's TF1 models (`python -m benchmarks --tf1-models`)",
-        "Issue 24's yardstick: the models of benchmarks/tf1_models.py (%s size, float32, "
-        "dynamic batch and sequence length). The clipped sum (`custagg.clipped_gradients`, "
-        "strategy \"auto\") against the aggregated gradient (floor), same process: time, a "
-        "median of runs alternated with the floor; memory, the step's peak bytes of live "
-        "tensors (benchmarks/memory.py). Forms: variables per form of the plan; indicative "
-        "only." % meta.get("size", "full"), meta,
-        [("model", lambda r: r["model"]), ("B", lambda r: "%d" % r["batch_size"]),
-         ("floor ms", ok(lambda r: "%.2f" % r["floor_ms"])),
-         ("clipped sum", lambda r: "error: " + r["error"].replace("|", "/") if "error" in r
-          else "%.2fx (%.1f ms)" % (r["clip_ratio"], r["clip_ms"])),
-         ("floor peak MB", ok(_peak_mb)),
-         ("clipped sum memory", ok(lambda r: _mem_cell(r, "clip_peak_ratio", "clip_peak_mb"))),
-         ("variables", lambda r: "%d" % r["variables"]), ("forms", _forms_cell)], rows)
 
 
 # --------------------------------------------------------------------------

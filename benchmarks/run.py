@@ -61,6 +61,17 @@ PRESETS = {
                    tasks=["norms", "clip", "dpsgd"], out="/tmp/before_after",
                    stem="before_after"),
 }
+# The titles and introductions of zoo.md and tf1_models.md.
+ZOO_PAGES = {
+    "zoo": ("Zoo benchmark (`python -m benchmarks --zoo`)",
+            "Models written the way users write them (benchmarks/zoo_models.py, full size, "
+            "float32, dynamic batch), custagg_auto with C = 1 and no loop reference; task step: "
+            "mnist_deep's DP step (DPOptimizer around Adam) over the tutorial's Adam step, its "
+            "floor."),
+    "tf1_models": ("Other people's TF1 models (`python -m benchmarks --tf1-models`)",
+                   "Issue 24's yardstick: the models of benchmarks/tf1_models.py (full size, "
+                   "float32, dynamic batch and sequence length), custagg_auto with C = 1 and no "
+                   "loop reference; Plans: variables per form of the plan.")}
 BEFORE_BATCHES = {"mlp": (64, 256), "cnn": (64, 256), "lstm": (32, 64)}
 # Models unlike the ones the engine was tuned on (a bi-RNN with
 # `sequence_length`, dynamic image sizes), in `--before`'s default zoo.
@@ -666,17 +677,11 @@ def _write_outputs(args, records, machine, versions, references, started, final)
         return common.dump_json(os.path.join(args.out, "before_after.json"),
                                 {"meta": meta, "samples": records})
     if args.mode in ("zoo", "tf1_models"):
-        meta = {"machine": "%s, %d cores" % (machine["cpu"], machine["cores"]),
-                "tf": (versions.get("tf") or {}).get("tensorflow", "?"), "repeats": args.repeats,
-                "threads": args.threads, "load_start": "%.2f" % machine["loadavg_start"][0],
-                "load_end": "%.2f" % os.getloadavg()[0]}
-        rows = report.zoo_rows(records)
         common.dump_json(os.path.join(args.out, args.stem + ".json"),
-                         {"meta": meta, "rows": rows, "records": records})
+                         {"meta": meta, "records": records})
         if final:
-            with open(os.path.join(args.out, args.stem + ".md"), "w") as f:
-                f.write((report.zoo_markdown if args.mode == "zoo" else report.tf1_markdown)(
-                    rows, meta))
+            report.write_markdown(os.path.join(args.out, args.stem + ".md"), records, meta,
+                                  *ZOO_PAGES[args.mode])
         return
     common.dump_json(os.path.join(args.out, args.stem + ".json"), records)
     if not final:
