@@ -73,44 +73,28 @@ def run(cfg):
 
     per_example = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))
 
-    def sumsq(g):
-        return sum(jnp.sum(jnp.square(g[n]).reshape(batch_size, -1), axis=1) for n in names)
-
-    def grads_task(p, xb, yb):
-        return sumsq(per_example(p, xb, yb))
-
-    def norms_task(p, xb, yb):
-        return jnp.sqrt(sumsq(per_example(p, xb, yb)))
-
-    def clip_task(p, xb, yb):
+    def task_fn(p, xb, yb, key=None, noise_multiplier=0.0):
+        """The task on the per-example gradients (a task is one of TASKS)."""
         g = per_example(p, xb, yb)
-        scale = clip / jnp.maximum(jnp.sqrt(sumsq(g)), clip)
-        return {n: jnp.tensordot(scale, g[n], axes=1) for n in names}
-
-    def dpsgd_task(p, xb, yb, key, noise_multiplier):
-        g = per_example(p, xb, yb)
-        scale = clip / jnp.maximum(jnp.sqrt(sumsq(g)), clip)
+        sq = sum(jnp.sum(jnp.square(g[n]).reshape(batch_size, -1), axis=1) for n in names)
+        if task in ("grads", "norms"):
+            return sq if task == "grads" else jnp.sqrt(sq)
+        scale = clip / jnp.maximum(jnp.sqrt(sq), clip)
+        sums = {n: jnp.tensordot(scale, g[n], axes=1) for n in names}
+        if task == "clip":
+            return sums
         keys = jax.random.split(key, len(names))
-        return {n: jnp.tensordot(scale, g[n], axes=1)
-                + noise_multiplier * clip * jax.random.normal(k, g[n].shape[1:])
+        return {n: sums[n] + noise_multiplier * clip * jax.random.normal(k, g[n].shape[1:])
                 for n, k in zip(names, keys)}
 
     key = jax.random.PRNGKey(0)
+    fn, args = task_fn, (params, x, y) + (
+        (key, jnp.float32(common.NOISE_MULTIPLIER)) if task == "dpsgd" else ())
     if cfg.get("system") == "jax_privacy":
         built = _jax_privacy(jax, jnp, loss_vec, task, clip, key)
         if isinstance(built, dict):
             return built
-        clip_task, dpsgd_task = built
-    if task == "grads":
-        fn, args = grads_task, (params, x, y)
-    elif task == "norms":
-        fn, args = norms_task, (params, x, y)
-    elif task == "clip":
-        fn, args = clip_task, (params, x, y)
-    elif task == "dpsgd":
-        fn, args = dpsgd_task, (params, x, y, key, jnp.float32(common.NOISE_MULTIPLIER))
-    else:
-        return {"status": "skipped", "note": "task %r not implemented for JAX" % task}
+        fn = built[task == "dpsgd"]
 
     floor = jax.jit(jax.grad(lambda p, xb, yb: loss_vec(p, xb, yb).sum())).lower(
         params, x, y).compile()
