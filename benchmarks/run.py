@@ -499,8 +499,9 @@ def main(argv=None):
             with lock:
                 if key not in versions:
                     versions[key] = workers[key].versions or {}
-                    print("  %s worker ready in %.1fs: %s" % (key, time.monotonic() - t0, ", ".join(
-                        "%s %s" % kv for kv in versions[key].items())), flush=True)
+                    print("  %s worker ready in %.1fs: %s" % (
+                        key, time.monotonic() - t0, ", ".join(
+                            "%s %s" % kv for kv in versions[key].items())), flush=True)
         else:
             with lock:
                 unavailable[key] = workers[key].error

@@ -13,7 +13,6 @@ PREFIX` for the peers' workers (without it the peers' table is skipped);
 `--tfp PYTHON`: the TF 2.15 interpreter of dp_step's tf_privacy_compare (default
 PREFIX-tf215's; without either it is skipped, its old results kept).
 """
-from __future__ import print_function
 
 import argparse
 import concurrent.futures
@@ -59,9 +58,9 @@ def benchmarks(peers=None, tfp=None):
             ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20", "--repeats", "2"],
              False, files("distributed"))]
     if tfp:
-        out.append(("tf_privacy_compare", [tfp, "-m", "benchmarks.dp_step", "tf_privacy_compare",
-                                           "--parity", "--epsilon", "--timing",
-                                           "--slow-limit", "20", "--write"], False, files("tf_privacy_compare")))
+        out.append(("tf_privacy_compare", [
+            tfp, "-m", "benchmarks.dp_step", "tf_privacy_compare", "--parity", "--epsilon",
+            "--timing", "--slow-limit", "20", "--write"], False, files("tf_privacy_compare")))
     return out
 
 

@@ -459,7 +459,8 @@ def profile(name, batch_sizes, top=8, times=False):
                     if times:
                         total = memory.op_times(stats)
                         for _ in range(2):
-                            total.update(memory.op_times(memory.traced_step_stats(sess, fetch, fd)))
+                            total.update(memory.op_times(
+                                memory.traced_step_stats(sess, fetch, fd)))
                         by_type = collections.Counter()
                         for (_, op_type), ms in total.items():
                             by_type[op_type] += ms / 3
