@@ -224,34 +224,22 @@ def _torch_func(torch, model, task, module, x, y, clip, batch_size):
         return ce(functional_call(module, p, (xi[None],)), yi[None], reduction="sum")
 
     per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
-    state = {}
 
-    def timed_fn():
+    def timed_fn(noise=_noise(task)):
         g = per_example(params, x, y)
         sq = _sumsq(torch, g.values(), batch_size)
-        if task == "grads":
-            state["out"] = sq
-        elif task == "norms":
-            state["out"] = sq.sqrt()
-        elif task == "clip":
-            scale = clip / sq.sqrt().clamp(min=clip)
-            state["out"] = {k: torch.tensordot(scale, v, dims=1) for k, v in g.items()}
-        else:
-            scale = clip / sq.sqrt().clamp(min=clip)
-            noise = state.get("noise", common.NOISE_MULTIPLIER) * clip
-            state["out"] = {k: torch.tensordot(scale, v, dims=1) + noise * torch.randn(v.shape[1:])
-                            for k, v in g.items()}
-        return state["out"]
+        if task in ("grads", "norms"):
+            return sq if task == "grads" else sq.sqrt()
+        scale = clip / sq.sqrt().clamp(min=clip)
+        return {k: torch.tensordot(scale, v, dims=1) + noise * clip * torch.randn(v.shape[1:])
+                if task == "dpsgd" else torch.tensordot(scale, v, dims=1) for k, v in g.items()}
 
     def check_fn():
         if task == "grads":
             return "per_example", {k: v.numpy() for k, v in per_example(params, x, y).items()}
         if task == "norms":
             return "norms", timed_fn().numpy()
-        state["noise"] = 0.0
-        out = timed_fn()
-        del state["noise"]
-        return "csum", {k: v.numpy() for k, v in out.items()}
+        return "csum", {k: v.numpy() for k, v in timed_fn(noise=0.0).items()}
 
     return timed_fn, check_fn, None, ""
 
@@ -273,8 +261,7 @@ def _opacus(torch, model, task, module, x, y, clip, batch_size):
                           noise_multiplier=common.NOISE_MULTIPLIER, max_grad_norm=clip,
                           expected_batch_size=batch_size, loss_reduction="sum")
     build_s = time.perf_counter() - t0
-    named = [(k[len("_module."):] if k.startswith("_module.") else k, p)
-             for k, p in gsm.named_parameters()]
+    named = _named(gsm)
 
     def backward():
         gsm.zero_grad(set_to_none=True)
@@ -308,6 +295,12 @@ def _noise(task):
     return common.NOISE_MULTIPLIER if task == "dpsgd" else 0.0
 
 
+def _named(gsm):
+    """An Opacus-wrapped module's (parameter name, parameter), its own names."""
+    return [(k[len("_module."):] if k.startswith("_module.") else k, p)
+            for k, p in gsm.named_parameters()]
+
+
 def _opacus_ghost(torch, model, task, module, x, y, clip, batch_size):
     """Opacus 1.6 ghost clipping, as `PrivacyEngine.make_private(...,
     grad_sample_mode="ghost")` wires it: GradSampleModuleFastGradientClipping
@@ -333,8 +326,7 @@ def _opacus_ghost(torch, model, task, module, x, y, clip, batch_size):
     criterion = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"),
                                            loss_reduction="sum")
     build_s = time.perf_counter() - t0
-    named = [(k[len("_module."):] if k.startswith("_module.") else k, p)
-             for k, p in gsm.named_parameters()]
+    named = _named(gsm)
 
     def timed_fn():
         opt.zero_grad(set_to_none=True)
