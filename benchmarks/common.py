@@ -10,11 +10,13 @@ g_i[v], C the median norm, so about half the examples are clipped).
 import json
 import os
 import platform
-import resource
 import statistics
+import subprocess
 import time
 
 import numpy as np
+
+from benchmarks import memory
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TOLERANCE = 1e-3          # max |a - b| / max |b|, per array
@@ -179,10 +181,10 @@ def interleaved(runs, data, peaks=None):
 
 def measured(sig, values, system_fn, floor_fn, cfg, first_run_ms, peaks, **extra):
     """A run's record: `values` checked against the reference signature
-    `sig`, `system_fn` timed against `floor_fn` (`time_against_floor`), then
-    `peaks()` -> (floor's, system's) peak bytes (traced after the timed
-    runs: tracing slows a step); `extra` fields added."""
-    check, check_err, check_key = compare(values, sig)
+    `sig` (None: no check), `system_fn` timed against `floor_fn`
+    (`time_against_floor`), then `peaks()` -> (floor's, system's) peak bytes
+    (traced after the timed runs: tracing slows a step); `extra` fields added."""
+    check, check_err, check_key = compare(values, sig) if sig else ("n/a", None, None)
     median_ms, floor_ms, repeats = time_against_floor(
         system_fn, floor_fn, cfg["repeats"], cfg["budget_s"], first_run_ms)
     floor_peak, peak = peaks()
@@ -190,18 +192,9 @@ def measured(sig, values, system_fn, floor_fn, cfg, first_run_ms, peaks, **extra
         status="ok", note="", n_ops=None, first_run_ms=first_run_ms, median_ms=median_ms,
         floor_ms=floor_ms, ratio_to_floor=median_ms / floor_ms, check=check,
         check_err=check_err, check_key=check_key, repeats=repeats,
-        peak_mb=_mb(peak), floor_peak_mb=_mb(floor_peak),
+        peak_mb=memory.mb(peak), floor_peak_mb=memory.mb(floor_peak),
         peak_ratio=peak / float(floor_peak) if peak is not None and floor_peak else None,
         peak_method="tf step_stats allocation records (benchmarks/memory.py)"), **extra)
-
-
-def _mb(nbytes):
-    return None if nbytes is None else round(nbytes / 1e6, 3)
-
-
-def peak_rss_mb():
-    """Peak resident set size of this process so far (Linux: ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def cpu_model():
@@ -226,6 +219,15 @@ def machine_info(extra=None):
     }
     info.update(extra or {})
     return info
+
+
+def git(tree, *argv):
+    """`git -C tree ARGV`'s output, stripped; "?" if git fails."""
+    try:
+        return subprocess.run(["git", "-C", tree] + list(argv), capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
 
 
 def dump_json(path, obj):
@@ -253,9 +255,16 @@ def session(graph=None, threads=1):
 def md_table(headers, rows, align=None):
     """A markdown table: `rows` of cell strings; `align` per column
     ("---", "---:"; default left)."""
-    lines = ["| %s |" % " | ".join(headers),
-             "|%s|" % "|".join(align or ["---"] * len(headers))]
+    lines = ["| %s |" % " | ".join(headers), "|%s|" % "|".join(align or ["---"] * len(headers))]
     return "\n".join(lines + ["| %s |" % " | ".join(map(str, r)) for r in rows]) + "\n"
+
+
+def table(columns, rows):
+    """A markdown table of `rows` (dicts): `columns` [(header, key or fn(row),
+    format)]; a column whose format is not "%s" is right-aligned."""
+    return md_table([c[0] for c in columns],
+                    [[fmt % (key(r) if callable(key) else r[key]) for _, key, fmt in columns]
+                     for r in rows], ["---" if c[2] == "%s" else "---:" for c in columns])
 
 
 def write_outputs(name, obj, md, out=RESULTS):

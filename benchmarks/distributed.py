@@ -22,52 +22,41 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not __package__:     # `python benchmarks/distributed.py`: this checkout's packages
+    sys.path.insert(0, ROOT)
+from benchmarks import common  # noqa: E402
 TIMEOUT_S = 900
 
 
-def _run(flags):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
-               os.environ.get("PYTHONPATH", ""))
+def _run(argv):
+    """(stdout, wall seconds) of `python ARGV` from the repository root."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TF_CPP_MIN_LOG_LEVEL="2")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "custagg"] + flags,
-                          capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=TIMEOUT_S)
-    wall = time.time() - t0
+    proc = subprocess.run([sys.executable] + argv, capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=TIMEOUT_S)
     if proc.returncode != 0:
-        raise RuntimeError("custagg %s failed (%d):\n%s" % (
-            " ".join(flags), proc.returncode, proc.stdout[-3000:] +
-            proc.stderr[-3000:]))
-    return proc.stdout, wall
+        raise RuntimeError("%s failed (%d):\n%s" % (" ".join(argv), proc.returncode,
+                                                    proc.stdout[-3000:] + proc.stderr[-3000:]))
+    return proc.stdout, time.time() - t0
 
 
 def _cluster(workers, batch, epochs):
-    out, wall = _run(["--distributed", "local", "--workers", str(workers),
-                      "--aggregation", "dpsgd", "--batch-size", str(batch),
-                      "--epochs", str(epochs)])
+    out, wall = _run(["-m", "custagg", "--distributed", "local", "--workers", str(workers),
+                      "--aggregation", "dpsgd", "--batch-size", str(batch), "--epochs",
+                      str(epochs)])
     per_worker = [float(m) for m in re.findall(
         r"^worker \d+: .* in [\d.]+ s: (\d+) examples/s$", out, re.M)]
-    total = float(re.search(r"^all workers: (\d+) examples/s", out,
-                            re.M).group(1))
+    total = float(re.search(r"^all workers: (\d+) examples/s", out, re.M).group(1))
     acc = float(re.search(r"final test accuracy: ([\d.]+)", out).group(1))
-    return {"per_worker": per_worker, "total": total, "accuracy": acc,
-            "wall_s": wall}
+    return {"per_worker": per_worker, "total": total, "accuracy": acc, "wall_s": wall}
 
 
 def _single(batch, epochs):
     """The same job in one process (no ps): timed in a subprocess that
     builds the main job's graph and times its training loop."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep +
-               os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
-    t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--single-process",
-         str(batch), str(epochs)], capture_output=True, text=True, env=env,
-        cwd=ROOT, timeout=TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    r["wall_s"] = time.time() - t0
-    return r
+    out, wall = _run([os.path.abspath(__file__), "--single-process", str(batch), str(epochs)])
+    return dict(json.loads(out.strip().splitlines()[-1]), wall_s=wall)
 
 
 def _single_process(batch, epochs):
@@ -79,8 +68,7 @@ def _single_process(batch, epochs):
     from custagg.app import train  # pylint: disable=g-import-not-at-top
     from custagg.app.models import build_model  # pylint: disable=g-import-not-at-top
     tf.compat.v1.disable_eager_execution()
-    args = cli.build_parser().parse_args(
-        ["--aggregation", "dpsgd", "--batch-size", str(batch)])
+    args = cli.build_parser().parse_args(["--aggregation", "dpsgd", "--batch-size", str(batch)])
     data = datasets.load_dataset(args.dataset, seed=args.seed)
     with tf.Graph().as_default():
         tf.compat.v1.set_random_seed(args.seed)
@@ -89,18 +77,15 @@ def _single_process(batch, epochs):
         logits, variables = build_model(args.model, x, data.image_shape,
                                         data.num_classes, args.hidden,
                                         args.seed)
-        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
-                                                              logits=logits)
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         step = tf.compat.v1.train.get_or_create_global_step()
         opt = train.make_optimizer(args, train.learning_rate(args))
         train_op = opt.minimize(loss, global_step=step, var_list=variables)
-        x_eval = tf.compat.v1.placeholder(tf.float32, [None,
-                                                       data.num_features])
+        x_eval = tf.compat.v1.placeholder(tf.float32, [None, data.num_features])
         y_eval = tf.compat.v1.placeholder(tf.int64, [None])
         eval_logits, _ = build_model(args.model, x_eval, data.image_shape,
                                      data.num_classes, args.hidden, args.seed)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(eval_logits, 1),
-                                                 y_eval), tf.float32))
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(eval_logits, 1), y_eval), tf.float32))
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             secs, examples = 0.0, 0
@@ -112,11 +97,9 @@ def _single_process(batch, epochs):
                     sess.run(train_op, {x: xb, y: yb})
                     examples += batch
                 secs += time.perf_counter() - t0
-            acc = sess.run(correct, {x_eval: data.x_test,
-                                     y_eval: data.y_test}) / len(data.y_test)
+            acc = sess.run(correct, {x_eval: data.x_test, y_eval: data.y_test}) / len(data.y_test)
     rate = examples / secs
-    print(json.dumps({"per_worker": [rate], "total": rate,
-                      "accuracy": float(acc)}))
+    print(json.dumps({"per_worker": [rate], "total": rate, "accuracy": float(acc)}))
     del np
 
 
@@ -161,52 +144,35 @@ def main(argv=None):
         result["tensorflow"] = tf.__version__
     except ImportError:
         pass
-    from benchmarks import common  # pylint: disable=g-import-not-at-top
     print(common.write_outputs("distributed", result, _markdown(result)))
     return 0
 
 
 def _markdown(r):
-    lines = [
-        "# DP-SGD main job on a local TF1 cluster: 1 vs 2 workers",
-        "",
+    return "\n".join([
+        "# DP-SGD main job on a local TF1 cluster: 1 vs 2 workers", "",
         "`%s` (TensorFlow %s, %d CPUs shared with other work, Python %s)."
-        % (r["command"], r.get("tensorflow", "?"), r["cpus"], r["python"]),
-        "",
-        "Digits (8x8, 1,438 training images), softmax regression, DP-SGD "
-        "(C=1, noise multiplier 1.1, noise added once per step by the "
-        "chief), %d epochs. Examples/s over the training loop only (start-up"
-        " excluded), median of the runs; `wall` includes starting the "
-        "processes." % r["epochs"],
-        "",
-        "| configuration | global batch | per worker | examples/s, total | "
-        "per worker | vs 1 worker | test acc | wall | each run, total |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in r["rows"]:
-        lines.append("| %s | %d | %d | %.0f | %s | %.2fx | %.4f | %.0f s | %s |"
-                     % (row["config"], row["global_batch"],
-                        row["per_worker_batch"],
-                        row["total_examples_per_s"],
-                        ", ".join("%.0f" % v for v in
-                                  row["per_worker_examples_per_s"]),
-                        row["vs_one_worker"], row["accuracy"],
-                        row["wall_s"], ", ".join(
-                            "%.0f" % run["total"] for run in row["runs"])))
-    lines += [
-        "",
-        "`vs 1 worker`: total examples/s over the `1 ps + 1 worker` row. "
-        "Test accuracy is the chief's after the last epoch.",
-        "",
-        "Every process (ps, workers, the runner) shares the same CPUs, "
-        "so a second worker adds a process and gRPC round trips but no "
-        "compute. The model is tiny (650 parameters): a step is dominated "
-        "by the synchronous round trips (gradients to the ps accumulators, "
-        "the chief's update, the token queue), not by the per-example "
-        "gradients. Do not read these figures as scaling.",
-        "",
-    ]
-    return "\n".join(lines)
+        % (r["command"], r.get("tensorflow", "?"), r["cpus"], r["python"]), "",
+        "Digits (8x8, 1,438 training images), softmax regression, DP-SGD (C=1, noise "
+        "multiplier 1.1, noise added once per step by the chief), %d epochs. Examples/s over "
+        "the training loop only (start-up excluded), median of the runs; `wall` includes "
+        "starting the processes." % r["epochs"], "", common.table([
+            ("configuration", "config", "%s"), ("global batch", "global_batch", "%d"),
+            ("per worker", "per_worker_batch", "%d"),
+            ("examples/s, total", "total_examples_per_s", "%.0f"),
+            ("per worker", lambda row: ", ".join(
+                "%.0f" % v for v in row["per_worker_examples_per_s"]), "%s"),
+            ("vs 1 worker", "vs_one_worker", "%.2fx"), ("test acc", "accuracy", "%.4f"),
+            ("wall", "wall_s", "%.0f s"),
+            ("each run, total", lambda row: ", ".join("%.0f" % run["total"] for run in
+                                                      row["runs"]), "%s")], r["rows"]),
+        "`vs 1 worker`: total examples/s over the `1 ps + 1 worker` row. Test accuracy is the "
+        "chief's after the last epoch.", "",
+        "Every process (ps, workers, the runner) shares the same CPUs, so a second worker adds "
+        "a process and gRPC round trips but no compute. The model is tiny (650 parameters): a "
+        "step is dominated by the synchronous round trips (gradients to the ps accumulators, "
+        "the chief's update, the token queue), not by the per-example gradients. Do not read "
+        "these figures as scaling.", ""])
 
 
 if __name__ == "__main__":

@@ -1,35 +1,65 @@
-"""A DP (or clipped) step against its plain step under one setting, one process.
+"""A DP (or clipped) step against another step under one setting, one process.
 
-    python -m benchmarks.dp_step MODE [--batch 256] [--repeats 9] [--models mlp,tutorial_cnn] [--write]
+    python -m benchmarks.dp_step MODE [--batch 256] [--repeats 9] [--models mlp,tutorial_cnn]
+        [--write]
 
-On the MLP 784-256-256-10 and TF Privacy's tutorial CNN (the models and
-data of `benchmarks.tf_privacy_compare`), float32, one thread; the steps of
-a configuration timed interleaved (`common.interleaved`), each over the
-mode's base step, with (user_level_clipping, input_pipelines) each step's
-peak memory over the base's. Modes: `microbatches` (M = B, B/4, 1; static
-and dynamic batch), `adaptive_clipping` (fixed, quantile-adaptive and
-per-layer queries), `user_level_clipping` (`group_ids` of 64 and 8 users
-beside per-example clipping and the plain gradient), `input_pipelines`
-(issue 23: the batch from a placeholder, `tf.data`, a `shuffle_batch` queue
-or variables, the plan's forms too). What each measures and why:
-docs/benchmarks.md. With --write: benchmarks/results/MODE.json and MODE.md.
+On the MLP 784-256-256-10 and TF Privacy's tutorial CNN (Keras layers, the
+bundled digits scaled to 28x28), float32, one thread; the steps of a
+configuration timed interleaved (`common.interleaved`), each over the mode's
+base step, with (user_level_clipping, input_pipelines) each step's peak
+memory over the base's. Modes: `microbatches` (M = B, B/4, 1; static and
+dynamic batch), `adaptive_clipping` (fixed, quantile-adaptive and per-layer
+queries), `user_level_clipping` (`group_ids` of 64 and 8 users beside
+per-example clipping and the plain gradient), `input_pipelines` (issue 23:
+the batch from a placeholder, `tf.data`, a `shuffle_batch` queue or
+variables, the plan's forms too), and `tf_privacy_compare`: custagg.privacy
+next to TF Privacy's own TF1 optimizers, which need TF <= 2.15; run it in
+such an environment with TF Privacy fully installed and custagg on the path:
+
+    python3.11 -m venv /work/venvs/tfp215 && . /work/venvs/tfp215/bin/activate
+    pip install tensorflow-cpu==2.15.1 dp-accounting==0.4.3 \\
+        tensorflow-probability==0.22.1 dm-tree==0.1.8 "absl-py<2" scikit-learn
+    pip install --no-deps tensorflow-privacy==0.9.0 tensorflow-estimator==2.15.0
+    PYTHONPATH=. python -m benchmarks.dp_step tf_privacy_compare [--parity] [--epsilon]
+        [--timing] [--tutorial] [--json] [--write]
+
+Both systems build the same graph code; only the `dp_optimizer` module
+differs (the migration). Parts (all without flags): `--parity` (TF Privacy's
+tutorial CNN and the MLP, same weights and batches, 5 noise-free steps: the
+largest weight difference; with noise, each noise std), `--epsilon`
+(`compute_dp_sgd_privacy` of both), `--timing` (seconds per DP-SGD step, B =
+64 and 256, M = B and B/4; TF Privacy skipped above `--slow-limit`),
+`--tutorial` (the tutorial's Estimator loop with custagg); without TF
+Privacy only custagg's rows. What each measures and why:
+docs/benchmarks.md. With --write: benchmarks/results/MODE.json and MODE.md
+(tf_privacy_compare: the parts not run keep their last figures).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
+import json
+import os
 import platform
 import sys
+import time
 
-from benchmarks import common
-from benchmarks import memory
-from benchmarks import tf_privacy_compare as tpc
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Keras 2 layers in graph mode: on TF >= 2.16 that is the tf-keras package
+# (TF_USE_LEGACY_KERAS=1); on TF 2.15 it is tf.keras itself, and the switch
+# would make TF look for tf-keras.
+if importlib.util.find_spec("tf_keras") is not None:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-import numpy as np  # noqa: E402  (tf_privacy_compare set the Keras switch)
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import custagg  # noqa: E402
+from benchmarks import common, memory  # noqa: E402
+from custagg.app import datasets  # noqa: E402
+from custagg.privacy import accounting as custagg_accounting  # noqa: E402
 from custagg.privacy import dp_optimizer  # noqa: E402
 from custagg.privacy.dp_query import gaussian_query  # noqa: E402
 from custagg.privacy.dp_query import nested_query  # noqa: E402
@@ -39,19 +69,137 @@ MICROBATCH_CONFIGS = [("mlp", 512), ("tutorial_cnn", 512), ("tutorial_cnn", 256)
 QUERIES = ("fixed", "adaptive", "per_layer")
 KINDS = ("aggregated", "per_example", "users_64", "users_8")
 SOURCES = ("placeholder", "tf_data", "shuffle_batch_queue", "variables")
+EPSILON_SETTINGS = [(60000, 256, 1.1, 60, 1e-5), (60000, 150, 1.3, 15, 1e-5),
+                    (100000, 100, 1.0, 30, 1e-7), (100000000, 1024, 0.1, 10, 1e-7)]
+PARTS = ("parity", "epsilon", "timing", "tutorial")
+
+
+# --------------------------------------------------------------------------
+# Data, models and steps.
+
+
+def tf_privacy():
+    """TF Privacy's dp_optimizer and accountant modules, or None."""
+    try:
+        from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib  # pylint: disable=g-import-not-at-top
+        from tensorflow_privacy.privacy.optimizers import dp_optimizer  # pylint: disable=g-import-not-at-top
+    except Exception:  # pylint: disable=broad-except
+        return None
+    return dp_optimizer, compute_dp_sgd_privacy_lib
+
+
+def systems():
+    out = {"custagg": dp_optimizer}
+    tfp = tf_privacy()
+    if tfp is not None:
+        out = {"tf_privacy": tfp[0], "custagg": dp_optimizer}
+    return out
+
+
+# --------------------------------------------------------------------------
+# Data and models.
+
+
+def digits28(seed=0):
+    """The bundled 8x8 digits as 28x28x1 (each pixel a 3x3 block, 2-pixel
+    border), in place of MNIST's download; labels int32."""
+    ds = datasets.load_digits(seed=seed)
+
+    def up(x):
+        x = x.reshape(-1, 8, 8)
+        x = np.kron(x, np.ones((1, 3, 3), np.float32))
+        return np.pad(x, ((0, 0), (2, 2), (2, 2)))[..., None].astype(np.float32)
+
+    return (up(ds.x_train), ds.y_train.astype(np.int32), up(ds.x_test), ds.y_test.astype(np.int32))
+
+
+def tutorial_cnn(features):
+    """TF Privacy's tutorial model (mnist_dpsgd_tutorial_common.get_cnn_model)."""
+    layers = tf.keras.layers
+    y = tf.reshape(features, [-1, 28, 28, 1])
+    y = layers.Conv2D(16, 8, strides=2, padding="same", activation="relu")(y)
+    y = layers.MaxPool2D(2, 1)(y)
+    y = layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu")(y)
+    y = layers.MaxPool2D(2, 1)(y)
+    y = layers.Flatten()(y)
+    y = layers.Dense(32, activation="relu")(y)
+    return layers.Dense(10)(y)
+
+
+def mlp(features):
+    """MLP 784-256-256-10 (custagg's benchmark model)."""
+    layers = tf.keras.layers
+    y = tf.reshape(features, [-1, 784])
+    y = layers.Dense(256, activation="relu")(y)
+    y = layers.Dense(256, activation="relu")(y)
+    return layers.Dense(10)(y)
+
+
+MODELS = {"tutorial_cnn": tutorial_cnn, "mlp": mlp}
+
+
+class Step(object):
+    """One model + DP optimizer in its own graph and session."""
+
+    def __init__(self, dp_module, model, batch, microbatches, noise, lr=0.15,
+                 seed=0, optimizer=None):
+        """`optimizer(vars)`, if given, in place of the tutorial's call."""
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.compat.v1.set_random_seed(seed)
+            self.x = tf.compat.v1.placeholder(tf.float32, [batch, 28, 28, 1])
+            self.y = tf.compat.v1.placeholder(tf.int32, [batch])
+            logits = MODELS[model](self.x)
+            vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=self.y, logits=logits)
+            self.vars = tf.compat.v1.trainable_variables()
+            # The tutorial's optimizer call, word for word.
+            optimizer = optimizer(self.vars) if optimizer else (
+                dp_module.DPGradientDescentGaussianOptimizer(
+                    l2_norm_clip=1.0, noise_multiplier=noise,
+                    num_microbatches=microbatches, learning_rate=lr))
+            global_step = tf.compat.v1.train.get_or_create_global_step()
+            self.grads = [g for g, _ in optimizer.compute_gradients(vector_loss, self.vars)]
+            self.train_op = optimizer.apply_gradients(
+                zip(self.grads, self.vars), global_step=global_step)
+            self.sess = common.session(self.graph)
+            self.sess.run(tf.compat.v1.global_variables_initializer())
+
+    def weights(self):
+        return self.sess.run(self.vars)
+
+    def set_weights(self, values):
+        with self.graph.as_default():
+            for v, value in zip(self.vars, values):
+                v.load(value, self.sess)
+
+    def run(self, xb, yb, fetch=None):
+        return self.sess.run(self.train_op if fetch is None else fetch, {self.x: xb, self.y: yb})
+
+    def close(self):
+        self.sess.close()
+
+
+def batches(x, y, batch, count, seed=0):
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(count):
+        idx = rng.choice(len(x), batch, replace=False)
+        out.append((x[idx], y[idx]))
+    return out
 
 
 def _data():
-    x, y, _, _ = tpc.digits28()
+    x, y, _, _ = digits28()
     return np.concatenate([x] * 2), np.concatenate([y] * 2)
 
 
 def _step_times(steps, x, y, batch, repeats):
-    """{key: median s} of `steps` {key: tf_privacy_compare.Step}, timed in
+    """{key: median s} of `steps` {key: Step}, timed in
     turn on the same batches; closes them."""
     try:
         return common.interleaved({k: st.run for k, st in steps.items()},
-                           tpc.batches(x, y, batch, repeats + 1, seed=3))[0]
+                           batches(x, y, batch, repeats + 1, seed=3))[0]
     finally:
         for st in steps.values():
             st.close()
@@ -73,8 +221,7 @@ class Graph(object):
             self.stop = start(self.sess) if start else None
 
     def runner(self, kind):
-        return lambda xb, yb: self.sess.run(self.fetches[kind],
-                                            self.feed(kind, xb, yb))
+        return lambda xb, yb: self.sess.run(self.fetches[kind], self.feed(kind, xb, yb))
 
     def peak(self, kind):
         return lambda xb, yb: memory.step_peak_bytes(
@@ -87,8 +234,7 @@ class Graph(object):
 
 
 def _loss(model, xb, yb):
-    return tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=yb, logits=tpc.MODELS[model](xb))
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=MODELS[model](xb))
 
 
 # --------------------------------------------------------------------------
@@ -101,7 +247,7 @@ def microbatches(repeats=7, configs=MICROBATCH_CONFIGS, log=print, **_):
     for model, batch in configs:
         for dynamic in (False, True):
             mbs = [batch, batch // 4, 1]
-            steps = {m: tpc.Step(dp_optimizer, model, None if dynamic else batch,
+            steps = {m: Step(dp_optimizer, model, None if dynamic else batch,
                                  m, noise=1.1) for m in mbs}
             med = _step_times(steps, x, y, batch, repeats)
             for m in mbs:
@@ -128,12 +274,11 @@ def make_query(kind, num_vars, batch, sigma=1.1):
          for _ in range(num_vars)])
 
 
-def adaptive_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
-                      log=print, **_):
+def adaptive_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), log=print, **_):
     x, y = _data()
     rows = []
     for model in models:
-        steps = {k: tpc.Step(None, model, batch, None, None, optimizer=(
+        steps = {k: Step(None, model, batch, None, None, optimizer=(
             lambda xs, k=k: dp_optimizer.DPGradientDescentOptimizer(
                 make_query(k, len(xs), batch), learning_rate=0.15)))
                  for k in QUERIES}
@@ -183,14 +328,13 @@ def _users_graph(model, batch):
     return Graph(build)
 
 
-def user_level_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
-                        log=print, **_):
+def user_level_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), log=print, **_):
     x, y = _data()
     rows = []
     for model in models:
         f = _users_graph(model, batch)
         med, peaks = common.interleaved({k: f.runner(k) for k in KINDS},
-                                 tpc.batches(x, y, batch, repeats + 1, seed=3),
+                                 batches(x, y, batch, repeats + 1, seed=3),
                                  {k: f.peak(k) for k in KINDS})
         f.close()
         for k in KINDS:
@@ -223,8 +367,7 @@ def _source(kind, x, y, batch):
         return xb, yb, dict, None
     if kind == "shuffle_batch_queue":
         # The TF1 tutorials' pipeline: slice_input_producer + shuffle_batch.
-        xs, ys = tf.compat.v1.train.slice_input_producer(
-            [tf.constant(x), tf.constant(y)], seed=3)
+        xs, ys = tf.compat.v1.train.slice_input_producer([tf.constant(x), tf.constant(y)], seed=3)
         xb, yb = tf.compat.v1.train.shuffle_batch(
             [xs, ys], batch_size=batch, capacity=4 * batch,
             min_after_dequeue=2 * batch, num_threads=1, seed=3)
@@ -232,8 +375,7 @@ def _source(kind, x, y, batch):
         def start(sess):
             coord = tf.train.Coordinator()
             threads = tf.compat.v1.train.start_queue_runners(sess, coord)
-            return lambda: (coord.request_stop(),
-                            coord.join(threads, stop_grace_period_secs=10))
+            return lambda: (coord.request_stop(), coord.join(threads, stop_grace_period_secs=10))
         return xb, yb, dict, start
     if kind == "variables":
         # A batch held in non-trainable variables (benchmarks, small-data
@@ -289,6 +431,204 @@ def input_pipelines(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
 
 
 # --------------------------------------------------------------------------
+# tf_privacy_compare's parts.
+
+
+def parity(steps=5, log=print):
+    """Weights after `steps` noise-free steps, TF Privacy vs custagg."""
+    mods = systems()
+    if "tf_privacy" not in mods:
+        return {"skipped": "TF Privacy is not importable here"}
+    x, y, _, _ = digits28()
+    rows = []
+    for model, batch, mb in [("tutorial_cnn", 64, 64), ("tutorial_cnn", 64, 16),
+                             ("mlp", 64, 64), ("mlp", 64, 16)]:
+        runs = {name: Step(mod, model, batch, mb, noise=0.0) for name, mod in mods.items()}
+        init = runs["tf_privacy"].weights()
+        runs["custagg"].set_weights(init)
+        for xb, yb in batches(x, y, batch, steps, seed=1):
+            for r in runs.values():
+                r.run(xb, yb)
+        wa, wb = runs["tf_privacy"].weights(), runs["custagg"].weights()
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(wa, wb))
+        moved = max(float(np.max(np.abs(a - i))) for a, i in zip(wa, init))
+        # Noise std: the spread of one coordinate's gradient over draws.
+        stds = {}
+        for k, (name, mod) in enumerate(mods.items()):
+            # Distinct graph seeds: independent noise for each system.
+            noisy = Step(mod, model, batch, mb, noise=1.1, seed=10 + k)
+            noisy.set_weights(init)
+            xb, yb = batches(x, y, batch, 1, seed=2)[0]
+            draws = np.array([noisy.run(xb, yb, noisy.grads[-1]) for _ in range(200)])
+            stds[name] = float(draws.std(axis=0).mean())
+            noisy.close()
+        row = dict(model=model, batch=batch, microbatches=mb, steps=steps,
+                   max_abs_weight_diff=diff, max_weight_change=moved,
+                   noise_std=stds, noise_std_expected=1.1 * 1.0 / mb)
+        log("parity %-12s B=%d M=%d: max |w_tfp - w_custagg| = %.2e after %d "
+            "steps (weights moved up to %.3f); noise std tfp %.5f custagg "
+            "%.5f (expected %.5f)" % (model, batch, mb, diff, steps, moved,
+                                       stds["tf_privacy"], stds["custagg"],
+                                       row["noise_std_expected"]))
+        rows.append(row)
+        for r in runs.values():
+            r.close()
+    return rows
+
+
+def epsilon(log=print):
+    tfp = tf_privacy()
+    rows = []
+    for s in EPSILON_SETTINGS:
+        ours, order = custagg_accounting.compute_dp_sgd_privacy(*s)
+        pld, _ = custagg_accounting.compute_dp_sgd_privacy(*s, accountant="pld")
+        row = dict(setting=list(s), custagg_rdp=ours, custagg_order=order, custagg_pld=pld)
+        if tfp is not None:
+            theirs, t_order = tfp[1].compute_dp_sgd_privacy(*s)
+            row.update(tf_privacy=float(theirs), tf_privacy_order=float(t_order),
+                       rel_diff=abs(ours - theirs) / theirs)
+        log("epsilon n=%d B=%d sigma=%g epochs=%g delta=%g: custagg %.6g "
+            "(order %s, PLD %.6g)%s" % (
+                tuple(s) + (ours, order, pld) +
+                ((" tf_privacy %.6g (order %s), rel diff %.1e"
+                  % (row["tf_privacy"], row["tf_privacy_order"],
+                     row["rel_diff"])) if tfp is not None else "",)))
+        rows.append(row)
+    return rows
+
+
+def timing(slow_limit=30.0, repeats=5, log=print):
+    mods = systems()
+    x, y, _, _ = digits28()
+    x = np.concatenate([x] * 2)
+    y = np.concatenate([y] * 2)
+    rows = []
+    configs = [(m, b, mb) for m in ("tutorial_cnn", "mlp") for b in (64, 256)
+               for mb in (b, b // 4)]
+    configs += [("mlp", 512, 512), ("mlp", 512, 128)]
+    last = {}
+    for model, batch, mb in configs:
+        for name, mod in mods.items():
+            key = (name, model, mb == batch)
+            if name == "tf_privacy" and batch == 512:
+                continue
+            est = last.get(key)
+            if est is not None and est[1] * (batch / est[0]) ** 2 > slow_limit:
+                rows.append(dict(system=name, model=model, batch=batch,
+                                 microbatches=mb, skipped="estimated > %gs"
+                                 % slow_limit))
+                log("time %-10s %-12s B=%-3d M=%-3d skipped (est. > %gs)"
+                    % (name, model, batch, mb, slow_limit))
+                continue
+            t0 = time.perf_counter()
+            step = Step(mod, model, batch, mb, noise=1.1)
+            build = time.perf_counter() - t0
+            data = batches(x, y, batch, repeats + 1, seed=3)
+            sec = common.interleaved({"step": step.run}, data)[0]["step"]
+            step.close()
+            last[key] = (batch, sec)
+            rows.append(dict(system=name, model=model, batch=batch,
+                             microbatches=mb, seconds_per_step=sec,
+                             build_seconds=build))
+            log("time %-10s %-12s B=%-3d M=%-3d %.4f s/step (graph %.1fs)"
+                % (name, model, batch, mb, sec, build))
+    return rows
+
+
+def tutorial(epochs=3, dp_module=dp_optimizer, accounting=custagg_accounting,
+             batch_size=256, microbatches=256, log=print):
+    """TF Privacy's mnist_dpsgd_tutorial.py main loop with `dp_module`."""
+    from tensorflow import estimator as tf_estimator  # pylint: disable=g-import-not-at-top
+    x, y, xt, yt = digits28()
+    n = len(x)
+
+    def model_fn(features, labels, mode, params):  # pylint: disable=unused-argument
+        logits = tutorial_cnn(features)
+        vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        scalar_loss = tf.reduce_mean(input_tensor=vector_loss)
+        if mode == tf_estimator.ModeKeys.TRAIN:
+            optimizer = dp_module.DPGradientDescentGaussianOptimizer(
+                l2_norm_clip=1.0, noise_multiplier=1.1,
+                num_microbatches=microbatches, learning_rate=0.15)
+            global_step = tf.compat.v1.train.get_global_step()
+            train_op = optimizer.minimize(loss=vector_loss, global_step=global_step)
+            return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss, train_op=train_op)
+        acc = tf.compat.v1.metrics.accuracy(
+            labels=labels, predictions=tf.argmax(input=logits, axis=1))
+        return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss,
+                                          eval_metric_ops={"accuracy": acc})
+
+    def input_fn(images, labels, repetitions):
+        def fn(params=None):  # pylint: disable=unused-argument
+            ds = tf.data.Dataset.from_tensor_slices((images, labels))
+            ds = ds.shuffle(len(images), seed=0).repeat(repetitions)
+            return ds.batch(batch_size, drop_remainder=True)
+        return fn
+
+    clf = tf_estimator.Estimator(model_fn=model_fn)
+    steps_per_epoch = n // batch_size
+    rows = []
+    for epoch in range(1, epochs + 1):
+        clf.train(input_fn=input_fn(x, y, -1), steps=steps_per_epoch)
+        acc = float(clf.evaluate(input_fn=input_fn(xt, yt, 1))["accuracy"])
+        eps, _ = accounting.compute_dp_sgd_privacy(n, batch_size, 1.1, epoch, 1e-5)
+        log("Test accuracy after %d epochs is: %.3f" % (epoch, acc))
+        log("For delta=1e-5, the current epsilon is: %.2f" % eps)
+        rows.append(dict(epoch=epoch, accuracy=acc, epsilon=eps))
+    return rows
+
+
+def tf_privacy_markdown(result):
+    def noise(r):
+        std = r["noise_std"]
+        return "%.5f / %.5f / %.5f" % (std["tf_privacy"], std["custagg"], r["noise_std_expected"])
+
+    def pick(key, fmt):
+        return lambda r: fmt % r[key] if key in r else "-"
+    lines = ["# custagg.privacy vs TF Privacy 0.9.0 (one process)", "",
+             "`%s`; %s." % (result["command"], result["machine"]), ""]
+    if isinstance(result.get("parity"), list):
+        lines += ["## Parity (noise off, same weights and batches)", "", common.table([
+            ("model", "model", "%s"), ("B", "batch", "%d"), ("M", "microbatches", "%d"),
+            ("steps", "steps", "%d"), ("max abs weight diff", "max_abs_weight_diff", "%.1e"),
+            ("noise std tfp / custagg / expected", noise, "%s")], result["parity"])]
+    if result.get("epsilon"):
+        lines += ["## epsilon (compute_dp_sgd_privacy)", "", common.table(
+            [(h, lambda r, i=i: r["setting"][i], "%s")
+             for i, h in enumerate(("n", "B", "sigma", "epochs", "delta"))]
+            + [("TF Privacy", pick("tf_privacy", "%.6g"), "%s"),
+               ("custagg RDP", "custagg_rdp", "%.6g"),
+               ("rel diff", pick("rel_diff", "%.1e"), "%s"),
+               ("custagg PLD", "custagg_pld", "%.6g")], result["epsilon"])]
+    if result.get("timing"):
+        cells = {(r["model"], r["batch"], r["microbatches"], r["system"]): r
+                 for r in result["timing"]}
+        rows = []
+        for model, b, mb in sorted({k[:3] for k in cells}, key=lambda k: (k[0], k[1], -k[2])):
+            t, c = (cells.get((model, b, mb, s), {}) for s in ("tf_privacy", "custagg"))
+            ts, cs = t.get("seconds_per_step"), c.get("seconds_per_step")
+            rows.append([model, b, mb, "%.4f" % ts if ts else t.get("skipped", "-"),
+                         "%.4f" % cs if cs else c.get("skipped", "-"),
+                         "%.0fx" % (ts / cs) if ts and cs else "-"])
+        lines += ["## Seconds per DP-SGD step (median, 1 thread)", "", common.md_table(
+            ["model", "B", "M", "TF Privacy", "custagg", "ratio"], rows,
+            ["---"] + ["---:"] * 5)]
+        mlp = {r["microbatches"]: r.get("seconds_per_step") for r in result["timing"]
+               if r["system"] == "custagg" and r["model"] == "mlp" and r["batch"] == 512}
+        if mlp.get(512) and mlp.get(128):
+            lines += ["custagg MLP B=512: M=B/4 step / M=B step = %.2fx (timed one after the "
+                      "other on a shared machine; `python -m benchmarks.dp_step microbatches` "
+                      "times them interleaved: benchmarks/results/microbatches.md)."
+                      % (mlp[128] / mlp[512]), ""]
+    if result.get("tutorial"):
+        lines += ["## The tutorial's Estimator loop with custagg (digits)", ""] + [
+            "- epoch %d: test accuracy %.3f, epsilon %.2f" % (r["epoch"], r["accuracy"],
+                                                              r["epsilon"])
+            for r in result["tutorial"]] + [""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
 # Tables: (header, key or fn(row), format) per column.
 
 _COLUMNS = {
@@ -316,27 +656,29 @@ MODES = collections.OrderedDict((m, globals()[m]) for m in _COLUMNS)
 
 
 def markdown(mode, rows):
-    cols = _COLUMNS[mode]
-    return common.md_table(
-        [h for h, _, _ in cols],
-        [[fmt % (key(r) if callable(key) else r[key]) for _, key, fmt in cols]
-         for r in rows],
-        align=["---" if fmt == "%s" else "---:" for _, _, fmt in cols])
+    return common.table(_COLUMNS[mode], rows)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.dp_step",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=list(MODES))
+    p.add_argument("mode", choices=list(MODES) + ["tf_privacy_compare"])
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, help="default 9 (microbatches: 7)")
     p.add_argument("--models", default="mlp,tutorial_cnn")
     p.add_argument("--sources", default=",".join(SOURCES), help="input_pipelines: comma list")
     p.add_argument("--write", action="store_true", help="write benchmarks/results/MODE.*")
     p.add_argument("--note", default="", help="a line for the results file")
+    for part in PARTS:
+        p.add_argument("--" + part, action="store_true", help="tf_privacy_compare: this part")
+    p.add_argument("--slow-limit", type=float, default=30.0, help="tf_privacy_compare --timing")
+    p.add_argument("--json", action="store_true", help="tf_privacy_compare: print the result "
+                   "as JSON on the last line")
     args = p.parse_args(argv)
-    args.repeats = args.repeats or (7 if args.mode == "microbatches" else 9)
     tf.compat.v1.disable_eager_execution()
+    if args.mode == "tf_privacy_compare":
+        return compare_with_tf_privacy(args, argv)
+    args.repeats = args.repeats or (7 if args.mode == "microbatches" else 9)
     rows = MODES[args.mode](batch=args.batch, repeats=args.repeats,
                             models=tuple(args.models.split(",")),
                             sources=tuple(args.sources.split(",")))
@@ -349,6 +691,45 @@ def main(argv=None):
                 args.repeats, "; peak from one traced run" if "memory_ratio" in rows[0] else ""),
             args.note))
     return 0
+
+
+def compare_with_tf_privacy(args, argv):
+    """The tf_privacy_compare mode: its parts' rows; --write:
+    results/tf_privacy_compare.*, the parts not run this time kept."""
+    parts = [k for k in PARTS if getattr(args, k)] or list(PARTS)
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    result = dict(
+        command="python -m benchmarks.dp_step " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        machine="%s, %d cores; python %s; tensorflow %s; tensorflow-privacy %s; custagg %s" % (
+            platform.processor() or platform.machine(), os.cpu_count(),
+            platform.python_version(), tf.__version__,
+            _version("tensorflow_privacy") if tf_privacy() else "absent", custagg.__version__))
+    for part in parts:
+        result[part] = (timing(slow_limit=args.slow_limit, log=log) if part == "timing" else
+                        globals()[part](log=log))
+    if args.write:
+        path = os.path.join(common.RESULTS, "tf_privacy_compare.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                old = json.load(f)
+            for k in PARTS:
+                if k not in result and k in old:
+                    result[k] = old[k]
+                    result.setdefault("commands", {})[k] = old.get(
+                        "commands", {}).get(k, old["command"])
+        common.write_outputs("tf_privacy_compare", result, tf_privacy_markdown(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _version(dist):
+    try:
+        from importlib import metadata  # pylint: disable=g-import-not-at-top
+        return metadata.version(dist.replace("_", "-"))
+    except Exception:  # pylint: disable=broad-except
+        return "?"
 
 
 if __name__ == "__main__":

@@ -95,3 +95,14 @@ def largest_allocations(step_stats, count=8):
                              .split("(")[0]))
     rows.sort(reverse=True)
     return rows[:count]
+
+
+def op_times(step_stats):
+    """Milliseconds per op of a traced step: each kernel's own time
+    (`op_end_rel_micros`), a Counter of (name, type)."""
+    times = collections.Counter()
+    for dev in step_stats.dev_stats:
+        for node in dev.node_stats:
+            op_type = node.timeline_label.split(" = ")[-1].split("(")[0]
+            times[(node.node_name, op_type)] += node.op_end_rel_micros / 1e3
+    return times

@@ -1,7 +1,10 @@
-"""results.md and results.png from the records of results.json."""
+"""The harness's reports: results.md, the plots and the docs' tables from
+results.json's records, peers.md, zoo.md and tf1_models.md from their rows,
+before_after.md from the records of two trees."""
+import collections
 import statistics
 
-from benchmarks import common
+from benchmarks import common, models
 from benchmarks.systems import SYSTEMS, TASKS
 
 _SHORT = {"ok": None, "skipped": "skip", "timeout": "timeout", "failed": "FAIL"}
@@ -56,14 +59,16 @@ def noisy_records(records):
     """ids of the records whose time ratio is less trustworthy: fewer than 3
     timed runs, or a floor time more than NOISE_FACTOR away from the median
     floor time of its (model, B, framework) in `records`. The floor is the
-    same computation in every configuration of a (model, B, framework), so a
-    floor far from its median says the machine's load moved during that
-    configuration. Memory figures are not affected by load."""
+    same computation in every configuration of a (model, B, framework) (the
+    zoo's task "step": the Adam step, apart), so a floor far from its median
+    says the machine's load moved during that configuration. Memory figures
+    are not affected by load."""
+    def key(r):
+        return r["model"], r["batch_size"], r.get("framework"), r["task"] == "step"
     groups = {}
     for r in records:
         if r.get("status") == "ok" and r.get("floor_ms"):
-            key = (r["model"], r["batch_size"], r.get("framework"))
-            groups.setdefault(key, []).append(r["floor_ms"])
+            groups.setdefault(key(r), []).append(r["floor_ms"])
     medians = {k: statistics.median(v) for k, v in groups.items()}
     noisy = set()
     for r in records:
@@ -72,7 +77,7 @@ def noisy_records(records):
         if r.get("repeats") is not None and r["repeats"] < 3:
             noisy.add(id(r))
             continue
-        med = medians.get((r["model"], r["batch_size"], r.get("framework")))
+        med = medians.get(key(r))
         if med and r.get("floor_ms") and not (
                 med / NOISE_FACTOR <= r["floor_ms"] <= med * NOISE_FACTOR):
             noisy.add(id(r))
@@ -140,8 +145,7 @@ def task_tables(records, tasks=None, heading="##", cell=None, title=None):
                 row = [idx.get((model, b, task, s)) for s in systems]
                 if not any(row):
                     continue
-                lines.append("| %s | %d | %s |" % (
-                    model, b, " | ".join(cell(r) for r in row)))
+                lines.append("| %s | %d | %s |" % (model, b, " | ".join(cell(r) for r in row)))
         lines.append("")
     return lines
 
@@ -209,12 +213,13 @@ _MEMORY_NOTE = ("Peak memory: the step's peak bytes of live tensors over the flo
                 "it, nor does the machine's load move it.")
 
 
-def write_markdown(path, records, meta):
-    """results.md: the machine, a time table and a memory table per task, the
-    check failures, what did not run, the systems and every record."""
+def write_markdown(path, records, meta, title="custagg comparison benchmark", intro=None):
+    """results.md (zoo.md, tf1_models.md: `title`, `intro`): the machine, a
+    time table and a memory table per task, the check failures, the plans'
+    forms, what did not run, the systems and every record."""
     versions = ["%s %s" % kv for v in meta.get("versions", {}).values() for kv in v.items()]
     lines = [
-        "# custagg comparison benchmark", "",
+        "# " + title, ""] + ([intro, ""] if intro else []) + [
         "- Machine: %s, %s cores, %s GB RAM; %s; Python %s" % (
             meta.get("cpu"), meta.get("cores"), meta.get("memory_gb"), meta.get("platform"),
             meta.get("python")),
@@ -239,7 +244,12 @@ def write_markdown(path, records, meta):
     bad = [r for r in records if r.get("check") == "fail"]
     lines += ["## Check failures", "", common.md_table(key + ["worst error", "on"], [
         head(r) + ["%.3g" % (r.get("check_err") or 0), r.get("check_key")] for r in bad])
-        if bad else "None: every system that ran agrees with the reference.", ""]
+        if bad else "None: every system that ran agrees with the reference.", ""] * any(
+            r.get("check") in ("pass", "fail") for r in records)
+    plans = collections.OrderedDict((r["model"], r) for r in records if r.get("forms"))
+    lines += ["## Plans", "", common.md_table(["model", "forms", "not on rules"], [
+        [m, ", ".join("%s %d" % kv for kv in sorted(r["forms"].items())),
+         ", ".join(r.get("not_rules") or []) or "-"] for m, r in plans.items()]), ""] * bool(plans)
     notrun = [r for r in records if r["status"] != "ok"]
     lines += ["## Not run or not finished", "", common.md_table(key + ["status", "note"], [
         head(r) + [r["status"], (r.get("note") or "").replace("|", "/")[:300]] for r in notrun])
@@ -385,3 +395,150 @@ def write_peers(path, records, meta):
             for (system, note), w in where.items()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+# --------------------------------------------------------------------------
+# `--before`: two trees' records of the same configurations, over rounds.
+# --------------------------------------------------------------------------
+
+TREES = ("before", "after")
+# Below these relative differences a cell is never "changed": three rounds'
+# range underestimates the spread of a loaded machine's timings.
+TIME_TOLERANCE = 0.05
+MEMORY_TOLERANCE = 0.02
+
+
+def cfg_key(cfg):
+    """"harness/mlp/B64/norms", "zoo/mnist_deep/B64/clip"."""
+    return "%s/%s/B%d/%s" % ("harness" if cfg["model"] in models.MODELS else "zoo", cfg["model"],
+                             cfg["batch_size"], cfg["task"])
+
+
+def summarise(records):
+    """Cells from `--before`'s records (each with its `tree` and `round`):
+    one per (configuration, measure), with each tree's ratios, median, range
+    and peak ratios, `after_over_before` and `changed` (None below two
+    rounds a tree: no spread to judge against)."""
+    by = collections.OrderedDict()
+    for rec in records:
+        if rec.get("status") == "ok":
+            measure, key = rec["task"], cfg_key(rec)
+            c = dict(ratio=rec["ratio_to_floor"], base_ms=rec["floor_ms"],
+                     peak_ratio=rec["peak_ratio"], peak_mb=rec["peak_mb"])
+            cell = by.setdefault((key, measure), {"key": key, "measure": measure, "before": [],
+                                                  "after": [], "forms": {}, "plan": {},
+                                                  "checks": {}})
+            cell[rec["tree"]].append(c)
+            cell["forms"][rec["tree"]] = rec.get("forms")
+            cell["plan"][rec["tree"]] = rec.get("plan")
+            if rec["check"] in ("pass", "fail"):
+                cell["checks"].setdefault(rec["tree"], set()).add(rec["check"])
+    out = []
+    for cell in by.values():
+        row = dict(cell, checks={t: sorted(v) for t, v in cell["checks"].items()})
+        ratios, peaks = {}, {}
+        for tree in TREES:
+            runs = cell[tree]
+            ratios[tree] = [c["ratio"] for c in runs]
+            peaks[tree] = [c["peak_ratio"] for c in runs if c.get("peak_ratio") is not None]
+            row[tree] = {
+                "ratios": ratios[tree], "median": _median(ratios[tree]),
+                "range": (min(ratios[tree]), max(ratios[tree])) if runs else None,
+                "base_ms": _median([c["base_ms"] for c in runs]),
+                "peak_ratio": _median(peaks[tree]),
+                "peak_range": (min(peaks[tree]), max(peaks[tree])) if peaks[tree] else None,
+                "peak_mb": _median([c["peak_mb"] for c in runs])}
+        b, a = row["before"], row["after"]
+        for prefix, key, values, tol in (("", "median", ratios, TIME_TOLERANCE),
+                                         ("peak_", "peak_ratio", peaks, MEMORY_TOLERANCE)):
+            row[prefix + "after_over_before"] = a[key] / b[key] if a[key] and b[key] else None
+            row[prefix + "changed"] = changed(values["before"], values["after"], tol)
+        out.append(row)
+    return out
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def changed(before, after, rel_floor):
+    """Whether the medians differ by more than the larger round-to-round
+    range (and than `rel_floor` of before's median); None below 2 rounds."""
+    if len(before) < 2 or len(after) < 2:
+        return None
+    mb, ma = statistics.median(before), statistics.median(after)
+    noise = max(max(before) - min(before), max(after) - min(after), rel_floor * abs(mb))
+    return abs(ma - mb) > noise
+
+
+def before_after_markdown(cells, meta):
+    """before_after.md: a row per cell, both trees' medians (ranges) and
+    memory, their quotient, and the forms of each tree's plan."""
+    def tree(t):
+        m = meta[t]
+        return "`%s` at %s (custagg/ last changed in %s%s)" % (
+            m["dir"], m.get("commit", "?"), m.get("custagg_commit", "?"),
+            ", uncommitted edits" if m.get("dirty") else "")
+
+    def verdict(r, moved):
+        return "-" if r is None else "%.2f%s" % (r, " **changed**" if moved else "")
+
+    def ratio(t):
+        return "-" if t["median"] is None else "%.2fx (%.2f-%.2f)" % ((t["median"],) + t["range"])
+    lines = [
+        "# Before/after: two trees' custagg in one run", "",
+        "Both trees interleaved in one run (`python -m benchmarks --before`), %d round(s); each "
+        "ratio from its own process over its own floor (the aggregated gradient; `step`: the "
+        "tutorial's Adam step); a cell: the median over rounds (their range). \"changed\": the "
+        "medians differ by more than both trees' ranges and %d%% (memory: %d%%). Memory: peak "
+        "bytes of one traced step (benchmarks/memory.py) over the floor's." % (
+            meta["rounds"], int(100 * TIME_TOLERANCE), int(100 * MEMORY_TOLERANCE)), "",
+        "- before: %s; after: %s (same benchmark code: this tree's)" % (tree("before"),
+                                                                         tree("after")),
+        "- command: `%s`" % meta["command"],
+        "- machine: %s, %d cores, TF %s; load average (1/5/15 min) %s at the start, %s at the "
+        "end; %s wall" % (meta["cpu"], meta["cores"], meta.get("tf", "?"),
+                          _load(meta["loadavg_start"]), _load(meta.get("loadavg_end")),
+                          "%.0f s" % meta["wall_s"] if meta.get("wall_s") else "?"), ""]
+    rows = []
+    for c in cells:
+        suite, model, b = c["key"].split("/")[:3]
+        bf, af = c["before"], c["after"]
+        forms = [", ".join("%s %d" % kv for kv in sorted((c["forms"].get(t) or {}).items()))
+                 for t in TREES]
+        rows.append([suite, model, b[1:], c["measure"], ratio(bf), ratio(af),
+                     verdict(c["after_over_before"], c["changed"]),
+                     "%.3g / %.3g" % (bf["base_ms"], af["base_ms"])
+                     if bf["base_ms"] and af["base_ms"] else "-",
+                     _num(bf["peak_ratio"], "%.2fx"), _num(af["peak_ratio"], "%.2fx"),
+                     verdict(c["peak_after_over_before"], c["peak_changed"]),
+                     forms[0] if forms[0] == forms[1] else "%s → %s" % tuple(forms)])
+    lines.append(common.md_table(
+        ["suite", "model", "B", "measure", "before", "after", "after/before",
+         "floor ms (before / after)", "memory before", "memory after", "memory after/before",
+         "forms (before → after)"], rows, ["---", "---", "---:", "---", "---", "---"]
+        + ["---:"] * 5 + ["---"]))
+    checks = [c for c in cells if any(v != ["pass"] for v in c["checks"].values())]
+    if checks:
+        lines += ["Check not passed against the loop reference: " + "; ".join(
+            "%s %s %s" % (c["key"], c["measure"], c["checks"]) for c in checks), ""]
+    if meta.get("note"):
+        lines += [meta["note"], ""]
+    return "\n".join(lines)
+
+
+def write_before_after(folder, meta, records):
+    """before_after.json (meta, cells, the records without plans and norms)
+    and before_after.md in `folder`; the meta gets the largest relative
+    difference of the trees' per-example norms of each zoo configuration
+    (the same feed in both)."""
+    worst = {}
+    for key in {cfg_key(r) for r in records}:
+        norms = {r["tree"]: r["norms"] for r in records if cfg_key(r) == key and r.get("norms")}
+        if len(norms) == 2:
+            worst[key] = common.rel_err(norms["after"], norms["before"])
+    meta["zoo_norms_rel_err_after_vs_before"] = worst
+    cells = summarise(records)
+    slim = [{k: v for k, v in r.items() if k not in ("plan", "norms")} for r in records]
+    common.write_outputs("before_after", {"meta": meta, "cells": cells, "samples": slim},
+                         before_after_markdown(cells, meta), folder)

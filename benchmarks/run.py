@@ -1,12 +1,17 @@
-"""The harness: `python -m benchmarks [--quick | --control-flow | --peers] [options]`.
+"""The harness: `python -m benchmarks [MODE] [options]`, one run for every mode.
 
-Each configuration (model, B, task, system) runs in a forked child of a warm
+A configuration (model, B, task, system) runs in a forked child of a warm
 worker server (benchmarks/worker.py), which builds model, floor and system in
-one graph, checks the system against the loop reference and times system and
-floor alternately; a configuration that hangs or crashes is recorded as
-"timeout" or "failed" and the run goes on. Writes to --out (default
-benchmarks/results): results.json, results.md, results.png,
-results_memory.png, machine.json (`--peers`: peers.json, peers.md) and
+one graph, checks the system against the loop reference (the harness's
+models) and times system and floor alternately; one that hangs or crashes is
+recorded as "timeout" or "failed" and the run goes on. The modes are presets:
+none, `--quick`, `--control-flow` (results.json, .md, .png, results_memory.png,
+machine.json), `--peers` (peers.json, .md, peers_machine.json), `--zoo` and
+`--tf1-models` (the models of zoo_models.py and tf1_models.py, `models.build`:
+zoo.json, .md, tf1_models.json, .md; `--zoo --profile`: where each step's
+peak memory goes, printed), `--before DIR` (two trees' custagg on the same
+configurations, one worker server per tree, interleaved over rounds:
+before_after.json, .md). Writes to --out (default benchmarks/results) and its
 logs/. docs/benchmarks.md describes the tasks, systems and figures.
 """
 import argparse
@@ -27,24 +32,52 @@ from benchmarks.systems import PEER_FRAMEWORKS, SYSTEMS, TASK_ALIASES, TASKS
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-_RUN = dict(batch_sizes=[32, 128, 512], timeout=600.0, budget=2.0, slow_limit=30.0)
+_JOBS = 2 if (os.cpu_count() or 1) >= 2 else 1
+_RUN = dict(batch_sizes=[32, 128, 512], timeout=600.0, budget=2.0, slow_limit=30.0, jobs=_JOBS)
+# One process per model and B, one at a time: no timeout to speak of.
+_ZOO = dict(timeout=3600.0, budget=10.0, slow_limit=0.0, jobs=1, out=common.RESULTS)
 PRESETS = {
     "full": dict(_RUN, models=[m for m in models.MODELS if m not in models.CONTROL_FLOW_ONLY],
-                 repeats=10, timeout=120.0, out=os.path.join(HERE, "results")),
-    "quick": dict(models=["mlp", "text"], batch_sizes=[32], repeats=3, timeout=60.0,
-                  budget=0.5, slow_limit=20.0, out=os.path.join(HERE, "results", "quick")),
+                 repeats=10, timeout=120.0, out=common.RESULTS),
+    "quick": dict(_RUN, models=["mlp", "text"], batch_sizes=[32], repeats=3, timeout=60.0,
+                  budget=0.5, slow_limit=20.0, out=os.path.join(common.RESULTS, "quick")),
     # Issue 11: the loop models against tf.vectorized_map and the vmap peers.
     "control_flow": dict(_RUN, models=["lstm", "gru", "keras_lstm", "keras_gru", "norule_rnn"],
                          tasks=["norms", "clip", "dpsgd"],
                          systems=["custagg_auto", "tf_vmap", "jax_vmap", "torch_func"],
-                         repeats=5, out=os.path.join(HERE, "results", "control_flow")),
+                         repeats=5, out=os.path.join(common.RESULTS, "control_flow")),
     # Issue 37: custagg beside the DP peers in their fastest configurations
     # (interpreters from benchmarks/peers_env.sh); writes peers.{json,md}.
     "peers": dict(_RUN, models=["mlp", "cnn", "text", "lstm", "gru", "transformer"],
                   tasks=["clip", "dpsgd"], budget=1.0,
                   systems=["custagg_auto", "opacus_ghost", "opacus", "jax_privacy", "tfp_fast"],
-                  repeats=3, out=os.path.join(HERE, "results"), stem="peers"),
+                  repeats=3, out=common.RESULTS, stem="peers"),
+    "zoo": dict(_ZOO, batch_sizes=[64, 256], repeats=15, tasks=["norms", "clip"], stem="zoo"),
+    # Issue 24's models; issue 34's by name (`--models unet,...`).
+    "tf1_models": dict(_ZOO, batch_sizes=[64], repeats=5, tasks=["clip"], stem="tf1_models"),
+    # Issues 23 and 34: the harness's models at their BEFORE_BATCHES, then
+    # the zoo and BEFORE_OTHERS at --zoo-batches.
+    "before": dict(_ZOO, models=["mlp", "cnn", "lstm"], repeats=10, budget=2.0, timeout=300.0,
+                   tasks=["norms", "clip", "dpsgd"], out="/tmp/before_after",
+                   stem="before_after"),
 }
+# The titles and introductions of zoo.md and tf1_models.md.
+ZOO_PAGES = {
+    "zoo": ("Zoo benchmark (`python -m benchmarks --zoo`)",
+            "Models written the way users write them (benchmarks/zoo_models.py, full size, "
+            "float32, dynamic batch), custagg_auto with C = 1 and no loop reference; task step: "
+            "mnist_deep's DP step (DPOptimizer around Adam) over the tutorial's Adam step, its "
+            "floor."),
+    "tf1_models": ("Other people's TF1 models (`python -m benchmarks --tf1-models`)",
+                   "Issue 24's yardstick: the models of benchmarks/tf1_models.py (full size, "
+                   "float32, dynamic batch and sequence length), custagg_auto with C = 1 and no "
+                   "loop reference; Plans: variables per form of the plan.")}
+BEFORE_BATCHES = {"mlp": (64, 256), "cnn": (64, 256), "lstm": (32, 64)}
+# Models unlike the ones the engine was tuned on (a bi-RNN with
+# `sequence_length`, dynamic image sizes), in `--before`'s default zoo.
+BEFORE_OTHERS = ("bilstm_crf", "unet")
+# Whole-pass (O(B^2)) in both trees: ~20 s a run at B=256 on this machine.
+BEFORE_SKIP = {("keras_batch_norm_training", 256)}
 
 # Relative wall time of each model's configurations in a full run (measured
 # 2026-12-03), used to deal the costliest models out first with --jobs.
@@ -69,6 +102,13 @@ def _csv(text, allowed=None, aliases=None, kind="value"):
     return items
 
 
+def _sizes(text):
+    sizes = [int(b) for b in _csv(text)]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("comma-separated integers >= 1, e.g. 64,256")
+    return sizes
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -82,9 +122,18 @@ def parse_args(argv=None):
                    help="issue 37's table: custagg beside Opacus (ghost, hooks), JAX Privacy and "
                         "TF Privacy's fast clipping; writes results/peers.{json,md} (pass "
                         "--python torch=, jax=, keras=)")
-    p.add_argument("--models", type=lambda s: _csv(s, models.MODELS, kind="model"),
-                   help="comma list of %s" % ",".join(models.MODELS))
-    p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in _csv(s)],
+    p.add_argument("--zoo", action="store_true",
+                   help="the model zoo (benchmarks/zoo_models.py) at full size: norms, clipped "
+                        "sums, mnist_deep's DP step; B 64,256, 15 repeats; writes results/zoo.*")
+    p.add_argument("--tf1-models", action="store_true",
+                   help="issue 24's TF1 models (benchmarks/tf1_models.py; issue 34's by "
+                        "--models): the clipped sum; B 64, 5 repeats; writes results/tf1_models.*")
+    p.add_argument("--before", metavar="DIR",
+                   help="DIR's custagg (a checkout) against --after's in one run, interleaved; "
+                        "out /tmp/before_after")
+    p.add_argument("--models", type=_csv, help="comma list (default: the mode's; --models "
+                   "without a mode: of %s)" % ",".join(models.MODELS))
+    p.add_argument("--batch-sizes", type=_sizes,
                    help="comma list (default 32,128,512; --quick: 32)")
     p.add_argument("--tasks", type=lambda s: _csv(s, list(TASKS), TASK_ALIASES, "task"),
                    help="comma list of %s (or a,b,b2,c,d)" % ",".join(TASKS))
@@ -105,26 +154,69 @@ def parse_args(argv=None):
                    help="interpreter for a framework's workers, e.g. torch=/opt/peers/bin/python")
     p.add_argument("--threads", type=int, default=1,
                    help="intra/inter-op threads for every framework (default 1)")
-    p.add_argument("--jobs", type=int, default=2 if (os.cpu_count() or 1) >= 2 else 1,
-                   help="configurations at once (default 2 on 2+ cores); whole models are "
-                        "dealt to the jobs, each ratio is measured inside one process")
+    p.add_argument("--jobs", type=int,
+                   help="configurations at once (default 2 on 2+ cores; --zoo, --tf1-models, "
+                        "--before: 1); whole models are dealt to the jobs, each ratio is "
+                        "measured inside one process")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--readme", metavar="PATH",
                    help="also rewrite the benchmark tables in PATH from --out's results")
     p.add_argument("--report-only", action="store_true",
                    help="only rewrite results.md and the plots from --out/results.json")
+    p.add_argument("--profile", action="store_true",
+                   help="--zoo: print where each step's peak memory comes from (default models "
+                        "mnist_deep,cnn; also %s); writes nothing" % ",".join(models.HARNESS_ZOO))
+    p.add_argument("--times", action="store_true",
+                   help="--profile: also the traced steps' kernel time by op")
+    p.add_argument("--plans", action="store_true", help="--tf1-models: print each model's plan")
+    p.add_argument("--after", default=REPO, help="--before: the after tree (default: this one)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--before: rounds (each runs every configuration once per tree)")
+    p.add_argument("--zoo-models", default="all",
+                   help="--before: zoo or TF1 models; 'all': the zoo and %s; '' for none"
+                        % ",".join(BEFORE_OTHERS))
+    p.add_argument("--zoo-batches", type=_sizes, default=[64, 256],
+                   help="--before: the zoo models' batch sizes (default 64,256)")
+    p.add_argument("--note", default="", help="--before: a line for before_after.md")
     args = p.parse_args(argv)
-    chosen = [k for k in ("quick", "control_flow", "peers") if getattr(args, k)]
+    chosen = [k for k in ("quick", "control_flow", "peers", "zoo", "tf1_models", "before")
+              if getattr(args, k)]
     if len(chosen) > 1:
-        p.error("--quick, --control-flow and --peers are presets; choose one")
-    defaults = PRESETS[chosen[0] if chosen else "full"]
-    args.stem = defaults.get("stem", "results")
+        p.error("--quick, --control-flow, --peers, --zoo, --tf1-models and --before are "
+                "presets; choose one")
+    args.mode = chosen[0] if chosen else "full"
+    defaults = dict(PRESETS[args.mode])
+    args.stem = defaults.pop("stem", "results")
+    known = list(models.MODELS)
+    if args.mode in ("zoo", "tf1_models", "before"):
+        others = list(models.builders())                # imports TensorFlow
+        from benchmarks import tf1_models, zoo_models
+        zoo = list(zoo_models.ZOO)
+        if args.mode == "zoo":
+            known = zoo + list(models.HARNESS_ZOO)
+            defaults["models"] = ["mnist_deep", "cnn"] if args.profile else zoo
+        elif args.mode == "tf1_models":
+            known = list(tf1_models.MODELS) + list(tf1_models.DYNAMIC_MODELS)
+            defaults["models"] = list(tf1_models.MODELS)
+        else:
+            known = list(BEFORE_BATCHES)
+            args.zoo_models = (zoo + list(BEFORE_OTHERS) if args.zoo_models == "all"
+                               else _csv(args.zoo_models, others, kind="zoo model"))
+            args.trees = {"before": os.path.abspath(args.before),
+                          "after": os.path.abspath(args.after)}
+            for tree in args.trees.values():
+                if not os.path.isfile(os.path.join(tree, "custagg", "__init__.py")):
+                    p.error("%s holds no custagg/__init__.py: pass a checkout of the project"
+                            % tree)
     for key, value in defaults.items():
-        if key != "stem" and getattr(args, key, None) is None:
+        if getattr(args, key, None) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
+    bad = [m for m in args.models if m not in known]
+    if bad:
+        p.error("unknown model(s) %s; choose from %s" % (", ".join(bad), ", ".join(known)))
     args.tasks = args.tasks or list(TASKS)
-    if args.jobs < 1:
-        p.error("--jobs must be at least 1")
+    if args.jobs < 1 or args.repeats < 1 or args.rounds < 1:
+        p.error("--jobs, --repeats and --rounds must be at least 1")
     if args.systems is None:
         args.systems = [s for s in SYSTEMS if not (
             args.no_peers and (SYSTEMS[s].framework in PEER_FRAMEWORKS or s == "tfp_vectorized"))]
@@ -155,18 +247,19 @@ class ForkServer:
 
     START_TIMEOUT = 300.0
 
-    def __init__(self, framework, python, log_dir, threads, job=0, tree=None):
-        """`tree`: a checkout whose custagg the children use (before_after)."""
-        self.framework, self.python, self.log_dir = framework, python, log_dir
+    def __init__(self, key, python, log_dir, threads, job=0, tree=None):
+        """`key`: FRAMEWORK, or FRAMEWORK@TREE_NAME with `tree` the checkout
+        whose custagg the children use (`--before`)."""
+        self.key, self.python, self.log_dir = key, python, log_dir
         self.threads, self.job = threads, job
         self.proc, self.versions, self.error = None, None, None
-        self.argv = ["-m", "benchmarks.worker", "serve", framework] + ([tree] if tree else [])
+        self.argv = ["-m", "benchmarks.worker", "serve", key.split("@")[0]] + (
+            [tree] if tree else [])
 
     def ensure(self):
         if self.proc is not None and self.proc.poll() is None:
             return True
-        log = open(os.path.join(self.log_dir, "server_%s_job%d.log" % (self.framework, self.job)),
-                   "a")
+        log = open(os.path.join(self.log_dir, "server_%s_job%d.log" % (self.key, self.job)), "a")
         self.proc = subprocess.Popen(
             [self.python] + self.argv,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
@@ -211,6 +304,15 @@ class ForkServer:
 
 def plan(args):
     """The configurations, B ascending within each model (estimates need that)."""
+    if args.mode == "before":
+        base = [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf")
+                for m in args.models for b in BEFORE_BATCHES[m] for t in args.tasks]
+        base += _zoo_configs(args.zoo_models, args.zoo_batches, ["norms", "clip"])
+        return [dict(cfg, tree=tree, round=r, plan=True) for r in range(args.rounds)
+                for cfg in base if (cfg["model"], cfg["batch_size"]) not in BEFORE_SKIP
+                for tree in (("before", "after") if r % 2 == 0 else ("after", "before"))]
+    if args.mode in ("zoo", "tf1_models"):
+        return _zoo_configs(args.models, sorted(args.batch_sizes), args.tasks)
     configs = []
     for model in args.models:
         for batch_size in sorted(args.batch_sizes):
@@ -220,6 +322,14 @@ def plan(args):
                         configs.append({"model": model, "batch_size": batch_size, "task": task,
                                         "system": name, "framework": SYSTEMS[name].framework})
     return configs
+
+
+def _zoo_configs(names, batch_sizes, tasks):
+    """custagg_auto on a builder's models (`models.build`) with the plan's
+    forms; mnist_deep also the DP step over its Adam step (task "step")."""
+    return [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf", plan=True)
+            for m in names for b in batch_sizes
+            for t in list(tasks) + ["step"] * (m == "mnist_deep")]
 
 
 def _same_family(rec, cfg):
@@ -276,17 +386,7 @@ def _code_hash():
     return h.hexdigest()[:10]
 
 
-
-def work_dirs(out):
-    """{"logs", "tmp", "cache"}: the folders of a run writing to `out`, made."""
-    dirs = {"logs": os.path.join(out, "logs"), "tmp": os.path.join(out, "logs", "tmp"),
-            "cache": os.path.join(out, ".cache")}
-    for d in dirs.values():
-        os.makedirs(d, exist_ok=True)
-    return dirs
-
-
-def execute(worker, cfg, args, dirs, tag):
+def execute(worker, cfg, dirs, tag):
     """Run one request through `worker`; returns (result dict, reply)."""
     result_path = os.path.join(dirs["tmp"], tag + ".json")
     log_path = os.path.join(dirs["logs"], tag + ".log")
@@ -314,8 +414,9 @@ def execute(worker, cfg, args, dirs, tag):
 
 
 def _progress(i, n, rec, wall):
-    head = "[%3d/%d] %-11s B=%-4d %-6s %-22s" % (i, n, rec["model"], rec["batch_size"],
-                                                 rec["task"], rec["system"])
+    head = "[%3d/%d] %s%-11s B=%-4d %-6s %-22s" % (
+        i, n, "r%d %-6s " % (rec["round"], rec["tree"]) if "tree" in rec else "", rec["model"],
+        rec["batch_size"], rec["task"], rec["system"])
     if rec["status"] == "ok":
         body = "ok      %9.2f ms  x%-7.2f %s build %6.2fs  check %s" % (
             rec["median_ms"], rec["ratio_to_floor"],
@@ -331,18 +432,32 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt("signal %d" % signum)   # so `finally` stops the workers
 
 
+def _worker_key(cfg, framework=None):
+    """The worker server of `cfg`: its framework's, its tree's under --before."""
+    return (framework or cfg["framework"]) + ("@" + cfg["tree"] if cfg.get("tree") else "")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.report_only:
         return report_only(args)
+    if args.profile:
+        from benchmarks.systems import tf_systems
+        for name in args.models:
+            tf_systems.profile(name, args.batch_sizes, times=args.times)
+        return 0
     signal.signal(signal.SIGTERM, _terminate)
-    dirs = work_dirs(args.out)
+    dirs = {"logs": os.path.join(args.out, "logs"), "tmp": os.path.join(args.out, "logs", "tmp"),
+            "cache": os.path.join(args.out, ".cache")}
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
     configs = plan(args)
-    frameworks = sorted({c["framework"] for c in configs} | ({"tf"} if configs else set()))
+    keys = sorted({_worker_key(c) for c in configs} | {_worker_key(c, "tf") for c in configs})
     n_jobs = max(1, min(args.jobs, len({c["model"] for c in configs}) or 1))
-    job_workers = [{fw: ForkServer(fw, args.pythons.get(fw, sys.executable), dirs["logs"],
-                                   args.threads, job) for fw in frameworks}
-                   for job in range(n_jobs)]
+    trees = getattr(args, "trees", {})
+    job_workers = [{k: ForkServer(k, args.pythons.get(k.split("@")[0], sys.executable),
+                                  dirs["logs"], args.threads, job, trees.get(k.partition("@")[2]))
+                    for k in keys} for job in range(n_jobs)]
 
     started = time.time()
     machine = common.machine_info({"command": "python -m benchmarks " + " ".join(
@@ -350,6 +465,14 @@ def main(argv=None):
         timespec="seconds"), "threads": args.threads, "jobs": n_jobs, "settings": {
             k: getattr(args, k) for k in ("repeats", "budget", "timeout", "slow_limit", "threads",
                                           "jobs", "batch_sizes", "models", "tasks", "systems")}})
+    if args.mode == "before":
+        machine.update(rounds=args.rounds, note=args.note)
+        for name, tree in trees.items():
+            machine[name] = {"dir": tree, "commit": common.git(tree, "rev-parse", "--short",
+                                                               "HEAD"),
+                             "custagg_commit": common.git(tree, "log", "-1", "--format=%h", "--",
+                                                          "custagg"),
+                             "dirty": bool(common.git(tree, "status", "--porcelain", "custagg"))}
     print("benchmarks: %d configurations in %d job%s; %s, %d cores; out %s"
           % (len(configs), n_jobs, "" if n_jobs == 1 else "s", machine["cpu"], machine["cores"],
              os.path.relpath(args.out, REPO)), flush=True)
@@ -367,30 +490,30 @@ def main(argv=None):
     lock = threading.Lock()      # guards versions, unavailable, done, the counter, outputs
     counter = [0]
 
-    def start(workers, fw):
+    def start(workers, key):
         with lock:
-            if fw in unavailable:
+            if key in unavailable:
                 return
         t0 = time.monotonic()
-        if workers[fw].ensure():
+        if workers[key].ensure():
             with lock:
-                if fw not in versions:
-                    versions[fw] = workers[fw].versions or {}
-                    print("  %s worker ready in %.1fs: %s" % (fw, time.monotonic() - t0, ", ".join(
-                        "%s %s" % kv for kv in versions[fw].items())), flush=True)
+                if key not in versions:
+                    versions[key] = workers[key].versions or {}
+                    print("  %s worker ready in %.1fs: %s" % (
+                        key, time.monotonic() - t0, ", ".join(
+                            "%s %s" % kv for kv in versions[key].items())), flush=True)
         else:
             with lock:
-                unavailable[fw] = workers[fw].error
-                print("  %s unavailable: %s" % (fw, workers[fw].error), flush=True)
+                unavailable[key] = workers[key].error
+                print("  %s unavailable: %s" % (key, workers[key].error), flush=True)
 
     def run_config(cfg, workers):
-        fw = cfg["framework"]
-        worker = workers[fw]
-        start(workers, "tf")      # the reference and the machine line need TensorFlow
-        start(workers, fw)
+        key, tf_key = _worker_key(cfg), _worker_key(cfg, "tf")
+        start(workers, tf_key)      # the reference and the machine line need TensorFlow
+        start(workers, key)
         with lock:
             if machine_info["short"] is None:
-                tfv = versions.get("tf", {}).get("tensorflow", "?")
+                tfv = versions.get(tf_key, {}).get("tensorflow", "?")
                 machine_info["short"] = "%s, %d cores, TF %s" % (machine["cpu"], machine["cores"],
                                                                  tfv)
             missing = dict(unavailable)
@@ -399,47 +522,54 @@ def main(argv=None):
                    machine=machine_info["short"], **cfg)
         rec["loadavg_1m"] = os.getloadavg()[0]
         t0 = time.monotonic()
-        ref_key = (cfg["model"], cfg["batch_size"])
-        ref_path = os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
-            cfg["model"], cfg["batch_size"], code_hash))
-        if fw in missing:
+        # The harness's models are checked against the loop reference of
+        # (model, B); only the job that owns a model computes its references.
+        ref_key = (cfg["model"], cfg["batch_size"]) if cfg["model"] in models.MODELS else None
+        ref_path = ref_key and os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
+            ref_key + (code_hash,)))
+        if key in missing:
             rec.update(status="skipped", note="%s not available (%s); see "
-                       "benchmarks/requirements-peers.txt" % (fw, missing[fw]))
-        elif "tf" in missing:
-            rec.update(status="skipped", note="reference needs TensorFlow: %s" % missing["tf"])
+                       "benchmarks/requirements-peers.txt" % (cfg["framework"], missing[key]))
+        elif tf_key in missing:
+            rec.update(status="skipped", note="reference needs TensorFlow: %s" % missing[tf_key])
         else:
-            # Only the job that owns a model computes its references.
-            if ref_key not in references:
-                references[ref_key] = _reference(workers, cfg, ref_path, args, dirs)
-            skip = predict_skip(cfg, family, args)
-            if not references[ref_key]["ok"]:
+            if ref_key and ref_key not in references:
+                references[ref_key] = _reference(workers[tf_key], cfg, ref_path, args, dirs)
+            skip = None if "tree" in cfg else predict_skip(cfg, family, args)
+            if ref_key and not references[ref_key]["ok"]:
                 rec.update(status="skipped", note="no reference: " + references[ref_key]["note"])
             elif skip:
                 rec.update(status="skipped", note=skip)
             else:
-                run_cfg = dict(cfg, repeats=args.repeats, budget_s=args.budget,
-                               timeout=args.timeout, ref_path=ref_path, threads=args.threads)
-                tag = "%s_B%d_%s_%s" % (cfg["model"], cfg["batch_size"], cfg["task"],
-                                        cfg["system"])
-                result, reply = execute(worker, run_cfg, args, dirs, tag)
+                tag = "_".join(str(cfg[k]) for k in ("model", "batch_size", "task", "system",
+                                                      "round", "tree") if k in cfg)
+                result, reply = execute(workers[key], dict(
+                    cfg, repeats=args.repeats, budget_s=args.budget, timeout=args.timeout,
+                    threads=args.threads, ref_path=ref_path), dirs, tag)
                 rec.update(result)
                 if rec.get("peak_rss_mb") is None and reply.get("maxrss_mb"):
                     rec["peak_rss_mb"] = reply["maxrss_mb"]
                 rec["wall_s"] = reply.get("wall_s")
         rec["note"] = rec.get("note") or ""
+        plan_text = rec.pop("plan", None) if "tree" not in cfg else None
+        if "tree" not in cfg:
+            rec.pop("norms", None)
         with lock:
             done.append(rec)
             counter[0] += 1
             _progress(counter[0], len(configs), rec, time.monotonic() - t0)
-            _write_outputs(args, _merged(old, done), machine, versions, references, started,
-                           final=False)
+            if plan_text and args.plans:
+                print(plan_text, flush=True)
+            _write_outputs(args, _merged(args, old, done), machine, versions, references,
+                           started, final=False)
 
     # Whole models are dealt to the jobs, costliest first (each job runs a
     # model's configurations in plan order: B ascending, so the skip
-    # estimates of a larger B see the smaller ones).
+    # estimates of a larger B see the smaller ones); --before's rounds in
+    # turn.
     by_model = {}
     for cfg in configs:
-        by_model.setdefault(cfg["model"], []).append(cfg)
+        by_model.setdefault(cfg.get("round", cfg["model"]), []).append(cfg)
     queue = sorted(by_model, key=lambda m: -_MODEL_COST.get(m, 1))
     failures = []
 
@@ -474,7 +604,8 @@ def main(argv=None):
     if failures:
         raise failures[0]
     machine["loadavg_end"] = os.getloadavg()
-    _write_outputs(args, _merged(old, done), machine, versions, references, started, final=True)
+    _write_outputs(args, _merged(args, old, done), machine, versions, references, started,
+                   final=True)
     counts = {}
     for r in done:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -485,7 +616,7 @@ def main(argv=None):
     return 0
 
 
-def _reference(workers, cfg, ref_path, args, dirs):
+def _reference(worker, cfg, ref_path, args, dirs):
     """Writes the loop reference of (model, B) to `ref_path` unless cached:
     {"ok", "note"}."""
     if os.path.exists(ref_path):
@@ -495,7 +626,7 @@ def _reference(workers, cfg, ref_path, args, dirs):
                "batch_size": cfg["batch_size"], "ref_path": ref_path,
                "timeout": max(args.timeout, 300.0)}
     tag = "reference_%s_B%d" % (cfg["model"], cfg["batch_size"])
-    result, _ = execute(workers["tf"], ref_cfg, args, dirs, tag)
+    result, _ = execute(worker, ref_cfg, dirs, tag)
     ok = result.get("status", "ok") == "ok" and os.path.exists(ref_path)
     note = result.get("note", "")
     print("  reference %s B=%d: %s (%.1fs)" % (cfg["model"], cfg["batch_size"], note if ok else
@@ -504,7 +635,12 @@ def _reference(workers, cfg, ref_path, args, dirs):
     return {"ok": ok, "note": note}
 
 
-def _merged(old, done):
+def _merged(args, old, done):
+    """The records of this run, and --merge's old ones it did not redo, in
+    the tables' order (--zoo, --tf1-models and --before: as run)."""
+    if args.mode in ("zoo", "tf1_models", "before"):
+        return list(done)
+
     def key(r):
         return (r["model"], r["batch_size"], r["task"], r["system"])
 
@@ -530,12 +666,27 @@ def report_only(args):
 def _write_outputs(args, records, machine, versions, references, started, final):
     """--out/<stem>.json after every configuration; at the end (`final`) the
     run's description (machine.json; --merge: the first run's, this one under
-    "merged_runs") and the tables (`--peers`: peers_machine.json, peers.md)."""
+    "merged_runs") and the tables (`--peers`: peers_machine.json, peers.md;
+    `--zoo`, `--tf1-models`: <stem>.md; `--before`: before_after.*)."""
     from benchmarks import report
+    meta = dict(machine, versions=versions, wall_s=time.time() - started)
+    if args.mode == "before":
+        meta.update(tf=(versions.get("tf@after") or {}).get("tensorflow"), references={
+            "%s B=%d" % k: v["note"] for k, v in references.items()})
+        if final:
+            return report.write_before_after(args.out, meta, records)
+        return common.dump_json(os.path.join(args.out, "before_after.json"),
+                                {"meta": meta, "samples": records})
+    if args.mode in ("zoo", "tf1_models"):
+        common.dump_json(os.path.join(args.out, args.stem + ".json"),
+                         {"meta": meta, "records": records})
+        if final:
+            report.write_markdown(os.path.join(args.out, args.stem + ".md"), records, meta,
+                                  *ZOO_PAGES[args.mode])
+        return
     common.dump_json(os.path.join(args.out, args.stem + ".json"), records)
     if not final:
         return
-    meta = dict(machine, versions=versions, wall_s=time.time() - started)
     if args.stem == "peers":
         common.dump_json(os.path.join(args.out, "peers_machine.json"), meta)
         report.write_peers(os.path.join(args.out, "peers.md"), records, meta)

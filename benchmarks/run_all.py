@@ -10,10 +10,9 @@ files it wrote, with the tree's commit: every figure the docs quote traces
 to one run. The harness modes use both cores and run alone; the others run
 `--jobs` at a time. `--peers PREFIX`: the venvs of `benchmarks/peers_env.sh
 PREFIX` for the peers' workers (without it the peers' table is skipped);
-`--tfp PYTHON`: the TF 2.15 interpreter of tf_privacy_compare (default
+`--tfp PYTHON`: the TF 2.15 interpreter of dp_step's tf_privacy_compare (default
 PREFIX-tf215's; without either it is skipped, its old results kept).
 """
-from __future__ import print_function
 
 import argparse
 import concurrent.futures
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
@@ -31,48 +32,35 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 def benchmarks(peers=None, tfp=None):
     """[(name, argv, alone: uses both cores itself, outputs: the results
     files under benchmarks/results it rewrites)], argv run from the root."""
-    py = sys.executable
-    peer_args = []
+    py, harness = sys.executable, [sys.executable, "-m", "benchmarks"]
+    peer_args = ["--python", "jax=%s-jax/bin/python" % peers,
+                 "--python", "torch=%s-torch/bin/python" % peers] if peers else []
+    tfp = tfp or (peers and "%s-tf215/bin/python" % peers)
+
+    def files(stem, *more):
+        return [stem + ".md", stem + ".json"] + list(more)
+    out = [("harness", harness + ["--readme", "docs/benchmarks.md"] + peer_args, True,
+            files("results", "results.png", "results_memory.png", "machine.json")),
+           ("control_flow", harness + ["--control-flow"] + peer_args, True,
+            files("control_flow/results", "control_flow/results.png",
+                  "control_flow/results_memory.png", "control_flow/machine.json"))]
     if peers:
-        peer_args = ["--python", "jax=%s-jax/bin/python" % peers,
-                     "--python", "torch=%s-torch/bin/python" % peers]
-        tfp = tfp or "%s-tf215/bin/python" % peers
-    out = [
-        ("harness", [py, "-m", "benchmarks", "--readme", "docs/benchmarks.md"]
-         + peer_args, True, ["results.md", "results.json", "results.png",
-                             "results_memory.png", "machine.json"]),
-        ("control_flow", [py, "-m", "benchmarks", "--control-flow"]
-         + peer_args, True, ["control_flow/results.md",
-                             "control_flow/results.json",
-                             "control_flow/results.png",
-                             "control_flow/results_memory.png"]),
-    ] + ([
-        ("peers", [py, "-m", "benchmarks", "--peers"] + peer_args
-         + ["--python", "keras=" + tfp], True, ["peers.md", "peers.json"]),
-    ] if peers else []) + [
-        ("zoo", [py, "-m", "benchmarks", "--zoo", "--batch-sizes", "64,256"],
-         False, ["zoo.md", "zoo.json"]),
-        ("tf1_models", [py, "-m", "benchmarks", "--tf1-models"], False,
-         ["tf1_models.md", "tf1_models.json"]),
-    ] + [
-        (mode, [py, "-m", "benchmarks.dp_step", mode] + extra + ["--write"],
-         False, [mode + ".md", mode + ".json"])
-        for mode, extra in (("input_pipelines", []), ("microbatches", []),
-                            ("adaptive_clipping", ["--batch", "256"]),
-                            ("user_level_clipping", ["--batch", "256"]))
-    ] + [
-        ("custom_forms", [py, "-m", "benchmarks.custom_forms"], False,
-         ["custom_forms.md", "custom_forms.json"]),
-        ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20",
-                         "--repeats", "2"], False,
-         ["distributed.md", "distributed.json"]),
-    ]
+        out.append(("peers", harness + ["--peers"] + peer_args + ["--python", "keras=" + tfp],
+                    True, files("peers", "peers_machine.json")))
+    out += [("zoo", harness + ["--zoo", "--batch-sizes", "64,256"], False, files("zoo")),
+            ("tf1_models", harness + ["--tf1-models"], False, files("tf1_models"))]
+    out += [(mode, [py, "-m", "benchmarks.dp_step", mode] + extra + ["--write"], False,
+             files(mode)) for mode, extra in (
+                 ("input_pipelines", []), ("microbatches", []),
+                 ("adaptive_clipping", ["--batch", "256"]),
+                 ("user_level_clipping", ["--batch", "256"]))]
+    out += [("custom_forms", [py, "-m", "benchmarks.custom_forms"], False, files("custom_forms")),
+            ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20", "--repeats", "2"],
+             False, files("distributed"))]
     if tfp:
-        out.append(("tf_privacy_compare",
-                    [tfp, "-m", "benchmarks.tf_privacy_compare", "--parity",
-                     "--epsilon", "--timing", "--slow-limit", "20",
-                     "--write"], False,
-                    ["tf_privacy_compare.md", "tf_privacy_compare.json"]))
+        out.append(("tf_privacy_compare", [
+            tfp, "-m", "benchmarks.dp_step", "tf_privacy_compare", "--parity", "--epsilon",
+            "--timing", "--slow-limit", "20", "--write"], False, files("tf_privacy_compare")))
     return out
 
 
@@ -83,14 +71,6 @@ def _load():
         return "?"
 
 
-def _git(*args):
-    try:
-        return subprocess.run(["git"] + list(args), cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
 def _run_one(name, argv, outputs, logdir):
     """Runs one benchmark; its stdout and stderr go to logdir/name.log."""
     start = time.time()
@@ -98,8 +78,7 @@ def _run_one(name, argv, outputs, logdir):
         os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in argv),
         started=datetime.datetime.now().isoformat(timespec="seconds"),
         load_start=_load())
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep
-               + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(os.path.join(logdir, name + ".log"), "w") as log:
         rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT,
@@ -116,29 +95,22 @@ def _run_one(name, argv, outputs, logdir):
 
 
 def _markdown(meta, records):
-    lines = ["# One run of every benchmark", "",
-             "- Command: `%s`" % meta["command"],
-             "- Tree: %s%s" % (meta["commit"],
-                               "" if meta["clean"] else " (with local changes)"),
+    rows = [["%s" % r["name"], "`%s`%s" % (r["command"], " (re-run: `%s`)" % r["rerun"]
+                                           if r.get("rerun") else ""),
+             r["started"], "%.0f" % r["seconds"], "%s -> %s" % (r["load_start"], r["load_end"]),
+             "%d" % r["exit"], ", ".join(r["outputs"]) or "none"] for r in records]
+    rows += [[s["name"], "not run: " + s["why"], "", "", "", "", "kept from an earlier run"]
+             for s in meta.get("skipped", [])]
+    lines = ["# One run of every benchmark", "", "- Command: `%s`" % meta["command"],
+             "- Tree: %s%s" % (meta["commit"], "" if meta["clean"] else " (with local changes)"),
              "- Started %s, took %.0f s; %s" % (meta["started"], meta["seconds"],
                                                meta["machine"]), "",
-             "Each results file below was written by the run on its row.", "",
-             "| benchmark | command | started | seconds | load (1/5/15 min) "
-             "start -> end | exit | results files |",
-             "|---|---|---|---:|---|---:|---|"]
-    for r in records:
-        lines.append("| %s | `%s`%s | %s | %.0f | %s -> %s | %d | %s |" % (
-            r["name"], r["command"], " (re-run: `%s`)" % r["rerun"]
-            if r.get("rerun") else "", r["started"], r["seconds"],
-            r["load_start"], r["load_end"], r["exit"],
-            ", ".join(r["outputs"]) or "none"))
-    for s in meta.get("skipped", []):
-        lines.append("| %s | not run: %s | | | | | kept from an earlier run |"
-                     % (s["name"], s["why"]))
-    for rerun in meta.get("reruns", []):
-        lines += ["", "Re-run: `%s` on %s, started %s." % (
-            rerun["command"], rerun["commit"], rerun["started"])]
-    return "\n".join(lines) + "\n"
+             "Each results file below was written by the run on its row.", "", common.md_table(
+                 ["benchmark", "command", "started", "seconds", "load (1/5/15 min) start -> end",
+                  "exit", "results files"], rows, ["---"] * 3 + ["---:", "---", "---:", "---"])]
+    lines += ["Re-run: `%s` on %s, started %s.\n" % (r["command"], r["commit"], r["started"])
+              for r in meta.get("reruns", [])]
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -146,16 +118,14 @@ def main(argv=None):
                                 description=__doc__.split("\n")[0])
     p.add_argument("--peers", metavar="PREFIX",
                    help="the peers' venvs made by benchmarks/peers_env.sh PREFIX")
-    p.add_argument("--tfp", metavar="PYTHON",
-                   help="TF 2.15 interpreter with tensorflow-privacy")
+    p.add_argument("--tfp", metavar="PYTHON", help="TF 2.15 interpreter with tensorflow-privacy")
     p.add_argument("--jobs", type=int,
                    default=2 if (os.cpu_count() or 1) >= 2 else 1,
                    help="single-threaded benchmarks run at once (default 2 "
                         "on 2+ cores)")
     p.add_argument("--only", help="comma list of benchmark names")
     p.add_argument("--skip", help="comma list of benchmark names")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the commands, run nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--merge", action="store_true",
                    help="keep run_all.json's records of the benchmarks not "
                         "run this time (a re-run of one that failed)")
@@ -175,8 +145,7 @@ def main(argv=None):
         todo = [t for t in todo if t[0] not in args.skip.split(",")]
     if args.dry_run:
         for name, argv_, alone, _ in todo:
-            print("%-20s %s%s" % (name, " ".join(argv_),
-                                  "  (alone)" if alone else ""))
+            print("%-20s %s%s" % (name, " ".join(argv_), "  (alone)" if alone else ""))
         return 0
     logdir = os.path.join(RESULTS, "run_all_logs")
     os.makedirs(logdir, exist_ok=True)
@@ -184,14 +153,13 @@ def main(argv=None):
     meta = dict(
         command="python -m benchmarks.run_all " + " ".join(
             argv if argv is not None else sys.argv[1:]),
-        commit=_git("rev-parse", "--short", "HEAD"),
-        clean=_git("status", "--porcelain", "--untracked-files=no") == "",
+        commit=common.git(ROOT, "rev-parse", "--short", "HEAD"),
+        clean=common.git(ROOT, "status", "--porcelain", "--untracked-files=no") == "",
         started=datetime.datetime.now().isoformat(timespec="seconds"),
         machine="%d cores; python %s" % (os.cpu_count() or 1,
                                          sys.version.split()[0]))
     if not (args.tfp or args.peers) and (not args.only or "tf_privacy_compare" in args.only):
-        meta["skipped"] = [dict(name="tf_privacy_compare",
-                                why="no --tfp interpreter given")]
+        meta["skipped"] = [dict(name="tf_privacy_compare", why="no --tfp interpreter given")]
     records = []
     for name, argv_, alone, outputs in [t for t in todo if t[2]]:
         records.append(_run_one(name, argv_, outputs, logdir))

@@ -23,17 +23,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.zoo_models import Model  # noqa: F401  (one Model for both)
+from benchmarks.zoo_models import Model, _glorot, _new_variables  # noqa: F401  (one Model)
 
 tf1 = tf.compat.v1
-
-
-def _new_variables(fn):
-    """Runs `fn`; returns (its result, the trainable variables it made)."""
-    before = set(v.ref() for v in tf1.trainable_variables())
-    out = fn()
-    return out, [v for v in tf1.trainable_variables()
-                 if v.ref() not in before]
 
 
 def _lengths(rng, batch, steps):
@@ -52,10 +44,8 @@ def _layer_norm(inputs, dtype, scope, epsilon=1e-8):
     with tf1.variable_scope(scope):
         mean, variance = tf.nn.moments(inputs, [-1], keepdims=True)
         size = inputs.get_shape()[-1:]
-        beta = tf1.get_variable("beta", size, dtype,
-                                initializer=tf1.zeros_initializer())
-        gamma = tf1.get_variable("gamma", size, dtype,
-                                 initializer=tf1.ones_initializer())
+        beta = tf1.get_variable("beta", size, dtype, initializer=tf1.zeros_initializer())
+        gamma = tf1.get_variable("gamma", size, dtype, initializer=tf1.ones_initializer())
         return gamma * (inputs - mean) / ((variance + epsilon) ** .5) + beta
 
 
@@ -91,9 +81,7 @@ def transformer(dtype, rng, full=False):
     labels = tf1.placeholder(tf.int32, [None], name="labels")
 
     def build():
-        with tf1.variable_scope("transformer", initializer=(
-                tf1.glorot_uniform_initializer(
-                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+        with tf1.variable_scope("transformer", initializer=_glorot(rng, dtype)):
             table = tf1.get_variable("lookup_table", [vocab, dim], dtype)
             enc = tf.nn.embedding_lookup(table, ids) * math.sqrt(dim)
             # Learned positions, looked up from a [B, T] tile of range(T).
@@ -102,12 +90,9 @@ def transformer(dtype, rng, full=False):
             pos_table = tf1.get_variable("pos_table", [steps, dim], dtype)
             enc += tf.nn.embedding_lookup(pos_table, positions)
             key_mask = tf.cast(tf.not_equal(ids, 0), dtype)   # [B, T]
-            enc = _multihead_attention(enc, enc, key_mask, heads, dtype,
-                                       "attention")
-            hidden = tf1.layers.dense(enc, ff, activation=tf.nn.relu,
-                                      name="ff1")
-            enc = _layer_norm(enc + tf1.layers.dense(hidden, dim, name="ff2"),
-                              dtype, "ln_ff")
+            enc = _multihead_attention(enc, enc, key_mask, heads, dtype, "attention")
+            hidden = tf1.layers.dense(enc, ff, activation=tf.nn.relu, name="ff1")
+            enc = _layer_norm(enc + tf1.layers.dense(hidden, dim, name="ff2"), dtype, "ln_ff")
             # Mean over the real tokens.
             pooled = (tf.reduce_sum(enc * tf.expand_dims(key_mask, -1), 1) /
                       tf.reduce_sum(key_mask, 1, keepdims=True))
@@ -130,8 +115,7 @@ def transformer(dtype, rng, full=False):
 # Bidirectional LSTM tagger
 
 
-def _tagger_logits(word_embeddings, sequence_lengths, hidden, tags, dtype,
-                   init, dropout=None):
+def _tagger_logits(word_embeddings, sequence_lengths, hidden, tags, dtype, init, dropout=None):
     """The tagger's `add_logits_op`: a bi-LSTM with `sequence_length`, its
     outputs concatenated (dropout with keep probability `dropout`, if
     given), a `[-1, 2H]` reshape and matmul to the tags: `[B, T, tags]`."""
@@ -145,10 +129,8 @@ def _tagger_logits(word_embeddings, sequence_lengths, hidden, tags, dtype,
         if dropout is not None:
             output = tf1.nn.dropout(output, dropout)
     with tf1.variable_scope("proj"):
-        W = tf1.get_variable("W", [2 * hidden, tags], dtype,
-                             initializer=init)
-        b = tf1.get_variable("b", [tags], dtype,
-                             initializer=tf1.zeros_initializer())
+        W = tf1.get_variable("W", [2 * hidden, tags], dtype, initializer=init)
+        b = tf1.get_variable("b", [tags], dtype, initializer=tf1.zeros_initializer())
         nsteps = tf.shape(output)[1]
         output = tf.reshape(output, [-1, 2 * hidden])
         pred = tf.matmul(output, W) + b
@@ -157,27 +139,22 @@ def _tagger_logits(word_embeddings, sequence_lengths, hidden, tags, dtype,
 
 def bilstm_tagger(dtype, rng, full=False):
     """Word embeddings, a bi-LSTM and a per-token softmax (a NER tagger)."""
-    vocab, dim, hidden, tags, steps = (
-        (1000, 32, 64, 9, 24) if full else (15, 4, 5, 3, 4))
+    vocab, dim, hidden, tags, steps = ((1000, 32, 64, 9, 24) if full else (15, 4, 5, 3, 4))
     word_ids = tf1.placeholder(tf.int32, [None, None], name="word_ids")
-    sequence_lengths = tf1.placeholder(tf.int32, [None],
-                                       name="sequence_lengths")
+    sequence_lengths = tf1.placeholder(tf.int32, [None], name="sequence_lengths")
     labels = tf1.placeholder(tf.int32, [None, None], name="labels")
 
     def build():
-        init = tf1.glorot_uniform_initializer(
-            seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
         with tf1.variable_scope("words"):
             embeddings = tf1.get_variable("_word_embeddings", [vocab, dim],
                                           dtype, initializer=init)
             word_embeddings = tf.nn.embedding_lookup(embeddings, word_ids)
-        return _tagger_logits(word_embeddings, sequence_lengths, hidden,
-                              tags, dtype, init)
+        return _tagger_logits(word_embeddings, sequence_lengths, hidden, tags, dtype, init)
     logits, xs = _new_variables(build)
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
         logits=logits, labels=labels)                       # [B, T]
-    mask = tf.sequence_mask(sequence_lengths, tf.shape(word_ids)[1],
-                            dtype=dtype)
+    mask = tf.sequence_mask(sequence_lengths, tf.shape(word_ids)[1], dtype=dtype)
     loss = tf.reduce_sum(losses * mask, axis=1)             # [B]
 
     def feed(rng, batch, t=None):
@@ -192,8 +169,7 @@ def bilstm_tagger(dtype, rng, full=False):
 # Wide & deep on feature columns
 
 
-_EDUCATION = ["Bachelors", "HS-grad", "Masters", "Doctorate", "Some-college",
-              "Assoc-voc"]
+_EDUCATION = ["Bachelors", "HS-grad", "Masters", "Doctorate", "Some-college", "Assoc-voc"]
 _OCCUPATIONS = ["Tech-support", "Craft-repair", "Sales", "Exec-managerial",
                 "Prof-specialty", "Farming-fishing", "Transport-moving"]
 _INTERESTS = ["golf", "chess", "music", "hiking", "cooking", "film", "tennis"]
@@ -218,13 +194,11 @@ def wide_deep(dtype, rng, full=False):
     label = tf1.placeholder(dtype, [None, 1], name="label")
     # Standardized as the input pipelines of these models do (raw ages
     # saturate the sigmoid at initialization: gradients of 1e-20).
-    age = fc.numeric_column("age", dtype=dtype,
-                            normalizer_fn=lambda v: (v - 45.0) / 15.0)
+    age = fc.numeric_column("age", dtype=dtype, normalizer_fn=lambda v: (v - 45.0) / 15.0)
     hours = fc.numeric_column("hours_per_week", dtype=dtype,
                               normalizer_fn=lambda v: (v - 40.0) / 12.0)
     # Everything below is float32 whatever `dtype` is (FLOAT32_ONLY).
-    education = fc.categorical_column_with_vocabulary_list("education",
-                                                           _EDUCATION)
+    education = fc.categorical_column_with_vocabulary_list("education", _EDUCATION)
     occupation = fc.categorical_column_with_hash_bucket(
         "occupation", hash_bucket_size=50 if full else 11)
     interests = fc.categorical_column_with_hash_bucket(
@@ -241,14 +215,12 @@ def wide_deep(dtype, rng, full=False):
             wide_logits = fc.linear_model(features, wide_columns)   # [B, 1]
         with tf1.variable_scope("deep"):
             net = fc.input_layer(features, deep_columns)
-            init = tf1.glorot_uniform_initializer(
-                seed=int(rng.integers(1 << 30)))
+            init = _glorot(rng)
             for i, units in enumerate(hidden):
                 net = tf1.layers.dense(net, units, activation=tf.nn.relu,
                                        kernel_initializer=init,
                                        name="hiddenlayer_%d" % i)
-            deep_logits = tf1.layers.dense(net, 1, kernel_initializer=init,
-                                           name="logits")
+            deep_logits = tf1.layers.dense(net, 1, kernel_initializer=init, name="logits")
         return wide_logits + deep_logits
     logits, xs = _new_variables(build)
     loss = tf.reshape(tf.nn.sigmoid_cross_entropy_with_logits(
@@ -285,8 +257,7 @@ def wide_deep(dtype, rng, full=False):
 
 def word2vec(dtype, rng, full=False):
     """word2vec_basic.py's graph: embeddings, NCE weights and biases."""
-    vocabulary_size, embedding_size, num_sampled = (
-        (5000, 128, 64) if full else (40, 6, 5))
+    vocabulary_size, embedding_size, num_sampled = ((5000, 128, 64) if full else (40, 6, 5))
     train_inputs = tf1.placeholder(tf.int32, [None], name="train_inputs")
     train_labels = tf1.placeholder(tf.int64, [None, 1], name="train_labels")
     embeddings = tf.Variable(tf1.random_uniform(
@@ -335,25 +306,21 @@ def ptb_lm(dtype, rng, full=False):
         init = tf1.random_uniform_initializer(
             -0.1, 0.1, seed=int(rng.integers(1 << 30)), dtype=dtype)
         with tf1.variable_scope("Model", initializer=init):
-            embedding = tf1.get_variable("embedding", [vocab_size, size],
-                                         dtype)
+            embedding = tf1.get_variable("embedding", [vocab_size, size], dtype)
             inputs = tf.nn.embedding_lookup(embedding, input_data)
             cell = tf1.nn.rnn_cell.MultiRNNCell(
                 [tf1.nn.rnn_cell.LSTMCell(size, forget_bias=0.0)
                  for _ in range(2)], state_is_tuple=True)
             batch_size = tf.shape(input_data)[0]
             initial_state = cell.zero_state(batch_size, dtype)
-            outputs, _ = tf1.nn.dynamic_rnn(cell, inputs,
-                                            initial_state=initial_state)
+            outputs, _ = tf1.nn.dynamic_rnn(cell, inputs, initial_state=initial_state)
             output = tf.reshape(outputs, [-1, size])
-            softmax_w = tf1.get_variable("softmax_w", [size, vocab_size],
-                                         dtype)
+            softmax_w = tf1.get_variable("softmax_w", [size, vocab_size], dtype)
             softmax_b = tf1.get_variable("softmax_b", [vocab_size], dtype)
             logits = tf1.nn.xw_plus_b(output, softmax_w, softmax_b)
             return tf.reshape(logits, [batch_size, -1, vocab_size])
     logits, xs = _new_variables(build)
-    loss = _sequence_loss(logits, targets,
-                          tf.ones_like(targets, dtype=dtype))
+    loss = _sequence_loss(logits, targets, tf.ones_like(targets, dtype=dtype))
 
     def feed(rng, batch, t=None):
         t = t or steps
@@ -375,8 +342,7 @@ def _two_towers(dtype, rng, full):
     doc = tf1.placeholder(dtype, [None, d_dim], name="doc")
 
     def build():
-        init = tf1.glorot_uniform_initializer(
-            seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
 
         def tower(x, scope):
             with tf1.variable_scope(scope):
@@ -390,8 +356,7 @@ def _two_towers(dtype, rng, full):
 
     def feed(rng, batch, t=None):
         del t
-        return {query: rng.normal(size=[batch, q_dim]),
-                doc: rng.normal(size=[batch, d_dim])}
+        return {query: rng.normal(size=[batch, q_dim]), doc: rng.normal(size=[batch, d_dim])}
     return q, d, xs, feed
 
 
@@ -411,8 +376,7 @@ def in_batch_negatives(dtype, rng, full=False):
     # Query i meets documents i and i-1, but the query tower sees only
     # query i: its variables keep the examples apart, the document tower's
     # do not.
-    return Model(loss, xs, feed, coupled=[v.name for v in xs
-                                          if "doc_tower" in v.name])
+    return Model(loss, xs, feed, coupled=[v.name for v in xs if "doc_tower" in v.name])
 
 
 def in_batch_softmax(dtype, rng, full=False):
@@ -425,8 +389,7 @@ def in_batch_softmax(dtype, rng, full=False):
     logits = 5.0 * tf.matmul(q, d, transpose_b=True)             # [B, B]
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=tf.range(tf.shape(q)[0]), logits=logits)
-    return Model(loss, xs, feed, coupled=[v.name for v in xs
-                                          if "doc_tower" in v.name])
+    return Model(loss, xs, feed, coupled=[v.name for v in xs if "doc_tower" in v.name])
 
 
 # --------------------------------------------------------------------------
@@ -460,14 +423,12 @@ def unet(dtype, rng, full=False):
     def deconv2d(x, W, stride):
         s = tf.shape(x)
         output_shape = tf.stack([s[0], s[1] * 2, s[2] * 2, s[3] // 2])
-        return tf.nn.conv2d_transpose(x, W, output_shape,
-                                      [1, stride, stride, 1], "VALID")
+        return tf.nn.conv2d_transpose(x, W, output_shape, [1, stride, stride, 1], "VALID")
 
     def crop_and_concat(x1, x2):
         s1, s2 = tf.shape(x1), tf.shape(x2)
         offsets = [0, (s1[1] - s2[1]) // 2, (s1[2] - s2[2]) // 2, 0]
-        return tf.concat([tf.slice(x1, offsets, [-1, s2[1], s2[2], -1]),
-                          x2], 3)
+        return tf.concat([tf.slice(x1, offsets, [-1, s2[1], s2[2], -1]), x2], 3)
 
     def build():
         features = root
@@ -497,8 +458,7 @@ def unet(dtype, rng, full=False):
     logits, xs = _new_variables(build)
     # The cropped labels, as the author's `crop_to_shape`.
     offset = (tf.shape(y)[1] - tf.shape(logits)[1]) // 2
-    labels = y[:, offset:offset + tf.shape(logits)[1],
-               offset:offset + tf.shape(logits)[2], :]
+    labels = y[:, offset:offset + tf.shape(logits)[1], offset:offset + tf.shape(logits)[2], :]
     flat = tf.nn.softmax_cross_entropy_with_logits(
         logits=tf.reshape(logits, [-1, n_class]),
         labels=tf.reshape(labels, [-1, n_class]))
@@ -519,20 +479,16 @@ def ctc_lstm(dtype, rng, full=False):
     `b`, the reshape back to `[batch_s, -1, num_classes]` (B read from the
     inputs), time-major logits and `tf.compat.v1.nn.ctc_loss` on a sparse
     placeholder of labels: the `[B]` CTC loss (the author averages it)."""
-    num_features, num_hidden, num_classes, steps = (
-        (13, 50, 28, 40) if full else (4, 5, 6, 6))
+    num_features, num_hidden, num_classes, steps = ((13, 50, 28, 40) if full else (4, 5, 6, 6))
     inputs = tf1.placeholder(dtype, [None, None, num_features], name="inputs")
     targets = tf1.sparse_placeholder(tf.int32, name="targets")
     seq_len = tf1.placeholder(tf.int32, [None], name="seq_len")
 
     def build():
-        with tf1.variable_scope("ctc", initializer=(
-                tf1.glorot_uniform_initializer(
-                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+        with tf1.variable_scope("ctc", initializer=_glorot(rng, dtype)):
             cell = tf1.nn.rnn_cell.LSTMCell(num_hidden, state_is_tuple=True)
             stack = tf1.nn.rnn_cell.MultiRNNCell([cell], state_is_tuple=True)
-            outputs, _ = tf1.nn.dynamic_rnn(stack, inputs, seq_len,
-                                            dtype=dtype)
+            outputs, _ = tf1.nn.dynamic_rnn(stack, inputs, seq_len, dtype=dtype)
         shape = tf.shape(inputs)
         batch_s = shape[0]
         outputs = tf.reshape(outputs, [-1, num_hidden])
@@ -574,16 +530,14 @@ def neurobind(dtype, rng, full=False):
     y = tf1.placeholder(dtype, [None], name="y")
 
     def build():
-        init = tf1.glorot_uniform_initializer(
-            seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
         with tf1.variable_scope("net", initializer=init):
             table = tf1.get_variable("lookup_table", [vocab, units], dtype)
             enc = tf.nn.embedding_lookup(table, x)
             with tf1.variable_scope("prenet"):
                 out = tf1.layers.dense(enc, units, tf.nn.relu, name="dense1")
                 out = tf1.layers.dropout(out, 0.2, training=True)
-                out = tf1.layers.dense(out, units // 2, tf.nn.relu,
-                                       name="dense2")
+                out = tf1.layers.dense(out, units // 2, tf.nn.relu, name="dense2")
                 prenet_out = tf1.layers.dropout(out, 0.2, training=True)
             enc = tf1.layers.conv1d(prenet_out, units // 2, 3,
                                     padding="same", activation=tf.nn.relu,
@@ -591,8 +545,7 @@ def neurobind(dtype, rng, full=False):
             enc += prenet_out
             with tf1.variable_scope("highwaynet_0"):
                 H = tf1.layers.dense(enc, units // 2, tf.nn.relu, name="H")
-                T = tf1.layers.dense(enc, units // 2, tf.nn.sigmoid,
-                                     name="T")
+                T = tf1.layers.dense(enc, units // 2, tf.nn.sigmoid, name="T")
                 enc = H * T + enc * (1. - T)
             _, t, e = enc.get_shape().as_list()
             enc = tf.reshape(enc, (-1, t * e))
@@ -602,8 +555,7 @@ def neurobind(dtype, rng, full=False):
 
     def feed(rng, batch, t=None):
         del t
-        return {x: rng.integers(0, vocab, [batch, steps]),
-                y: rng.normal(size=[batch])}
+        return {x: rng.integers(0, vocab, [batch, steps]), y: rng.normal(size=[batch])}
     return Model(loss, xs, feed)
 
 
@@ -613,17 +565,14 @@ def attention_pooling(dtype, rng, full=False):
     jk->aik', value, weight)`, `attention_pooling`'s `tf.squeeze(dense(sj,
     1), [-1])` and its masked softmax `exp(value) * mask` normalized by
     hand, `summary` with dropout), then a classifier on the pooled vector."""
-    vocab, dim, hidden, classes, steps = (
-        (1000, 64, 64, 5, 40) if full else (17, 6, 5, 3, 6))
+    vocab, dim, hidden, classes, steps = ((1000, 64, 64, 5, 40) if full else (17, 6, 5, 3, 6))
     ids = tf1.placeholder(tf.int32, [None, None], name="ids")
     lengths = tf1.placeholder(tf.int32, [None], name="lengths")
     labels = tf1.placeholder(tf.int32, [None], name="labels")
 
     def dense(value, last_dim, use_bias=True, scope="dense"):
         with tf1.variable_scope(scope):
-            weight = tf1.get_variable("weight",
-                                      [value.get_shape()[-1], last_dim],
-                                      dtype)
+            weight = tf1.get_variable("weight", [value.get_shape()[-1], last_dim], dtype)
             out = tf.einsum("aij,jk->aik", value, weight)
             if use_bias:
                 out += tf1.get_variable("bias", [last_dim], dtype)
@@ -634,24 +583,19 @@ def attention_pooling(dtype, rng, full=False):
         return exp / tf.expand_dims(tf.reduce_sum(exp, -1), -1)
 
     def build():
-        with tf1.variable_scope("reader", initializer=(
-                tf1.glorot_uniform_initializer(
-                    seed=int(rng.integers(1 << 30)), dtype=dtype))):
+        with tf1.variable_scope("reader", initializer=_glorot(rng, dtype)):
             table = tf1.get_variable("word_mat", [vocab, dim], dtype)
             mask = tf.sequence_mask(lengths, tf.shape(ids)[1], dtype=dtype)
-            value = tf.nn.tanh(dense(tf.nn.embedding_lookup(table, ids),
-                                     hidden, scope="encoder"))
+            value = tf.nn.tanh(dense(tf.nn.embedding_lookup(table, ids), hidden, scope="encoder"))
             with tf1.variable_scope("summary"):
                 value = tf.nn.dropout(value, rate=0.1)
                 sj = tf.nn.tanh(dense(value, hidden, scope="summary_sj"))
-                uj = tf.squeeze(dense(sj, 1, use_bias=False,
-                                      scope="summary_uj"), [-1])
+                uj = tf.squeeze(dense(sj, 1, use_bias=False, scope="summary_uj"), [-1])
                 alpha = softmax(uj, mask)
                 pooled = tf.reduce_sum(tf.expand_dims(alpha, -1) * value, 1)
             return tf1.layers.dense(pooled, classes, name="logits")
     logits, xs = _new_variables(build)
-    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                          logits=logits)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
     def feed(rng, batch, t=None):
         t = t or steps
@@ -675,8 +619,7 @@ def _crf_log_likelihood(inputs, tag_indices, sequence_lengths, dtype):
     `dtype` where contrib wrote float32 (its masks and the RNN's state), so
     the model builds in float64 too."""
     num_tags = inputs.get_shape()[2]
-    transition_params = tf1.get_variable("transitions",
-                                         [num_tags, num_tags], dtype)
+    transition_params = tf1.get_variable("transitions", [num_tags, num_tags], dtype)
     # crf_unary_score
     batch_size = tf.shape(inputs)[0]
     max_seq_len = tf.shape(inputs)[1]
@@ -690,8 +633,7 @@ def _crf_log_likelihood(inputs, tag_indices, sequence_lengths, dtype):
         [batch_size, max_seq_len])
 
     def lengths_to_masks(lengths, max_length):
-        tiled_ranges = tf.tile(tf.expand_dims(tf.range(max_length), 0),
-                               [tf.shape(lengths)[0], 1])
+        tiled_ranges = tf.tile(tf.expand_dims(tf.range(max_length), 0), [tf.shape(lengths)[0], 1])
         return tf.cast(tiled_ranges < tf.expand_dims(lengths, 1), dtype)
     masks = lengths_to_masks(sequence_lengths, tf.shape(tag_indices)[1])
     unary_scores = tf.reduce_sum(unary_scores * masks, 1)
@@ -699,10 +641,8 @@ def _crf_log_likelihood(inputs, tag_indices, sequence_lengths, dtype):
     num_transitions = tf.shape(tag_indices)[1] - 1
     start_tag_indices = tf.slice(tag_indices, [0, 0], [-1, num_transitions])
     end_tag_indices = tf.slice(tag_indices, [0, 1], [-1, num_transitions])
-    flattened_transition_indices = (start_tag_indices * num_tags +
-                                    end_tag_indices)
-    binary_scores = tf.gather(tf.reshape(transition_params, [-1]),
-                              flattened_transition_indices)
+    flattened_transition_indices = (start_tag_indices * num_tags + end_tag_indices)
+    binary_scores = tf.gather(tf.reshape(transition_params, [-1]), flattened_transition_indices)
     truncated_masks = tf.slice(masks, [0, 1], [-1, -1])
     binary_scores = tf.reduce_sum(binary_scores * truncated_masks, 1)
     # crf_log_norm
@@ -758,34 +698,28 @@ def bilstm_crf(dtype, rng, full=False, static_steps=False):
         (15, 11, 4, 3, 2, 5, 3, 4, 3))
     t = steps if static_steps else None
     word_ids = tf1.placeholder(tf.int32, [None, t], name="word_ids")
-    sequence_lengths = tf1.placeholder(tf.int32, [None],
-                                       name="sequence_lengths")
+    sequence_lengths = tf1.placeholder(tf.int32, [None], name="sequence_lengths")
     char_ids = tf1.placeholder(tf.int32, [None, t, None], name="char_ids")
     word_lengths = tf1.placeholder(tf.int32, [None, t], name="word_lengths")
     labels = tf1.placeholder(tf.int32, [None, t], name="labels")
     dropout = tf1.placeholder(dtype, [], name="dropout")
 
     def build():
-        init = tf1.glorot_uniform_initializer(
-            seed=int(rng.integers(1 << 30)), dtype=dtype)
+        init = _glorot(rng, dtype)
         with tf1.variable_scope("words"):
             _word_embeddings = tf1.get_variable(
                 "_word_embeddings", [vocab, dim], dtype, initializer=init)
             word_embeddings = tf.nn.embedding_lookup(
                 _word_embeddings, word_ids, name="word_embeddings")
         with tf1.variable_scope("chars", initializer=init):
-            _char_embeddings = tf1.get_variable(
-                "_char_embeddings", [nchars, dim_char], dtype)
+            _char_embeddings = tf1.get_variable("_char_embeddings", [nchars, dim_char], dtype)
             char_embeddings = tf.nn.embedding_lookup(
                 _char_embeddings, char_ids, name="char_embeddings")
             s = tf.shape(char_embeddings)
-            char_embeddings = tf.reshape(
-                char_embeddings, shape=[s[0] * s[1], s[-2], dim_char])
+            char_embeddings = tf.reshape(char_embeddings, shape=[s[0] * s[1], s[-2], dim_char])
             word_lengths_flat = tf.reshape(word_lengths, shape=[s[0] * s[1]])
-            cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden_char,
-                                               state_is_tuple=True)
-            cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden_char,
-                                               state_is_tuple=True)
+            cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden_char, state_is_tuple=True)
+            cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden_char, state_is_tuple=True)
             _output = tf1.nn.bidirectional_dynamic_rnn(
                 cell_fw, cell_bw, char_embeddings,
                 sequence_length=word_lengths_flat, dtype=dtype)
@@ -797,8 +731,7 @@ def bilstm_crf(dtype, rng, full=False, static_steps=False):
         logits = _tagger_logits(word_embeddings, sequence_lengths, hidden,
                                 tags, dtype, init, dropout)
         with tf1.variable_scope("crf", initializer=init):
-            return _crf_log_likelihood(logits, labels, sequence_lengths,
-                                       dtype)
+            return _crf_log_likelihood(logits, labels, sequence_lengths, dtype)
     log_likelihood, xs = _new_variables(build)
     loss = -log_likelihood                                     # [B]
 
@@ -839,15 +772,13 @@ FLOAT32_ONLY = {
 def initializer():
     """The op that initializes a model's variables and lookup tables
     (`wide_deep`'s vocabulary list is a hash table)."""
-    return tf.group(tf1.global_variables_initializer(),
-                    tf1.tables_initializer())
+    return tf.group(tf1.global_variables_initializer(), tf1.tables_initializer())
 
 
 def has_tf1_layers():
     """Whether `tf.compat.v1.layers` and the v1 RNN cells are usable here
     (TF 2.16+ needs the tf-keras package and TF_USE_LEGACY_KERAS=1)."""
     try:
-        return (callable(tf1.layers.dense) and
-                callable(tf1.nn.rnn_cell.LSTMCell))
+        return (callable(tf1.layers.dense) and callable(tf1.nn.rnn_cell.LSTMCell))
     except (ImportError, AttributeError):
         return False

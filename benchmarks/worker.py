@@ -5,7 +5,7 @@ Privacy), then forks one child per configuration it is sent; the child runs
 it and exits, the server kills it at the timeout and reports its peak RSS
 from wait4(). The server makes no session or thread pool, so forking is
 safe, and a configuration that hangs or crashes takes only its own process.
-With TREE, custagg comes from that checkout (benchmarks.before_after).
+With TREE, custagg comes from that checkout (`python -m benchmarks --before`).
 
 Protocol: one JSON request a line on stdin, `{"cfg", "timeout",
 "result_path", "log_path"}`; one JSON reply a line on stdout, `{"status":
@@ -26,6 +26,7 @@ def import_framework(framework, tree=None):
     """Import what `framework`'s children need; returns {package: version}."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if framework == "tf":
+        os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # the zoo's Keras 2 layers
         import tensorflow as tf
         tf.compat.v1.disable_eager_execution()
         versions = {"tensorflow": tf.__version__}
@@ -83,19 +84,13 @@ def import_framework(framework, tree=None):
 
 def execute(cfg):
     """Run one configuration in this process; returns the result dict."""
-    if cfg.get("module"):
-        # A benchmark that runs its own configurations here (before_after):
-        # named, not imported, so no benchmark module imports it back.
-        result = importlib.import_module(cfg["module"]).execute(cfg)
-    elif cfg.get("kind") == "reference":
-        from benchmarks.systems import tf_systems
-        result = tf_systems.run_reference(cfg)
-    else:
-        result = importlib.import_module(
-            "benchmarks.systems.%s_systems" % cfg["framework"]).run(cfg)
+    module = importlib.import_module("benchmarks.systems.%s_systems" % cfg["framework"])
+    result = (module.run_reference if cfg.get("kind") == "reference" else module.run)(cfg)
     import resource
     result.setdefault("status", "ok")
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if cfg.get("tree"):     # --before: which custagg ran
+        result["custagg_file"] = sys.modules["custagg"].__file__
     return result
 
 

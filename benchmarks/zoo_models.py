@@ -20,8 +20,7 @@ import tensorflow as tf
 tf1 = tf.compat.v1
 
 
-class Model(collections.namedtuple(
-        "Model", ["loss", "xs", "feed", "coupled", "dynamic_steps"])):
+class Model(collections.namedtuple("Model", ["loss", "xs", "feed", "coupled", "dynamic_steps"])):
     """`dynamic_steps` (benchmarks.tf1_models): `feed(rng, batch, t)` takes
     a sequence length `t` too."""
 
@@ -66,8 +65,7 @@ def mnist_softmax(dtype, rng, full=False):
     """tensorflow/examples/tutorials/mnist/mnist_softmax.py."""
     pixels = 784 if full else 64
     x = tf1.placeholder(dtype, [None, pixels])
-    W = tf.Variable(0.1 * rng.normal(size=[pixels, 10]), dtype=dtype,
-                    name="W")
+    W = tf.Variable(0.1 * rng.normal(size=[pixels, 10]), dtype=dtype, name="W")
     b = tf.Variable(tf.zeros([10], dtype), name="b")
     y = tf.matmul(x, W) + b
     y_ = tf1.placeholder(dtype, [None, 10])
@@ -76,8 +74,7 @@ def mnist_softmax(dtype, rng, full=False):
     loss = tf.nn.softmax_cross_entropy_with_logits(labels=y_, logits=y)
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, pixels]),
-                y_: _one_hot(rng, batch, 10)}
+        return {x: rng.normal(size=[batch, pixels]), y_: _one_hot(rng, batch, 10)}
     return Model(loss, [W, b], feed)
 
 
@@ -95,8 +92,7 @@ def mnist_deep(dtype, rng, full=False):
         return tf.nn.conv2d(x, W, strides=[1, 1, 1, 1], padding="SAME")
 
     def max_pool_2x2(x):
-        return tf.nn.max_pool(x, ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1],
-                              padding="SAME")
+        return tf.nn.max_pool(x, ksize=[1, 2, 2, 1], strides=[1, 2, 2, 1], padding="SAME")
 
     side, k, c1, c2, fc = (28, 5, 32, 64, 1024) if full else (8, 3, 4, 8, 16)
     x = tf1.placeholder(dtype, [None, side * side])
@@ -125,39 +121,40 @@ def mnist_deep(dtype, rng, full=False):
     def feed(rng, batch):
         return {x: rng.normal(size=[batch, side * side]),
                 y_: _one_hot(rng, batch, 10), keep_prob: 0.5}
-    return Model(loss, [W_conv1, b_conv1, W_conv2, b_conv2, W_fc1, b_fc1,
-                        W_fc2, b_fc2], feed)
+    return Model(loss, [W_conv1, b_conv1, W_conv2, b_conv2, W_fc1, b_fc1, W_fc2, b_fc2], feed)
 
 
 # --------------------------------------------------------------------------
 # tf.compat.v1.layers
 
 
-def _scoped(fn):
-    """Runs `fn` in a fresh variable scope; returns (result, new variables)."""
+def _new_variables(fn):
+    """Runs `fn`; returns (its result, the trainable variables it made)."""
     before = set(v.ref() for v in tf1.trainable_variables())
     out = fn()
-    new = [v for v in tf1.trainable_variables() if v.ref() not in before]
-    return out, new
+    return out, [v for v in tf1.trainable_variables() if v.ref() not in before]
+
+
+def _glorot(rng, dtype=tf.float32):
+    """Glorot-uniform with a seed drawn from `rng`."""
+    return tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)), dtype=dtype)
 
 
 def layers_mlp(dtype, rng, full=False):
     width, hidden = (784, 256) if full else (12, 16)
     x = tf1.placeholder(dtype, [None, width])
     labels = tf1.placeholder(tf.int32, [None])
-    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+    init = _glorot(rng)
 
     def build():
         h = tf1.layers.dense(x, hidden, activation=tf.nn.relu,
                              kernel_initializer=init, name="dense1")
         return tf1.layers.dense(h, 5, kernel_initializer=init, name="dense2")
-    logits, xs = _scoped(build)
-    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                          logits=logits)
+    logits, xs = _new_variables(build)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, width]),
-                labels: rng.integers(0, 5, batch)}
+        return {x: rng.normal(size=[batch, width]), labels: rng.integers(0, 5, batch)}
     return Model(loss, xs, feed)
 
 
@@ -166,24 +163,20 @@ def layers_text_cnn(dtype, rng, full=False):
     vocab, dim, steps, filters = (5000, 64, 32, 64) if full else (20, 6, 7, 5)
     ids = tf1.placeholder(tf.int32, [None, steps])
     labels = tf1.placeholder(tf.int32, [None])
-    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+    init = _glorot(rng)
 
     def build():
-        table = tf1.get_variable("table", [vocab, dim], dtype,
-                                 initializer=init)
+        table = tf1.get_variable("table", [vocab, dim], dtype, initializer=init)
         emb = tf.nn.embedding_lookup(table, ids)
         h = tf1.layers.conv1d(emb, filters, 3, activation=tf.nn.relu,
                               kernel_initializer=init, name="conv")
         pooled = tf.reduce_max(h, axis=1)
-        return tf1.layers.dense(pooled, 3, kernel_initializer=init,
-                                name="out")
-    logits, xs = _scoped(build)
-    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                          logits=logits)
+        return tf1.layers.dense(pooled, 3, kernel_initializer=init, name="out")
+    logits, xs = _new_variables(build)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
     def feed(rng, batch):
-        return {ids: rng.integers(0, vocab, [batch, steps]),
-                labels: rng.integers(0, 3, batch)}
+        return {ids: rng.integers(0, vocab, [batch, steps]), labels: rng.integers(0, 3, batch)}
     return Model(loss, xs, feed)
 
 
@@ -199,8 +192,7 @@ def _keras_model(dtype, rng, input_shape, layers, labels_count, ids=False):
     h = x
     for layer in layers:
         h = layer(h)
-    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                          logits=h)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=h)
     xs = [v for layer in layers for v in layer.trainable_weights]
 
     def feed(rng, batch):
@@ -254,23 +246,19 @@ def _batch_norm_model(dtype, rng, training, full):
     conv = k.Conv2D(filters, 3, dtype=dtype, kernel_initializer=_init(rng))
     bn = k.BatchNormalization(dtype=dtype, beta_initializer=_init(rng),
                               gamma_initializer=_init(rng))
-    rest = [k.Flatten(dtype=dtype),
-            k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
+    rest = [k.Flatten(dtype=dtype), k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
     x = tf1.placeholder(dtype, [None, side, side, 2])
     labels = tf1.placeholder(tf.int32, [None])
     h = bn(tf.nn.relu(conv(x)), training=training)
     for layer in rest:
         h = layer(h)
-    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                          logits=h)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=h)
     xs = conv.trainable_weights + bn.trainable_weights + [
         v for layer in rest for v in layer.trainable_weights]
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, side, side, 2]),
-                labels: rng.integers(0, 3, batch)}
-    coupled = ([v.name for v in conv.trainable_weights + bn.trainable_weights]
-               if training else [])
+        return {x: rng.normal(size=[batch, side, side, 2]), labels: rng.integers(0, 3, batch)}
+    coupled = ([v.name for v in conv.trainable_weights + bn.trainable_weights] if training else [])
     return Model(loss, xs, feed, coupled)
 
 
@@ -293,8 +281,7 @@ def keras_transformer(dtype, rng, full=False):
                                      kernel_initializer=_init(rng))
     norm1 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
                                  beta_initializer=_init(rng))
-    ff1 = k.Dense(ff, activation="relu", dtype=dtype,
-                  kernel_initializer=_init(rng))
+    ff1 = k.Dense(ff, activation="relu", dtype=dtype, kernel_initializer=_init(rng))
     ff2 = k.Dense(dim, dtype=dtype, kernel_initializer=_init(rng))
     norm2 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
                                  beta_initializer=_init(rng))
@@ -304,14 +291,12 @@ def keras_transformer(dtype, rng, full=False):
     h = norm1(x + attended)
     h = norm2(h + ff2(ff1(h)))
     logits = head(tf.reduce_mean(h, axis=1))
-    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                          logits=logits)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     layers = [attention, norm1, ff1, ff2, norm2, head]
     xs = [v for layer in layers for v in layer.trainable_weights]
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, steps, dim]),
-                labels: rng.integers(0, 3, batch)}
+        return {x: rng.normal(size=[batch, steps, dim]), labels: rng.integers(0, 3, batch)}
     return Model(loss, xs, feed)
 
 
@@ -335,8 +320,7 @@ def residual_mlp_shared_weight(dtype, rng, full=False):
         labels=labels, logits=tf.matmul(h, w_out))
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, width]),
-                labels: rng.integers(0, 3, batch)}
+        return {x: rng.normal(size=[batch, width]), labels: rng.integers(0, 3, batch)}
     return Model(loss, [w_in, w, c, w_out], feed)
 
 
@@ -354,8 +338,7 @@ def weight_decay_loss(dtype, rng, full=False):
             + 1e-2 * (tf.nn.l2_loss(w1) + tf.nn.l2_loss(w2)))
 
     def feed(rng, batch):
-        return {x: rng.normal(size=[batch, width]),
-                labels: rng.integers(0, 3, batch)}
+        return {x: rng.normal(size=[batch, width]), labels: rng.integers(0, 3, batch)}
     return Model(loss, [w1, b1, w2], feed)
 
 
@@ -386,13 +369,10 @@ def official_resnet_cifar(dtype, rng, full=False):
         pad_beg = pad_total // 2
         pad_end = pad_total - pad_beg
         if data_format == "channels_first":
-            return tf.pad(inputs, [[0, 0], [0, 0], [pad_beg, pad_end],
-                                   [pad_beg, pad_end]])
-        return tf.pad(inputs, [[0, 0], [pad_beg, pad_end],
-                               [pad_beg, pad_end], [0, 0]])
+            return tf.pad(inputs, [[0, 0], [0, 0], [pad_beg, pad_end], [pad_beg, pad_end]])
+        return tf.pad(inputs, [[0, 0], [pad_beg, pad_end], [pad_beg, pad_end], [0, 0]])
 
-    def conv2d_fixed_padding(inputs, filters, kernel_size, strides,
-                             data_format):
+    def conv2d_fixed_padding(inputs, filters, kernel_size, strides, data_format):
         if strides > 1:
             inputs = fixed_padding(inputs, kernel_size, data_format)
         return tf1.layers.conv2d(
@@ -403,14 +383,12 @@ def official_resnet_cifar(dtype, rng, full=False):
                 seed=init_seed),
             data_format=data_format)
 
-    def building_block_v1(inputs, filters, training, projection_shortcut,
-                          strides, data_format):
+    def building_block_v1(inputs, filters, training, projection_shortcut, strides, data_format):
         shortcut = inputs
         if projection_shortcut is not None:
             shortcut = projection_shortcut(inputs)
             shortcut = batch_norm(shortcut, training, data_format)
-        inputs = conv2d_fixed_padding(inputs, filters, 3, strides,
-                                      data_format)
+        inputs = conv2d_fixed_padding(inputs, filters, 3, strides, data_format)
         inputs = batch_norm(inputs, training, data_format)
         inputs = tf.nn.relu(inputs)
         inputs = conv2d_fixed_padding(inputs, filters, 3, 1, data_format)
@@ -418,16 +396,13 @@ def official_resnet_cifar(dtype, rng, full=False):
         inputs += shortcut
         return tf.nn.relu(inputs)
 
-    def block_layer(inputs, filters, blocks, strides, training, name,
-                    data_format):
+    def block_layer(inputs, filters, blocks, strides, training, name, data_format):
         def projection_shortcut(inputs):
-            return conv2d_fixed_padding(inputs, filters, 1, strides,
-                                        data_format)
+            return conv2d_fixed_padding(inputs, filters, 1, strides, data_format)
         inputs = building_block_v1(inputs, filters, training,
                                    projection_shortcut, strides, data_format)
         for _ in range(1, blocks):
-            inputs = building_block_v1(inputs, filters, training, None, 1,
-                                       data_format)
+            inputs = building_block_v1(inputs, filters, training, None, 1, data_format)
         return tf.identity(inputs, name)
 
     images = tf1.placeholder(dtype, [None, side, side, 3])
@@ -438,8 +413,7 @@ def official_resnet_cifar(dtype, rng, full=False):
             inputs = images
             if data_format == "channels_first":
                 inputs = tf.transpose(inputs, [0, 3, 1, 2])
-            inputs = conv2d_fixed_padding(inputs, num_filters, 3, 1,
-                                          data_format)
+            inputs = conv2d_fixed_padding(inputs, num_filters, 3, 1, data_format)
             inputs = tf.identity(inputs, "initial_conv")
             inputs = batch_norm(inputs, training, data_format)
             inputs = tf.nn.relu(inputs)
@@ -452,7 +426,7 @@ def official_resnet_cifar(dtype, rng, full=False):
             inputs = tf.identity(inputs, "final_reduce_mean")
             inputs = tf.squeeze(inputs, axes)
             return tf1.layers.dense(inputs, 10)
-    logits, xs = _scoped(build)
+    logits, xs = _new_variables(build)
     loss = tf1.losses.sparse_softmax_cross_entropy(
         labels, logits, reduction=tf1.losses.Reduction.NONE)
 
@@ -476,7 +450,7 @@ def dcgan_generator(dtype, rng, full=False):
         (6, 2, (8, 6, 4))
     noise = tf1.placeholder(dtype, [None, noise_dim])
     target = tf1.placeholder(dtype, [None, 4 * side, 4 * side, 1])
-    init = tf1.glorot_uniform_initializer(seed=int(rng.integers(1 << 30)))
+    init = _glorot(rng)
 
     def batch_norm(x):
         # Keras' default: fused for the images, unfused for the dense rows.
@@ -495,7 +469,7 @@ def dcgan_generator(dtype, rng, full=False):
         return tf1.layers.conv2d_transpose(
             x, 1, 5, strides=2, padding="same", use_bias=False,
             activation=tf.tanh, kernel_initializer=init)
-    image, xs = _scoped(build)
+    image, xs = _new_variables(build)
     loss = tf.reduce_sum(tf.square(image - target), axis=[1, 2, 3])
 
     def feed(rng, batch):

@@ -123,16 +123,26 @@ def test_peak_from_step_stats_orders_by_time():
     assert memory.peak_from_step_stats(stats) == (150, {"cpu": 150})
 
 
-def test_zoo_table_shows_memory_beside_time():
-    from benchmarks import zoo
-    row = {"model": "mnist_deep", "batch_size": 64, "floor_ms": 10.0, "norms_ms": 12.0,
-           "clip_ms": 11.0, "norms_ratio": 1.2, "clip_ratio": 1.1, "not_rules": [],
-           "floor_peak_mb": 30.0, "norms_peak_mb": 90.0, "clip_peak_mb": 33.0,
-           "norms_peak_ratio": 3.0, "clip_peak_ratio": 1.1, "step_orig_ms": 20.0,
-           "step_dp_ms": 30.0, "step_ratio": 1.5, "step_orig_peak_mb": 40.0,
-           "step_dp_peak_mb": 60.0, "step_peak_ratio": 1.5}
-    meta = {"machine": "x", "tf": "2", "repeats": 3, "threads": 1}
-    text = zoo._markdown([row, dict(row, model="layers_mlp", norms_peak_ratio=None)], meta)
-    assert "| mnist_deep | 64 | 10.00 | 30 | 1.20x | 3.00x (90 MB) | 1.10x | 1.10x (33 MB) |" in text
-    assert "| 1.50x (60 MB) |" in text
-    assert "| layers_mlp | 64 | 10.00 | 30 | 1.20x | - |" in text
+def test_zoo_page_shows_memory_beside_time(tmp_path):
+    """zoo.md: the harness's page of the zoo's records (no loop reference):
+    a time and a memory table per task, the DP step's over its Adam step,
+    and the plans' forms."""
+    from benchmarks import report
+    rec = dict(model="mnist_deep", batch_size=64, system="custagg_auto", status="ok", note="",
+               check="n/a", framework="tf", floor_ms=10.0, floor_peak_mb=30.0,
+               forms={"rules": 8}, not_rules=[])
+    records = [dict(rec, task="norms", median_ms=12.0, ratio_to_floor=1.2, peak_mb=90.0,
+                    peak_ratio=3.0),
+               dict(rec, task="clip", median_ms=11.0, ratio_to_floor=1.1, peak_mb=33.0,
+                    peak_ratio=1.1),
+               dict(rec, task="step", floor_ms=20.0, median_ms=30.0, ratio_to_floor=1.5,
+                    floor_peak_mb=40.0, peak_mb=60.0, peak_ratio=1.5)]
+    path = str(tmp_path / "zoo.md")
+    report.write_markdown(path, records, {"cpu": "x", "cores": 2}, "Zoo", "The zoo.")
+    text = open(path).read()
+    assert text.startswith("# Zoo\n\nThe zoo.\n")
+    memory = text.split("## Peak memory, (b) per-example global L2 norms")[1]
+    assert "| mnist_deep | 64 | 3.00x (90 / 30) |" in memory
+    assert "| mnist_deep | 64 | 1.5x (30 / 20) |" in text.split("## (e)")[1]
+    assert "| mnist_deep | rules 8 | - |" in text.split("## Plans")[1]
+    assert "## Check failures" not in text        # nothing was checked

@@ -209,23 +209,30 @@ def test_control_flow_preset():
     assert {"lstm", "gru", "mlp"} <= set(run.parse_args([]).models)
 
 
-def test_tf1_models_benchmark_rows_and_table():
-    # Issue 24's benchmark (benchmarks/zoo.py, --tf1-models), in this process, on the
-    # smallest model at the tests' size: a row with both timings, both
-    # peaks and the plan's forms, and its table line. No timing assertion.
-    from benchmarks import zoo as tf1_bench
-    row = tf1_bench.bench_model("word2vec", [4], repeats=1, threads=1,
-                                tasks=("clip",), full=False)[0]
-    assert "error" not in row, row
-    assert row["floor_ms"] > 0 and row["clip_ms"] > 0
-    assert row["clip_ratio"] == pytest.approx(row["clip_ms"] / row["floor_ms"])
-    assert row["floor_peak_mb"] is not None and row["clip_peak_mb"] > 0
-    assert sum(row["forms"].values()) == row["variables"] == 3
-    failed = dict(row, model="in_batch_negatives", error="InvalidArgumentError: x")
-    text = tf1_bench.markdown([row, failed], {
-        "machine": "x", "tf": "2", "repeats": 1, "threads": 1, "size": "small"})
-    assert "| word2vec | 4 | %.2f | %.2fx (" % (row["floor_ms"], row["clip_ratio"]) in text
-    assert "| in_batch_negatives | 4 | - | error: InvalidArgumentError: x |" in text
+def test_tf1_models_benchmark_record_and_page(tmp_path):
+    # Issue 24's benchmark (--tf1-models: harness configurations of a
+    # builder's model), in this process, on the smallest model: a record with
+    # both timings, both peaks and the plan's forms, and its page (a failed
+    # model listed with its error). No timing assertion.
+    from benchmarks import report
+    from benchmarks.systems import tf_systems
+    rec = tf_systems.run(dict(model="word2vec", batch_size=4, task="clip", system="custagg_auto",
+                              repeats=1, budget_s=0.0, threads=1, plan=True))
+    assert rec["status"] == "ok" and rec["check"] == "n/a", rec
+    assert rec["floor_ms"] > 0 and rec["median_ms"] > 0
+    assert rec["ratio_to_floor"] == pytest.approx(rec["median_ms"] / rec["floor_ms"])
+    assert rec["floor_peak_mb"] is not None and rec["peak_mb"] > 0
+    assert rec["forms"] == {"rules": 3}, rec
+    rec = dict(rec, model="word2vec", batch_size=4, task="clip", system="custagg_auto")
+    failed = dict(rec, model="in_batch_negatives", status="failed",
+                  note="InvalidArgumentError: x")
+    path = str(tmp_path / "tf1_models.md")
+    report.write_markdown(path, [rec, failed], {"cpu": "x", "cores": 2}, "TF1")
+    text = open(path).read()
+    assert "| word2vec | 4 | ~%.1fx (" % rec["ratio_to_floor"] in text    # ~: 1 repeat
+    assert "| in_batch_negatives | 4 | clip | custagg_auto | failed | " \
+        "InvalidArgumentError: x |" in text
+    assert "| word2vec | rules 3 | - |" in text
 
 
 def test_input_pipelines_benchmark_rows_and_plans():

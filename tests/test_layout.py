@@ -115,3 +115,46 @@ def test_every_test_left_to_slow_exists():
                if not any(re.fullmatch(re.escape(p).replace(r"\*", ".*"), i)
                           for i in ids)]
     assert not missing, missing
+
+
+def _benchmark_imports():
+    """{benchmarks module: the benchmarks modules it imports, lazily too}."""
+    names = {}
+    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT,
+                                                             "benchmarks")):
+        dirnames[:] = [d for d in dirnames
+                       if d not in ("__pycache__", "results")]
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                names[mod.replace(".__init__", "")] = path
+    return {mod: {m for m in _imported_modules(path)
+                  if m in names and m != mod and not mod.startswith(m + ".")}
+            for mod, path in names.items()}
+
+
+def test_benchmarks_import_no_circle_and_results_hold_no_code():
+    """Issue 37: benchmarks/ is one harness whose modules import each other
+    without a circle (lazy imports included), and benchmarks/results/ holds
+    results, no code."""
+    graph = _benchmark_imports()
+    assert {"benchmarks.run", "benchmarks.models",
+            "benchmarks.systems.tf_systems"} <= set(graph)
+    done, path = set(), []
+
+    def visit(mod):
+        assert mod not in path, "import circle: %s" % " -> ".join(
+            path + [mod])
+        if mod not in done:
+            path.append(mod)
+            for dep in graph[mod]:
+                visit(dep)
+            path.pop()
+            done.add(mod)
+    for mod in graph:
+        visit(mod)
+    results = os.path.join(ROOT, "benchmarks", "results")
+    code = [os.path.join(d, f) for d, _, files in os.walk(results)
+            for f in files if f.endswith(".py")]
+    assert not code, code

@@ -1,4 +1,4 @@
-"""The model zoo (`zoo.py`) against the obvious reference, for every strategy.
+"""The model zoo (`zoo_models.py`) against the obvious reference, for every strategy.
 
 Each model is built once, with a dynamic batch, and run at the batch sizes
 in `BATCHES` (1 and 5, the default run) or `LARGE_BATCHES` (`-m slow`: below,

@@ -16,6 +16,7 @@ TASKS = collections.OrderedDict([
     ("clip", "(b2) clipped sum sum_i min(1, C/||g_i||) g_i (DP-SGD without the noise)"),
     ("dpsgd", "(c) one DP-SGD step: sum_i min(1, C/||g_i||) g_i + N(0, (sigma C)^2)"),
     ("custom", "(d) custom weighted sum sum_i f_i g_i (custagg CUSTOM aggregation)"),
+    ("step", "(e) the zoo's DP step: DPOptimizer around Adam, over the plain Adam step"),
 ])
 TASK_ALIASES = {"a": "grads", "b": "norms", "b2": "clip", "c": "dpsgd", "d": "custom"}
 

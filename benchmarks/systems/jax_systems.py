@@ -11,106 +11,46 @@ import numpy as np
 from benchmarks import common, models
 
 
-def _dense(h, w, b):
-    return h @ w + b
+class Ops(models.Ops):
+    """`models.forward` in JAX on the parameters `p` (TF layout)."""
 
+    def __init__(self, p):
+        super().__init__(p)
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+        self.jnp, self.lax = jnp, lax
+        self.relu, self.sigmoid, self.tanh = jax.nn.relu, jax.nn.sigmoid, jnp.tanh
+        self.softmax, self.einsum, self.rsqrt = jax.nn.softmax, jnp.einsum, lax.rsqrt
+        self.images, self.reciprocal = (lambda x: x), (lambda h: 1.0 / h)
+        self.mean = lambda h, axis, keepdims=False: h.mean(axis, keepdims=keepdims)
+        self.sum = lambda h, axis: h.sum(axis)
+        self.reshape = lambda h, shape: h.reshape(shape)
+        self.concat = lambda hs: jnp.concatenate(hs, axis=1)
+        self.split = lambda h, n: jnp.split(h, n, axis=1)
+        self.embed = lambda ids, table: jnp.take(p[table], ids, axis=0)
+        self.sqdiff = lambda h, name: jnp.square(h - p[name])
+        self.pow = lambda h, name: h ** p[name]
+        self.flatten = lambda h: h.reshape(h.shape[0], -1)
+        self.max_pool = lambda h: lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1),
+                                                    (1, 2, 2, 1), "VALID")
+        self.conv = lambda h, w, b: lax.conv_general_dilated(
+            h, p[w], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")) + p[b]
 
-def _forward(jnp, lax, model, p, x):
-    if model == "softmax":
-        return _dense(x, p["w"], p["b"])
-    if model == "mlp":
-        h = jnp.maximum(_dense(x, p["w1"], p["b1"]), 0.0)
-        h = jnp.maximum(_dense(h, p["w2"], p["b2"]), 0.0)
-        return _dense(h, p["w3"], p["b3"])
-    if model == "cnn":
-        dn = ("NHWC", "HWIO", "NHWC")
-        h = x
-        for i in (1, 2):
-            h = lax.conv_general_dilated(h, p["conv%d_w" % i], (1, 1), "SAME",
-                                         dimension_numbers=dn)
-            h = jnp.maximum(h + p["conv%d_b" % i], 0.0)
-            h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
-        return _dense(h.reshape(h.shape[0], -1), p["dense_w"], p["dense_b"])
-    if model == "text":
-        e = jnp.take(p["emb"], x, axis=0)
-        return _dense(e.mean(axis=1), p["dense_w"], p["dense_b"])
-    if model == "transformer":
-        return _transformer(jnp, p, x)
-    # The recurrent models: x [B, T, D], scanned over T.
-    x_tm, h0 = jnp.transpose(x, (1, 0, 2)), jnp.zeros((x.shape[0], models.LSTM_HIDDEN), x.dtype)
-    if model in ("lstm", "keras_lstm"):
-        def affine(xt, h):
-            if model == "lstm":
-                return jnp.concatenate([xt, h], axis=1) @ p["kernel"] + p["bias"]
-            return xt @ p["kernel"] + h @ p["recurrent_kernel"] + p["bias"]
+    def dense(self, h, w, b=None):
+        return h @ self.p[w] if b is None else h @ self.p[w] + self.p[b]
 
-        def lstm_step(carry, xt):
-            h, c = carry
-            i, f, g, o = jnp.split(affine(xt, h), 4, axis=1)
-            c = _sigmoid(jnp, f) * c + _sigmoid(jnp, i) * jnp.tanh(g)
-            return (_sigmoid(jnp, o) * jnp.tanh(c), c), None
-        (h, _), _ = lax.scan(lstm_step, (h0, h0), x_tm)
-        return _dense(h, p["dense_w"], p["dense_b"])
-    if model in ("gru", "keras_gru"):
-        # keras_gru: reset_after=True, its bias [input, recurrent].
-        recurrent, bx, bh = ((p["recurrent"], p["bias"], 0.0) if model == "gru" else
-                             (p["recurrent_kernel"], p["bias"][0], p["bias"][1]))
-
-        def gru_step(h, xt):
-            xz, xr, xn = jnp.split(xt @ p["kernel"] + bx, 3, axis=1)
-            hz, hr, hn = jnp.split(h @ recurrent + bh, 3, axis=1)
-            z = _sigmoid(jnp, xz + hz)
-            r = _sigmoid(jnp, xr + hr)
-            return (1.0 - z) * jnp.tanh(xn + r * hn) + z * h, None
-        h, _ = lax.scan(gru_step, h0, x_tm)
-        return _dense(h, p["dense_w"], p["dense_b"])
-    if model == "norule_rnn":
-        def norule_step(carry, xt):
-            h, acc = carry
-            k = (1.0 / (1.0 + jnp.square(xt - p["center"]))) ** p["power"]
-            h = 0.5 * h + 0.5 * jnp.tanh(k - 0.5)
-            acc = acc - jnp.sum(jnp.square(h[:, None, :] - p["protos"]), axis=2)
-            return (h, acc), None
-        n = x.shape[0]
-        init = (jnp.zeros((n, models.LSTM_IN), x.dtype),
-                jnp.zeros((n, models.NUM_CLASSES), x.dtype))
-        (_, acc), _ = lax.scan(norule_step, init, x_tm)
-        return acc * (1.0 / models.LSTM_STEPS)
-    raise ValueError("no JAX form of model %r" % model)
-
-
-def _sigmoid(jnp, v):
-    return 1.0 / (1.0 + jnp.exp(-v))
-
-
-def _layer_norm(jnp, h, g, b):
-    mu = h.mean(-1, keepdims=True)
-    d = h - mu
-    var = (d * d).mean(-1, keepdims=True)
-    return d / jnp.sqrt(var + models.LN_EPS) * g + b
-
-
-def _transformer(jnp, p, x):
-    n, t, dm, nh = x.shape[0], models.TR_LEN, models.TR_DIM, models.TR_HEADS
-    dh = dm // nh
-    h = jnp.take(p["tok_emb"], x, axis=0) + p["pos_emb"]
-    a = _layer_norm(jnp, h, p["ln1_g"], p["ln1_b"])
-    q, k, v = ((a @ p[w]).reshape(n, t, nh, dh) for w in ("wq", "wk", "wv"))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh)
-    scores = scores - scores.max(-1, keepdims=True)
-    w = jnp.exp(scores)
-    w = w / w.sum(-1, keepdims=True)
-    att = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(n, t, dm)
-    h = h + att @ p["wo"] + p["bo"]
-    m = jnp.maximum(_layer_norm(jnp, h, p["ln2_g"], p["ln2_b"]) @ p["w1"] + p["b1"], 0.0)
-    h = h + m @ p["w2"] + p["b2"]
-    return _dense(h.mean(axis=1), p["out_w"], p["out_b"])
+    def scan(self, model, x):
+        """The output (models.STATE) after the last step: `lax.scan` over time."""
+        zeros = tuple(self.jnp.zeros((x.shape[0], n), x.dtype) for n in models.STATE[model])
+        state, _ = self.lax.scan(lambda state, xt: (models.step(self, model, state, xt), None),
+                                 zeros, self.jnp.transpose(x, (1, 0, 2)))
+        return state[model == "norule_rnn"]
 
 
 def run(cfg):
     import jax
     import jax.numpy as jnp
-    from jax import lax
     from jax.scipy.special import logsumexp
 
     # "rbg": XLA compiles the default threefry generator slowly on CPU (the
@@ -125,7 +65,7 @@ def run(cfg):
     clip = float(sig["clip"])
 
     def loss_vec(p, xb, yb):
-        logits = _forward(jnp, lax, model, p, xb)
+        logits = models.forward(Ops(p), model, xb)
         return logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, yb[:, None], -1)[:, 0]
 
     def loss_one(p, xi, yi):
@@ -133,44 +73,28 @@ def run(cfg):
 
     per_example = jax.vmap(jax.grad(loss_one), in_axes=(None, 0, 0))
 
-    def sumsq(g):
-        return sum(jnp.sum(jnp.square(g[n]).reshape(batch_size, -1), axis=1) for n in names)
-
-    def grads_task(p, xb, yb):
-        return sumsq(per_example(p, xb, yb))
-
-    def norms_task(p, xb, yb):
-        return jnp.sqrt(sumsq(per_example(p, xb, yb)))
-
-    def clip_task(p, xb, yb):
+    def task_fn(p, xb, yb, key=None, noise_multiplier=0.0):
+        """The task on the per-example gradients (a task is one of TASKS)."""
         g = per_example(p, xb, yb)
-        scale = clip / jnp.maximum(jnp.sqrt(sumsq(g)), clip)
-        return {n: jnp.tensordot(scale, g[n], axes=1) for n in names}
-
-    def dpsgd_task(p, xb, yb, key, noise_multiplier):
-        g = per_example(p, xb, yb)
-        scale = clip / jnp.maximum(jnp.sqrt(sumsq(g)), clip)
+        sq = sum(jnp.sum(jnp.square(g[n]).reshape(batch_size, -1), axis=1) for n in names)
+        if task in ("grads", "norms"):
+            return sq if task == "grads" else jnp.sqrt(sq)
+        scale = clip / jnp.maximum(jnp.sqrt(sq), clip)
+        sums = {n: jnp.tensordot(scale, g[n], axes=1) for n in names}
+        if task == "clip":
+            return sums
         keys = jax.random.split(key, len(names))
-        return {n: jnp.tensordot(scale, g[n], axes=1)
-                + noise_multiplier * clip * jax.random.normal(k, g[n].shape[1:])
+        return {n: sums[n] + noise_multiplier * clip * jax.random.normal(k, g[n].shape[1:])
                 for n, k in zip(names, keys)}
 
     key = jax.random.PRNGKey(0)
+    fn, args = task_fn, (params, x, y) + (
+        (key, jnp.float32(common.NOISE_MULTIPLIER)) if task == "dpsgd" else ())
     if cfg.get("system") == "jax_privacy":
         built = _jax_privacy(jax, jnp, loss_vec, task, clip, key)
         if isinstance(built, dict):
             return built
-        clip_task, dpsgd_task = built
-    if task == "grads":
-        fn, args = grads_task, (params, x, y)
-    elif task == "norms":
-        fn, args = norms_task, (params, x, y)
-    elif task == "clip":
-        fn, args = clip_task, (params, x, y)
-    elif task == "dpsgd":
-        fn, args = dpsgd_task, (params, x, y, key, jnp.float32(common.NOISE_MULTIPLIER))
-    else:
-        return {"status": "skipped", "note": "task %r not implemented for JAX" % task}
+        fn = built[task == "dpsgd"]
 
     floor = jax.jit(jax.grad(lambda p, xb, yb: loss_vec(p, xb, yb).sum())).lower(
         params, x, y).compile()

@@ -28,87 +28,79 @@ from benchmarks import common, memory, models
 
 
 def _build(tf, model):
-    """(keras model, {TF name: variable}, inputs, extra feed) for `model`."""
-    keras, layers = tf.keras, tf.keras.layers
-    p = models.init_params(model)
-
-    def const(name):
-        return keras.initializers.Constant(p[name])
-
-    def dense(units, w, b=None, act=None):
-        return layers.Dense(units, activation=act, use_bias=b is not None,
-                            kernel_initializer=const(w),
-                            bias_initializer=const(b) if b else "zeros")
-
+    """(keras model, {TF name: variable}, inputs) of `models.forward` on
+    Keras 2 layers (`Layers`)."""
     shape, dtype = models.input_spec(model)
-    x = keras.Input(shape, dtype=dtype, name="x")
-    inputs = [x]
-    if model == "mlp":
-        h = dense(256, "w1", "b1", "relu")(x)
-        h = dense(256, "w2", "b2", "relu")(h)
-        out = dense(10, "w3", "b3")(h)
-        named = ("w1", "b1", "w2", "b2", "w3", "b3")
-    elif model == "cnn":
-        h = x
-        for i, filters in ((1, 16), (2, 32)):
-            h = layers.Conv2D(filters, 5, padding="same", activation="relu",
-                              kernel_initializer=const("conv%d_w" % i),
-                              bias_initializer=const("conv%d_b" % i))(h)
-            h = layers.MaxPool2D(2)(h)
-        out = dense(10, "dense_w", "dense_b")(layers.Flatten()(h))
-        named = ("conv1_w", "conv1_b", "conv2_w", "conv2_b", "dense_w", "dense_b")
-    elif model == "text":
-        e = layers.Embedding(models.TEXT_VOCAB, models.TEXT_DIM,
-                             embeddings_initializer=const("emb"))(x)
-        out = dense(10, "dense_w", "dense_b")(layers.GlobalAveragePooling1D()(e))
-        named = ("emb", "dense_w", "dense_b")
-    elif model in ("lstm", "gru"):
-        hid, d = models.LSTM_HIDDEN, models.LSTM_IN
-        if model == "lstm":         # [x, h] @ kernel == x @ kernel[:D] + h @ kernel[D:]
-            rnn = layers.LSTM(hid, unit_forget_bias=False,
-                              kernel_initializer=keras.initializers.Constant(p["kernel"][:d]),
-                              recurrent_initializer=keras.initializers.Constant(
-                                  p["kernel"][d:]), bias_initializer=const("bias"))
-        else:                       # reset_after: the recurrent bias is zero
-            bias = np.stack([p["bias"], np.zeros_like(p["bias"])])
-            rnn = layers.GRU(hid, kernel_initializer=const("kernel"),
-                             recurrent_initializer=const("recurrent"),
-                             bias_initializer=keras.initializers.Constant(bias))
-        out = dense(10, "dense_w", "dense_b")(rnn(x))
-        named = None                # TF Privacy refuses the layer before any number
-    elif model == "transformer":
-        pos = keras.Input((models.TR_LEN,), dtype="int32", name="positions")
-        inputs.append(pos)
-        d, nh, t = models.TR_DIM, models.TR_HEADS, models.TR_LEN
-        dh = d // nh
-        h = layers.Add()([
-            layers.Embedding(models.TR_VOCAB, d, embeddings_initializer=const("tok_emb"))(x),
-            layers.Embedding(t, d, embeddings_initializer=const("pos_emb"))(pos)])
-
-        def norm(g, b):
-            return layers.LayerNormalization(epsilon=models.LN_EPS, gamma_initializer=const(g),
-                                             beta_initializer=const(b))
-
-        a = norm("ln1_g", "ln1_b")(h)
-        q, k, v = (layers.Reshape((t, nh, dh))(dense(d, w)(a)) for w in ("wq", "wk", "wv"))
-
-        def attend(qkv):
-            q, k, v = qkv
-            s = tf.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / np.sqrt(dh))
-            return tf.reshape(tf.einsum("bhqk,bkhd->bqhd", tf.nn.softmax(s, -1), v), [-1, t, d])
-
-        h = layers.Add()([h, dense(d, "wo", "bo")(layers.Lambda(attend)([q, k, v]))])
-        m = dense(models.TR_FF, "w1", "b1", "relu")(norm("ln2_g", "ln2_b")(h))
-        h = layers.Add()([h, dense(d, "w2", "b2")(m)])
-        out = dense(10, "out_w", "out_b")(layers.GlobalAveragePooling1D()(h))
-        named = ("tok_emb", "pos_emb", "ln1_g", "ln1_b", "wq", "wk", "wv", "wo", "bo",
-                 "ln2_g", "ln2_b", "w1", "b1", "w2", "b2", "out_w", "out_b")
-    else:
-        raise ValueError("tfp_fast has no Keras form of %r" % model)
-    net = keras.Model(inputs, out)
+    ops = Layers(tf, models.init_params(model), tf.keras.Input(shape, dtype=dtype, name="x"))
+    net = tf.keras.Model(ops.inputs, models.forward(ops, model, ops.inputs[0]))
     net.compile(loss=_loss(tf, "sum"))
-    variables = dict(zip(named, net.trainable_variables)) if named else {}
-    return net, variables, inputs
+    return net, ops.variables, ops.inputs
+
+
+class Layers(models.Ops):
+    """`models.forward` on Keras tensors: a Keras layer per weight (Dense,
+    Conv2D, Embedding, LayerNormalization; the positional embedding an
+    Embedding of a position-ids input; lstm and gru: Keras's LSTM and GRU,
+    which TF Privacy refuses), TF ops between them; `variables`: {TF name:
+    variable}."""
+
+    def __init__(self, tf, p, x):
+        super().__init__(p)
+        self.tf, self.keras, self.inputs, self.variables = tf, tf.keras, [x], {}
+        self.relu, self.sigmoid, self.tanh, self.einsum = (tf.nn.relu, tf.sigmoid, tf.tanh,
+                                                           tf.einsum)
+        self.softmax, self.reshape, self.images = tf.nn.softmax, tf.reshape, lambda x: x
+        self.mean = lambda h, axis, keepdims=False: tf.reduce_mean(h, axis, keepdims=keepdims)
+        self.max_pool = lambda h: tf.keras.layers.MaxPool2D(2)(h)
+        self.flatten = lambda h: tf.keras.layers.Flatten()(h)
+
+    def _const(self, name):
+        return self.keras.initializers.Constant(self.p[name])
+
+    def _apply(self, layer, h, names):
+        out = layer(h)
+        self.variables.update(zip(names, layer.trainable_variables))
+        return out
+
+    def dense(self, h, w, b=None):
+        return self._apply(self.keras.layers.Dense(
+            self.p[w].shape[1], use_bias=b is not None, kernel_initializer=self._const(w),
+            bias_initializer=self._const(b) if b else "zeros"), h, (w, b))
+
+    def conv(self, h, w, b):
+        return self._apply(self.keras.layers.Conv2D(
+            self.p[w].shape[3], self.p[w].shape[0], padding="same",
+            kernel_initializer=self._const(w), bias_initializer=self._const(b)), h, (w, b))
+
+    def embed(self, ids, table):
+        return self._apply(self.keras.layers.Embedding(
+            *self.p[table].shape, embeddings_initializer=self._const(table)), ids, (table,))
+
+    def layer_norm(self, h, g, b):
+        return self._apply(self.keras.layers.LayerNormalization(
+            epsilon=models.LN_EPS, gamma_initializer=self._const(g),
+            beta_initializer=self._const(b)), h, (g, b))
+
+    def add_param(self, h, name):
+        positions = self.keras.Input(self.p[name].shape[:1], dtype="int32", name="positions")
+        self.inputs.append(positions)
+        return self.keras.layers.Add()([h, self.embed(positions, name)])
+
+    def scan(self, model, x):
+        layers, p, d = self.keras.layers, self.p, models.LSTM_IN
+        if model == "lstm":         # [x, h] @ kernel == x @ kernel[:D] + h @ kernel[D:]
+            rnn = layers.LSTM(models.LSTM_HIDDEN, unit_forget_bias=False,
+                              kernel_initializer=self.keras.initializers.Constant(p["kernel"][:d]),
+                              recurrent_initializer=self.keras.initializers.Constant(
+                                  p["kernel"][d:]), bias_initializer=self._const("bias"))
+        elif model == "gru":        # reset_after: the recurrent bias is zero
+            bias = np.stack([p["bias"], np.zeros_like(p["bias"])])
+            rnn = layers.GRU(models.LSTM_HIDDEN, kernel_initializer=self._const("kernel"),
+                             recurrent_initializer=self._const("recurrent"),
+                             bias_initializer=self.keras.initializers.Constant(bias))
+        else:
+            raise ValueError("tfp_fast has no Keras form of %r" % model)
+        return rnn(x)               # TF Privacy refuses the layer before any number
 
 
 def _loss(tf, reduction):

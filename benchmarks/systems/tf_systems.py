@@ -322,59 +322,151 @@ STATIC_BATCH_SYSTEMS = ("tf_loop", "tf_jacobian", "custagg_loop", "custagg_custo
 
 
 def dynamic_batch(model, system):
-    """Whether `system` on `model` is built on `[None, ...]` placeholders."""
-    return model in models.DYNAMIC_BATCH_MODELS and system not in STATIC_BATCH_SYSTEMS
+    """Whether `system` on `model` is built on `[None, ...]` placeholders (a
+    builder's model: always)."""
+    return (model in models.DYNAMIC_BATCH_MODELS or model not in models.MODELS) and \
+        system not in STATIC_BATCH_SYSTEMS
 
 
 def run(cfg):
+    """One configuration: `cfg["model"]` a harness model (checked against the
+    loop reference of cfg["ref_path"]) or a builder's (`models.build`, the
+    zoo and the TF1 models: C = 1, no check); task "step" (the zoo's): the DP
+    step over the tutorial's Adam step."""
     tf = _tf()
     model, batch_size, task = cfg["model"], cfg["batch_size"], cfg["task"]
-    sig = common.load_signature(cfg["ref_path"])
-    x_np, y_np = models.make_batch(model, batch_size)
+    sig = common.load_signature(cfg["ref_path"]) if cfg.get("ref_path") else None
     dynamic = dynamic_batch(model, cfg["system"])
     graph = tf.Graph()
     with graph.as_default():
-        variables, var_list = models.tf_variables(model)
-        x, y = models.tf_placeholders(model, batch_size, dynamic=dynamic)
-        loss = models.tf_loss(model, variables, x, y)
-        f = tf.compat.v1.placeholder(tf.float32, [None if dynamic else batch_size],
-                                     name="factors")
+        if model in models.MODELS:
+            variables, var_list = models.tf_variables(model)
+            x, y = models.tf_placeholders(model, batch_size, dynamic=dynamic)
+            loss = models.tf_loss(model, variables, x, y)
+            feed, names = dict(zip((x, y), models.make_batch(model, batch_size))), list(variables)
+        else:
+            loss, var_list, feed_of, _ = models.build(model)
+            x = y = variables = None
+            feed, names = feed_of(batch_size), [v.op.name for v in var_list]
+        f = tf.compat.v1.placeholder(tf.float32, [None if dynamic else batch_size], name="factors")
         noise_scale = tf.compat.v1.placeholder_with_default(
             tf.constant(common.NOISE_MULTIPLIER, tf.float32), [], name="noise_multiplier")
-        ctx = Ctx(tf, model, batch_size, variables, var_list, list(variables), x, y, loss,
-                  f, float(sig["clip"]), noise_scale)
+        ctx = Ctx(tf, model, batch_size, variables, var_list, names, x, y, loss, f,
+                  float(sig["clip"]) if sig else 1.0, noise_scale)
 
         n0, t0 = _count_ops(graph), time.perf_counter()
-        floor = tf.compat.v1.gradients(tf.reduce_sum(loss), var_list)
+        floor = (adam_step(tf, loss, var_list) if task == "step" else
+                 tf.compat.v1.gradients(tf.reduce_sum(loss), var_list))
         floor_build_s, floor_n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
 
         n0, t0 = _count_ops(graph), time.perf_counter()
         try:
-            built = BUILDERS[cfg["system"]](ctx, task)
+            built = (Built(adam_step(tf, loss, var_list, dp=True), {}, "") if task == "step"
+                     else BUILDERS[cfg["system"]](ctx, task))
         except _Skip as e:
             return {"status": "skipped", "note": str(e)}
         build_s, n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
-        init = tf.compat.v1.global_variables_initializer()
+        init = tf.group(tf.compat.v1.global_variables_initializer(),
+                        tf.compat.v1.tables_initializer())
         extra = {}
-        if cfg.get("plan"):   # what a regression comes from (benchmarks.before_after)
+        if cfg.get("plan"):   # what a regression comes from (--before, --tf1-models --plans)
             plan = _custagg().plan_per_example(loss, var_list)
-            extra = dict(forms=dict(collections.Counter(plan.forms())), plan=str(plan))
+            extra = dict(forms=dict(collections.Counter(f or "unconnected" for f in plan.forms())),
+                         plan=str(plan), not_rules=["%s: %s" % (a.name, a.form)
+                                                    for a in plan.assignments
+                                                    if a.form not in ("rules", None)])
 
-    feed = {x: x_np, y: y_np, f: sig["factors"]}
+    feed[f] = sig["factors"] if sig else common.factors(batch_size)
     with common.session(graph, cfg.get("threads", 0)) as sess:
         sess.run(init)
-        floor_first_ms = common.timed_ms(lambda: sess.run(floor, feed))
-        first_run_ms = common.timed_ms(lambda: sess.run(built.fetch, feed))
+        try:
+            floor_first_ms = common.timed_ms(lambda: sess.run(floor, feed))
+            first_run_ms = common.timed_ms(lambda: sess.run(built.fetch, feed))
+        except tf.errors.OpError as e:          # the TF1 models' run-time failures
+            return dict(extra, status="failed", note="%s: %s" % (type(e).__name__,
+                                                                 _first_line(e.message)))
         values = sess.run(dict(built.check), {**feed, noise_scale: 0.0})
         var_shapes = {n: v.shape.as_list() for n, v in zip(ctx.names, var_list)}
         values = {k: common.dense_value(v, var_shapes.get(k.split("/", 1)[-1]))
                   for k, v in values.items()}
+        if cfg.get("plan") and "norms" in values:   # --before's trees compare them
+            extra["norms"] = [float(v) for v in values["norms"]]
         return common.measured(
             sig, values, lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
             cfg, first_run_ms, lambda: (memory.step_peak_bytes(sess, floor, feed)[0],
                                         memory.step_peak_bytes(sess, built.fetch, feed)[0]),
             note=built.note, build_s=build_s, n_ops=n_ops, floor_build_s=floor_build_s,
             floor_n_ops=floor_n_ops, floor_first_run_ms=floor_first_ms,
-            floor_system="tf.compat.v1.gradients(sum(loss))",
-            framework_version="tensorflow " + tf.__version__,
+            floor_system="tf.compat.v1.gradients(sum(loss))" if task != "step" else
+            "Adam(1e-4) on the mean loss", framework_version="tensorflow " + tf.__version__,
             batch_axis="dynamic" if dynamic else "static", **extra)
+
+
+def adam_step(tf, loss, xs, dp=False):
+    """The tutorial's Adam step on the mean loss, or (`dp`) DPOptimizer
+    around it (C = 1, sigma = 1.1), in a variable scope of its own (their
+    Adam slots apart)."""
+    import custagg
+    adam = tf.compat.v1.train.AdamOptimizer(1e-4)
+    with tf.compat.v1.variable_scope("dp" if dp else "orig"):
+        if dp:
+            return custagg.DPOptimizer(adam, l2_norm_clip=1.0,
+                                       noise_multiplier=1.1).minimize(loss, var_list=xs)
+        return adam.minimize(tf.reduce_mean(loss), var_list=xs)
+
+
+def _first_line(message):
+    """The line of a TF error saying what failed (a graph execution error's
+    first line is only "Graph execution error:")."""
+    lines = [l.strip() for l in message.strip().split("\n") if l.strip()]
+    for line in lines:
+        if "assertion failed" in line or "custagg" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def profile(name, batch_sizes, top=8, times=False):
+    """`--zoo --profile`: prints, per batch size and fetch, the traced step's
+    peak and the tensors live at it (with `times`, also where its kernel time
+    goes: a profile for ratios inside one process, not a benchmark).
+    Returns {(batch, fetch name): peak bytes}."""
+    tf = _tf()
+    import custagg
+    found = {}
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, feed, _ = models.build(name)
+        fetch_of = {"floor": tf.compat.v1.gradients(tf.reduce_sum(loss), xs),
+                    "norms": custagg.per_example_norms(loss, xs),
+                    "clip": custagg.clipped_gradients(loss, xs, 1.0)}
+        if name in ("mnist_deep", "cnn", "mlp"):
+            fetch_of["step_orig"], fetch_of["step_dp"] = (adam_step(tf, loss, xs, dp)
+                                                          for dp in (False, True))
+        with common.session(graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for batch in batch_sizes:
+                fd = feed(batch)
+                for key, fetch in fetch_of.items():
+                    sess.run(fetch, fd)                      # warm up
+                    stats = memory.traced_step_stats(sess, fetch, fd)
+                    found[(batch, key)] = peak = memory.peak_from_step_stats(stats)[0]
+                    base = "floor" if not key.startswith("step") else "step_orig"
+                    print("%s B=%d %-9s peak %8.2f MB  %.2fx %s" % (
+                        name, batch, key, peak / 1e6, peak / float(found[(batch, base)]),
+                        base), flush=True)
+                    for nbytes, node, op_type in memory.live_at_peak(stats)[:top]:
+                        print("    %8.2f MB  %-16s %s" % (nbytes / 1e6, op_type, node))
+                    if times:
+                        total = memory.op_times(stats)
+                        for _ in range(2):
+                            total.update(memory.op_times(
+                                memory.traced_step_stats(sess, fetch, fd)))
+                        by_type = collections.Counter()
+                        for (_, op_type), ms in total.items():
+                            by_type[op_type] += ms / 3
+                        print("%s B=%d %-9s kernel time %.1f ms (traced, mean of 3): by type %s"
+                              % (name, batch, key, sum(by_type.values()), ", ".join(
+                                  "%s %.1f" % kv for kv in by_type.most_common(top))))
+                        for (node, op_type), ms in total.most_common(top):
+                            print("    %8.2f ms  %-16s %s" % (ms / 3, op_type, node))
+    return found

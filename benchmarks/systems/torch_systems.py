@@ -1,12 +1,12 @@
 """PyTorch peers: torch.func vmap(grad) and Opacus, on the same weights and data.
 
-The models are nn.Modules built from standard layers where Opacus has a
-per-sample rule (Linear, Conv2d, Embedding, LayerNorm); the LSTM cell, the
-GRU's two kernels (the whole recurrence, one module), the Keras LSTM/GRU,
-norule_rnn and the positional embedding are small custom modules (Opacus falls back to its functorch path
-for them). Weights are copied from the TF-layout numpy arrays
-(`models.init_params`) and per-example gradients are mapped back to TF layout
-before the check.
+`make_module` builds `models.forward` as an nn.Module: a standard layer per
+weight where Opacus has a per-sample rule (Linear, Conv2d, Embedding,
+LayerNorm), the positional embedding and each recurrence (the whole loop
+over time, one module) small custom modules (Opacus falls back to its
+functorch path for them). Weights are copied from the TF-layout numpy arrays
+(`models.init_params`) and per-example gradients are mapped back to TF
+layout before the check.
 
 Floor (same process): plain module, loss.sum().backward().
 """
@@ -15,233 +15,125 @@ import numpy as np
 from benchmarks import common, models
 
 
-def _build_module(torch, model):
-    nn = torch.nn
-    F = torch.nn.functional
+class Ops(models.Ops):
+    """`models.forward` in PyTorch on the tensors `p` (TF layout) by name."""
 
-    class LSTMKernel(nn.Module):
-        """The LSTM's affine map in TF layout: [x_t, h] @ kernel [D+H, 4H] + bias.
+    def __init__(self, torch, p):
+        super().__init__(p)
+        F = torch.nn.functional
+        self.relu, self.sigmoid, self.tanh, self.einsum = F.relu, torch.sigmoid, torch.tanh, \
+            torch.einsum
+        self.rsqrt, self.reciprocal = torch.rsqrt, lambda h: 1.0 / h
+        self.softmax = lambda h: torch.softmax(h, dim=-1)
+        self.mean = lambda h, axis, keepdims=False: h.mean(axis, keepdim=keepdims)
+        self.sum = lambda h, axis: h.sum(axis)
+        self.reshape = lambda h, shape: h.reshape(shape)
+        self.concat = lambda hs: torch.cat(hs, dim=1)
+        self.split = lambda h, n: h.chunk(n, dim=1)
+        self.sqdiff = lambda h, name: (h - self.p[name]) ** 2
+        self.pow = lambda h, name: h ** self.p[name]
+        self.max_pool = lambda h: F.max_pool2d(h, 2)
+        # A permuted NHWC batch with C=1 has channels_last strides, so conv1's
+        # output is channels_last, and Opacus 1.6's conv2 per-sample gradients
+        # are then wrong (sum of grad_sample != grad). .contiguous() keeps
+        # those strides (C=1 counts as contiguous); a clone in
+        # contiguous_format does not.
+        self.images = lambda x: x.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)
+        self.flatten = lambda h: h.permute(0, 2, 3, 1).reshape(h.shape[0], -1)  # TF's order
 
-        One input on purpose: Opacus's functorch fallback calls a module with
-        a single activation. Called once per time step (weights shared).
-        """
+    def dense(self, h, w, b=None):
+        return h @ self.p[w] if b is None else h @ self.p[w] + self.p[b]
 
-        def __init__(self):
+    def scan(self, model, x):
+        """The output (models.STATE) after the last step, a Python loop."""
+        state = tuple(x.new_zeros(x.shape[0], n) for n in models.STATE[model])
+        for t in range(models.LSTM_STEPS):
+            state = models.step(self, model, state, x[:, t])
+        return state[model == "norule_rnn"]
+
+
+def make_module(torch, model):
+    """`model` as an nn.Module whose layers its first call makes (below);
+    `tf_names`: its parameters' TF names and layouts ("", "T", "conv")."""
+    nn, params = torch.nn, models.init_params(model)
+
+    class Custom(nn.Module):
+        """TF-layout parameters by their TF names and `fn(Ops, h)` on them."""
+
+        def __init__(self, names, fn):
             super().__init__()
-            self.kernel = nn.Parameter(torch.zeros(models.LSTM_IN + models.LSTM_HIDDEN,
-                                                   4 * models.LSTM_HIDDEN))
-            self.bias = nn.Parameter(torch.zeros(4 * models.LSTM_HIDDEN))
-
-        def forward(self, xh):
-            return xh @ self.kernel + self.bias
-
-    class GRUKernels(nn.Module):
-        """The GRU's affine maps in TF layout (`models._tf_gru`): x_t @ kernel
-        [D, 3H] + bias and h @ recurrent [H, 3H], split into z, r, n."""
-
-        def __init__(self):
-            super().__init__()
-            h = models.LSTM_HIDDEN
-            self.kernel = nn.Parameter(torch.zeros(models.LSTM_IN, 3 * h))
-            self.recurrent = nn.Parameter(torch.zeros(h, 3 * h))
-            self.bias = nn.Parameter(torch.zeros(3 * h))
-
-        def forward(self, x):
-            h = x.new_zeros(x.shape[0], models.LSTM_HIDDEN)
-            for t in range(models.LSTM_STEPS):
-                xz, xr, xn = (x[:, t] @ self.kernel + self.bias).chunk(3, dim=1)
-                hz, hr, hn = (h @ self.recurrent).chunk(3, dim=1)
-                z = torch.sigmoid(xz + hz)
-                r = torch.sigmoid(xr + hr)
-                n = torch.tanh(xn + r * hn)
-                h = (1.0 - z) * n + z * h
-            return h
-
-    class KerasRNN(nn.Module):
-        """tf.keras LSTM / GRU(reset_after=True) in Keras's layout: kernel
-        [D, kH], recurrent_kernel [H, kH], bias [kH] (GRU: [2, 3H])."""
-
-        def __init__(self, kind):
-            super().__init__()
-            self.kind = kind
-            h = models.LSTM_HIDDEN
-            k = 4 if kind == "lstm" else 3
-            self.kernel = nn.Parameter(torch.zeros(models.LSTM_IN, k * h))
-            self.recurrent_kernel = nn.Parameter(torch.zeros(h, k * h))
-            self.bias = nn.Parameter(torch.zeros(k * h) if kind == "lstm"
-                                     else torch.zeros(2, k * h))
-
-        def forward(self, x):
-            h = x.new_zeros(x.shape[0], models.LSTM_HIDDEN)
-            c = h
-            for t in range(models.LSTM_STEPS):
-                if self.kind == "lstm":
-                    z = x[:, t] @ self.kernel + h @ self.recurrent_kernel + self.bias
-                    i, f, g, o = z.chunk(4, dim=1)
-                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                    h = torch.sigmoid(o) * torch.tanh(c)
-                else:
-                    xz, xr, xh = (x[:, t] @ self.kernel + self.bias[0]).chunk(3, dim=1)
-                    rz, rr, rh = (h @ self.recurrent_kernel + self.bias[1]).chunk(3, dim=1)
-                    z = torch.sigmoid(xz + rz)
-                    r = torch.sigmoid(xr + rr)
-                    h = z * h + (1.0 - z) * torch.tanh(xh + r * rh)
-            return h
-
-    class NoRuleRNN(nn.Module):
-        """`models._tf_norule_rnn`: elementwise kernel, leaky state and
-        prototype readout, all inside the step loop."""
-
-        def __init__(self):
-            super().__init__()
-            self.center = nn.Parameter(torch.zeros(models.LSTM_IN))
-            self.power = nn.Parameter(torch.zeros(models.LSTM_IN))
-            self.protos = nn.Parameter(torch.zeros(models.NUM_CLASSES, models.LSTM_IN))
-
-        def forward(self, x):
-            h = x.new_zeros(x.shape[0], models.LSTM_IN)
-            acc = x.new_zeros(x.shape[0], models.NUM_CLASSES)
-            for t in range(models.LSTM_STEPS):
-                k = (1.0 / (1.0 + (x[:, t] - self.center) ** 2)) ** self.power
-                h = 0.5 * h + 0.5 * torch.tanh(k - 0.5)
-                acc = acc - ((h[:, None, :] - self.protos) ** 2).sum(dim=2)
-            return acc * (1.0 / models.LSTM_STEPS)
-
-    class PositionalEmbedding(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = nn.Parameter(torch.zeros(models.TR_LEN, models.TR_DIM))
+            self.names, self.fn = names, fn
+            for n in names:
+                self.register_parameter(n, nn.Parameter(torch.zeros(params[n].shape)))
 
         def forward(self, h):
-            return h + self.weight
+            return self.fn(Ops(torch, {n: getattr(self, n) for n in self.names}), h)
+
+    class Layers(Ops):
+        """The net's ops: each weight's layer, made at its first use."""
+
+        def __init__(self, net):
+            super().__init__(torch, {})
+            self.net = net
+
+        def _layer(self, key, make, names):
+            """Layer `key`, made by `make()` the first time with its
+            parameters `names` {torch name: (TF name, layout)} set."""
+            if key not in self.net.layers:
+                layer = make()
+                with torch.no_grad():
+                    for name, (tf_name, layout) in names.items():
+                        value = params[tf_name]
+                        value = (value.T if layout == "T" else value.transpose(3, 2, 0, 1)
+                                 if layout == "conv" else value)            # HWIO -> OIHW
+                        getattr(layer, name).copy_(torch.from_numpy(np.ascontiguousarray(value)))
+                        self.net.tf_names["layers.%s.%s" % (key, name)] = (tf_name, layout)
+                self.net.layers[key] = layer
+            return self.net.layers[key]
+
+        def dense(self, h, w, b=None):
+            return self._layer(w, lambda: nn.Linear(*params[w].shape, bias=b is not None), dict(
+                weight=(w, "T"), **({"bias": (b, "")} if b else {})))(h)
+
+        def conv(self, h, w, b):
+            k, _, c_in, c_out = params[w].shape
+            return self._layer(w, lambda: nn.Conv2d(c_in, c_out, k, padding=k // 2), {
+                "weight": (w, "conv"), "bias": (b, "")})(h)
+
+        def embed(self, ids, table):
+            return self._layer(table, lambda: nn.Embedding(*params[table].shape),
+                               {"weight": (table, "")})(ids)
+
+        def layer_norm(self, h, g, b):
+            return self._layer(g, lambda: nn.LayerNorm(len(params[g]), eps=models.LN_EPS), {
+                "weight": (g, ""), "bias": (b, "")})(h)
+
+        def add_param(self, h, name):
+            return self._layer(name, lambda: Custom([name], lambda o, h: h + o.p[name]),
+                               {name: (name, "")})(h)
+
+        def scan(self, model, x):
+            names = [s.name for s in models.param_specs(model) if not s.name.startswith("dense_")]
+            return self._layer("core", lambda: Custom(names, lambda o, x: o.scan(model, x)),
+                               {n: (n, "") for n in names})(x)
 
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            if model == "softmax":
-                self.dense = nn.Linear(784, 10)
-            elif model == "mlp":
-                self.l1, self.l2, self.l3 = nn.Linear(784, 256), nn.Linear(256, 256), nn.Linear(256, 10)
-            elif model == "cnn":
-                self.conv1 = nn.Conv2d(1, 16, 5, padding=2)
-                self.conv2 = nn.Conv2d(16, 32, 5, padding=2)
-                self.dense = nn.Linear(7 * 7 * 32, 10)
-            elif model == "text":
-                self.emb = nn.Embedding(models.TEXT_VOCAB, models.TEXT_DIM)
-                self.dense = nn.Linear(models.TEXT_DIM, 10)
-            elif model == "lstm":
-                self.cell = LSTMKernel()
-                self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
-            elif model == "gru":
-                self.cell = GRUKernels()
-                self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
-            elif model == "norule_rnn":
-                self.net = NoRuleRNN()
-            elif model in ("keras_lstm", "keras_gru"):
-                self.cell = KerasRNN(model[len("keras_"):])
-                self.dense = nn.Linear(models.LSTM_HIDDEN, 10)
-            elif model == "transformer":
-                d = models.TR_DIM
-                self.tok = nn.Embedding(models.TR_VOCAB, d)
-                self.pos = PositionalEmbedding()
-                self.ln1 = nn.LayerNorm(d, eps=models.LN_EPS)
-                self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
-                self.o = nn.Linear(d, d)
-                self.ln2 = nn.LayerNorm(d, eps=models.LN_EPS)
-                self.ff1, self.ff2 = nn.Linear(d, models.TR_FF), nn.Linear(models.TR_FF, d)
-                self.out = nn.Linear(d, 10)
+            self.layers, self.tf_names, self.ops = nn.ModuleDict(), {}, Layers(self)
+            self(_tensor(torch, models.make_batch(model, 1)[0]))      # makes the layers
 
         def forward(self, x):
-            if model == "softmax":
-                return self.dense(x)
-            if model == "mlp":
-                return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
-            if model == "cnn":
-                # A permuted NHWC batch with C=1 has channels_last strides, so
-                # conv1's output is channels_last, and Opacus 1.6's conv2
-                # per-sample gradients are then wrong (sum of grad_sample !=
-                # grad). .contiguous() keeps those strides (C=1 counts as
-                # contiguous); a clone in contiguous_format does not.
-                h = x.permute(0, 3, 1, 2).clone(memory_format=torch.contiguous_format)
-                h = F.max_pool2d(F.relu(self.conv1(h)), 2)
-                h = F.max_pool2d(F.relu(self.conv2(h)), 2)
-                # Flatten in NHWC order, as TF does.
-                return self.dense(h.permute(0, 2, 3, 1).reshape(h.shape[0], -1))
-            if model == "text":
-                return self.dense(self.emb(x).mean(dim=1))
-            if model == "lstm":
-                h = x.new_zeros(x.shape[0], models.LSTM_HIDDEN)
-                c = h
-                for t in range(models.LSTM_STEPS):
-                    i, f, g, o = self.cell(torch.cat([x[:, t], h], dim=1)).chunk(4, dim=1)
-                    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                    h = torch.sigmoid(o) * torch.tanh(c)
-                return self.dense(h)
-            if model in ("gru", "keras_lstm", "keras_gru"):
-                return self.dense(self.cell(x))
-            if model == "norule_rnn":
-                return self.net(x)
-            return self._transformer(x)
-
-        def _transformer(self, x):
-            n, t, d, nh = x.shape[0], models.TR_LEN, models.TR_DIM, models.TR_HEADS
-            dh = d // nh
-            h = self.pos(self.tok(x))
-            a = self.ln1(h)
-            q, k, v = (m(a).reshape(n, t, nh, dh) for m in (self.q, self.k, self.v))
-            w = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dh), dim=-1)
-            att = torch.einsum("bhqk,bkhd->bqhd", w, v).reshape(n, t, d)
-            h = h + self.o(att)
-            h = h + self.ff2(F.relu(self.ff1(self.ln2(h))))
-            return self.out(h.mean(dim=1))
-
+            return models.forward(self.ops, model, x)
     return Net()
 
 
-# TF name -> (torch parameter name, layout transform: "" | "T" | "conv").
-_MAPPING = {
-    "softmax": {"w": ("dense.weight", "T"), "b": ("dense.bias", "")},
-    "mlp": {"w1": ("l1.weight", "T"), "b1": ("l1.bias", ""), "w2": ("l2.weight", "T"),
-            "b2": ("l2.bias", ""), "w3": ("l3.weight", "T"), "b3": ("l3.bias", "")},
-    "cnn": {"conv1_w": ("conv1.weight", "conv"), "conv1_b": ("conv1.bias", ""),
-            "conv2_w": ("conv2.weight", "conv"), "conv2_b": ("conv2.bias", ""),
-            "dense_w": ("dense.weight", "T"), "dense_b": ("dense.bias", "")},
-    "text": {"emb": ("emb.weight", ""), "dense_w": ("dense.weight", "T"),
-             "dense_b": ("dense.bias", "")},
-    "lstm": {"kernel": ("cell.kernel", ""), "bias": ("cell.bias", ""),
-             "dense_w": ("dense.weight", "T"), "dense_b": ("dense.bias", "")},
-    "gru": {"kernel": ("cell.kernel", ""), "recurrent": ("cell.recurrent", ""),
-            "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
-            "dense_b": ("dense.bias", "")},
-    "keras_lstm": {"kernel": ("cell.kernel", ""), "recurrent_kernel": ("cell.recurrent_kernel", ""),
-                   "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
-                   "dense_b": ("dense.bias", "")},
-    "keras_gru": {"kernel": ("cell.kernel", ""), "recurrent_kernel": ("cell.recurrent_kernel", ""),
-                  "bias": ("cell.bias", ""), "dense_w": ("dense.weight", "T"),
-                  "dense_b": ("dense.bias", "")},
-    "norule_rnn": {"center": ("net.center", ""), "power": ("net.power", ""),
-                   "protos": ("net.protos", "")},
-    "transformer": {"tok_emb": ("tok.weight", ""), "pos_emb": ("pos.weight", ""),
-                    "ln1_g": ("ln1.weight", ""), "ln1_b": ("ln1.bias", ""),
-                    "wq": ("q.weight", "T"), "wk": ("k.weight", "T"), "wv": ("v.weight", "T"),
-                    "wo": ("o.weight", "T"), "bo": ("o.bias", ""),
-                    "ln2_g": ("ln2.weight", ""), "ln2_b": ("ln2.bias", ""),
-                    "w1": ("ff1.weight", "T"), "b1": ("ff1.bias", ""),
-                    "w2": ("ff2.weight", "T"), "b2": ("ff2.bias", ""),
-                    "out_w": ("out.weight", "T"), "out_b": ("out.bias", "")},
-}
-
-
-def _to_torch_layout(value, transform):
-    if transform == "T":
-        return value.T
-    if transform == "conv":               # HWIO -> OIHW
-        return value.transpose(3, 2, 0, 1)
-    return value
+def _tensor(torch, value):
+    return torch.from_numpy(value).long() if value.dtype == np.int32 else torch.from_numpy(value)
 
 
 def _to_tf_layout(value, transform, batched):
-    """Inverse of _to_torch_layout for a numpy array (with a leading B if batched)."""
+    """A gradient (with a leading B if batched) back in TF's layout."""
     off = 1 if batched else 0
     if transform == "T":
         axes = list(range(value.ndim))
@@ -252,20 +144,6 @@ def _to_tf_layout(value, transform, batched):
     return value
 
 
-def make_module(torch, model):
-    module = _build_module(torch, model)
-    state = {}
-    for name, value in models.init_params(model).items():
-        tname, transform = _MAPPING[model][name]
-        state[tname] = torch.from_numpy(np.ascontiguousarray(_to_torch_layout(value, transform)))
-    module.load_state_dict(state, strict=True)
-    return module
-
-
-def _tf_names(model):
-    return [s.name for s in models.param_specs(model)]
-
-
 def run(cfg):
     import torch
     torch.manual_seed(0)
@@ -274,14 +152,13 @@ def run(cfg):
     model, batch_size, task, system = cfg["model"], cfg["batch_size"], cfg["task"], cfg["system"]
     sig = common.load_signature(cfg["ref_path"])
     clip = float(sig["clip"])
-    names = _tf_names(model)
-    mapping = _MAPPING[model]
+    names = [s.name for s in models.param_specs(model)]
     x_np, y_np = models.make_batch(model, batch_size)
-    x = torch.from_numpy(x_np).long() if x_np.dtype == np.int32 else torch.from_numpy(x_np)
-    y = torch.from_numpy(y_np).long()
+    x, y = _tensor(torch, x_np), torch.from_numpy(y_np).long()
     ce = torch.nn.functional.cross_entropy
 
     floor_module = make_module(torch, model)
+    mapping = {tf: (name, layout) for name, (tf, layout) in floor_module.tf_names.items()}
 
     def floor_fn():
         floor_module.zero_grad(set_to_none=True)
@@ -347,34 +224,22 @@ def _torch_func(torch, model, task, module, x, y, clip, batch_size):
         return ce(functional_call(module, p, (xi[None],)), yi[None], reduction="sum")
 
     per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
-    state = {}
 
-    def timed_fn():
+    def timed_fn(noise=_noise(task)):
         g = per_example(params, x, y)
         sq = _sumsq(torch, g.values(), batch_size)
-        if task == "grads":
-            state["out"] = sq
-        elif task == "norms":
-            state["out"] = sq.sqrt()
-        elif task == "clip":
-            scale = clip / sq.sqrt().clamp(min=clip)
-            state["out"] = {k: torch.tensordot(scale, v, dims=1) for k, v in g.items()}
-        else:
-            scale = clip / sq.sqrt().clamp(min=clip)
-            noise = state.get("noise", common.NOISE_MULTIPLIER) * clip
-            state["out"] = {k: torch.tensordot(scale, v, dims=1) + noise * torch.randn(v.shape[1:])
-                            for k, v in g.items()}
-        return state["out"]
+        if task in ("grads", "norms"):
+            return sq if task == "grads" else sq.sqrt()
+        scale = clip / sq.sqrt().clamp(min=clip)
+        return {k: torch.tensordot(scale, v, dims=1) + noise * clip * torch.randn(v.shape[1:])
+                if task == "dpsgd" else torch.tensordot(scale, v, dims=1) for k, v in g.items()}
 
     def check_fn():
         if task == "grads":
             return "per_example", {k: v.numpy() for k, v in per_example(params, x, y).items()}
         if task == "norms":
             return "norms", timed_fn().numpy()
-        state["noise"] = 0.0
-        out = timed_fn()
-        del state["noise"]
-        return "csum", {k: v.numpy() for k, v in out.items()}
+        return "csum", {k: v.numpy() for k, v in timed_fn(noise=0.0).items()}
 
     return timed_fn, check_fn, None, ""
 
@@ -396,8 +261,7 @@ def _opacus(torch, model, task, module, x, y, clip, batch_size):
                           noise_multiplier=common.NOISE_MULTIPLIER, max_grad_norm=clip,
                           expected_batch_size=batch_size, loss_reduction="sum")
     build_s = time.perf_counter() - t0
-    named = [(k[len("_module."):] if k.startswith("_module.") else k, p)
-             for k, p in gsm.named_parameters()]
+    named = _named(gsm)
 
     def backward():
         gsm.zero_grad(set_to_none=True)
@@ -431,6 +295,12 @@ def _noise(task):
     return common.NOISE_MULTIPLIER if task == "dpsgd" else 0.0
 
 
+def _named(gsm):
+    """An Opacus-wrapped module's (parameter name, parameter), its own names."""
+    return [(k[len("_module."):] if k.startswith("_module.") else k, p)
+            for k, p in gsm.named_parameters()]
+
+
 def _opacus_ghost(torch, model, task, module, x, y, clip, batch_size):
     """Opacus 1.6 ghost clipping, as `PrivacyEngine.make_private(...,
     grad_sample_mode="ghost")` wires it: GradSampleModuleFastGradientClipping
@@ -456,8 +326,7 @@ def _opacus_ghost(torch, model, task, module, x, y, clip, batch_size):
     criterion = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"),
                                            loss_reduction="sum")
     build_s = time.perf_counter() - t0
-    named = [(k[len("_module."):] if k.startswith("_module.") else k, p)
-             for k, p in gsm.named_parameters()]
+    named = _named(gsm)
 
     def timed_fn():
         opt.zero_grad(set_to_none=True)

@@ -2,7 +2,7 @@
 
 These run only where TensorFlow Privacy 0.9.0 is installed and importable
 (it needs TF <= 2.15 and tensorflow-estimator); elsewhere they skip and say
-why. Setup: see benchmarks/tf_privacy_compare.py.
+why. Setup: see benchmarks/dp_step.py (mode tf_privacy_compare).
 
 * TF Privacy's optimizer, vectorized-optimizer and DP-query test files
   (`TEST_FILES`), read from the installed package and run with only their
@@ -90,7 +90,7 @@ def _tf_privacy_or_skip():
     process has TF in graph mode and the test suite's Keras switch)."""
     if importlib.util.find_spec("tensorflow_privacy") is None:
         pytest.skip("TensorFlow Privacy is not installed (it needs TF <= 2.15; "
-                    "see benchmarks/tf_privacy_compare.py for the setup)")
+                    "see benchmarks/dp_step.py for the setup)")
     if "error" not in _IMPORTABLE:
         proc = subprocess.run(
             [sys.executable, "-c",
@@ -105,11 +105,12 @@ def _tf_privacy_or_skip():
 
 
 def _compare(part):
-    """`python -m benchmarks.tf_privacy_compare --PART --json` -> its rows."""
+    """`python -m benchmarks.dp_step tf_privacy_compare --PART --json` -> its
+    rows."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tf_privacy_compare", "--" + part,
-         "--json"], capture_output=True, text=True, env=_env(), cwd=REPO_ROOT,
-        timeout=1200)
+        [sys.executable, "-m", "benchmarks.dp_step", "tf_privacy_compare",
+         "--" + part, "--json"], capture_output=True, text=True, env=_env(),
+        cwd=REPO_ROOT, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])[part]
 
