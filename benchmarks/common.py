@@ -245,6 +245,16 @@ def _json_default(o):
     return str(o)
 
 
+def legacy_keras():
+    """Keras 2 layers in graph mode: on TF >= 2.16 the tf-keras package, asked
+    for by TF_USE_LEGACY_KERAS=1, set here where tf-keras is installed; on TF
+    2.12-2.15 tf.keras is Keras 2 already and the variable would make TF look
+    for tf-keras, so it is left alone there. Call before importing TF."""
+    import importlib.util
+    if importlib.util.find_spec("tf_keras") is not None:
+        os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+
 def session(graph=None, threads=1):
     """A TF1 session on `graph` with `threads` intra- and inter-op threads."""
     import tensorflow as tf

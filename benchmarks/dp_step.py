@@ -39,25 +39,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import platform
 import sys
 import time
 
+from benchmarks import common  # framework-free: before TF
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Keras 2 layers in graph mode: on TF >= 2.16 that is the tf-keras package
-# (TF_USE_LEGACY_KERAS=1); on TF 2.15 it is tf.keras itself, and the switch
-# would make TF look for tf-keras.
-if importlib.util.find_spec("tf_keras") is not None:
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+common.legacy_keras()
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import custagg  # noqa: E402
-from benchmarks import common, memory  # noqa: E402
+from benchmarks import memory  # noqa: E402
 from custagg.app import datasets  # noqa: E402
 from custagg.privacy import accounting as custagg_accounting  # noqa: E402
 from custagg.privacy import dp_optimizer  # noqa: E402

@@ -348,7 +348,8 @@ def builders():
     (static shapes, then issue 34's dynamic ones). Imports TensorFlow."""
     import os
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # their Keras 2 layers
+    from benchmarks import common
+    common.legacy_keras()                               # their Keras 2 layers
     from benchmarks import tf1_models, zoo_models
     out = collections.OrderedDict(zoo_models.ZOO)
     for table in (tf1_models.MODELS, tf1_models.DYNAMIC_MODELS):

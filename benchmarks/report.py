@@ -4,7 +4,7 @@ before_after.md from the records of two trees."""
 import collections
 import statistics
 
-from benchmarks import common, models
+from benchmarks import common
 from benchmarks.systems import SYSTEMS, TASKS
 
 _SHORT = {"ok": None, "skipped": "skip", "timeout": "timeout", "failed": "FAIL"}
@@ -410,7 +410,7 @@ MEMORY_TOLERANCE = 0.02
 
 def cfg_key(cfg):
     """"harness/mlp/B64/norms", "zoo/mnist_deep/B64/clip"."""
-    return "%s/%s/B%d/%s" % ("harness" if cfg["model"] in models.MODELS else "zoo", cfg["model"],
+    return "%s/%s/B%d/%s" % ("zoo" if cfg.get("builder") else "harness", cfg["model"],
                              cfg["batch_size"], cfg["task"])
 
 

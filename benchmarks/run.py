@@ -185,6 +185,9 @@ def parse_args(argv=None):
         p.error("--quick, --control-flow, --peers, --zoo, --tf1-models and --before are "
                 "presets; choose one")
     args.mode = chosen[0] if chosen else "full"
+    for flag, mode in (("profile", "zoo"), ("times", "zoo"), ("plans", "tf1_models")):
+        if getattr(args, flag) and args.mode != mode:
+            p.error("--%s goes with --%s" % (flag, mode.replace("_", "-")))
     defaults = dict(PRESETS[args.mode])
     args.stem = defaults.pop("stem", "results")
     known = list(models.MODELS)
@@ -200,8 +203,11 @@ def parse_args(argv=None):
             defaults["models"] = list(tf1_models.MODELS)
         else:
             known = list(BEFORE_BATCHES)
-            args.zoo_models = (zoo + list(BEFORE_OTHERS) if args.zoo_models == "all"
-                               else _csv(args.zoo_models, others, kind="zoo model"))
+            try:
+                args.zoo_models = (zoo + list(BEFORE_OTHERS) if args.zoo_models == "all"
+                                   else _csv(args.zoo_models, others, kind="zoo model"))
+            except argparse.ArgumentTypeError as e:
+                p.error("--zoo-models: %s" % e)
             args.trees = {"before": os.path.abspath(args.before),
                           "after": os.path.abspath(args.after)}
             for tree in args.trees.values():
@@ -327,7 +333,8 @@ def plan(args):
 def _zoo_configs(names, batch_sizes, tasks):
     """custagg_auto on a builder's models (`models.build`) with the plan's
     forms; mnist_deep also the DP step over its Adam step (task "step")."""
-    return [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf", plan=True)
+    return [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf", plan=True,
+                 builder=True)
             for m in names for b in batch_sizes
             for t in list(tasks) + ["step"] * (m == "mnist_deep")]
 
@@ -524,7 +531,7 @@ def main(argv=None):
         t0 = time.monotonic()
         # The harness's models are checked against the loop reference of
         # (model, B); only the job that owns a model computes its references.
-        ref_key = (cfg["model"], cfg["batch_size"]) if cfg["model"] in models.MODELS else None
+        ref_key = None if cfg.get("builder") else (cfg["model"], cfg["batch_size"])
         ref_path = ref_key and os.path.join(dirs["cache"], "ref_%s_B%d_%s.npz" % (
             ref_key + (code_hash,)))
         if key in missing:

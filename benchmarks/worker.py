@@ -26,7 +26,8 @@ def import_framework(framework, tree=None):
     """Import what `framework`'s children need; returns {package: version}."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if framework == "tf":
-        os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # the zoo's Keras 2 layers
+        from benchmarks import common
+        common.legacy_keras()                               # the zoo's Keras 2 layers
         import tensorflow as tf
         tf.compat.v1.disable_eager_execution()
         versions = {"tensorflow": tf.__version__}

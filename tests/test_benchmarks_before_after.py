@@ -23,7 +23,8 @@ def test_before_after_cells_from_both_trees(tmp_path):
     ref = str(tmp_path / "ref.npz")
     tf_systems.run_reference({"model": "mlp", "batch_size": 4, "ref_path": ref})
     cfgs = [dict(model="mlp", task="norms", ref_path=ref),
-            dict(model="mnist_softmax", task="norms"), dict(model="mnist_softmax", task="clip")]
+            dict(model="mnist_softmax", task="norms", builder=True),
+            dict(model="mnist_softmax", task="clip", builder=True)]
     records = []
     for cfg in cfgs:
         cfg.update(batch_size=4, system="custagg_auto", framework="tf", repeats=1,

@@ -217,7 +217,7 @@ def test_tf1_models_benchmark_record_and_page(tmp_path):
     from benchmarks import report
     from benchmarks.systems import tf_systems
     rec = tf_systems.run(dict(model="word2vec", batch_size=4, task="clip", system="custagg_auto",
-                              repeats=1, budget_s=0.0, threads=1, plan=True))
+                              repeats=1, budget_s=0.0, threads=1, plan=True, builder=True))
     assert rec["status"] == "ok" and rec["check"] == "n/a", rec
     assert rec["floor_ms"] > 0 and rec["median_ms"] > 0
     assert rec["ratio_to_floor"] == pytest.approx(rec["median_ms"] / rec["floor_ms"])
@@ -233,6 +233,23 @@ def test_tf1_models_benchmark_record_and_page(tmp_path):
     assert "| in_batch_negatives | 4 | clip | custagg_auto | failed | " \
         "InvalidArgumentError: x |" in text
     assert "| word2vec | rules 3 | - |" in text
+
+
+def test_tf1_models_run_the_builders_model_under_a_harness_models_name():
+    # The TF1 models' transformer (tf.compat.v1.layers, 20 variables, dynamic
+    # B and T) shares its name with the harness's transformer block (17
+    # parameters): --tf1-models's configurations say they are a builder's,
+    # and the worker builds that one.
+    from benchmarks import report, run
+    from benchmarks.systems import tf_systems
+    configs = run.plan(run.parse_args(["--tf1-models"]))
+    assert configs and all(c["builder"] for c in configs)
+    cfg = [c for c in configs if c["model"] == "transformer"][0]
+    assert report.cfg_key(cfg).startswith("zoo/transformer/")
+    rec = tf_systems.run(dict(cfg, batch_size=2, repeats=1, budget_s=0.0, threads=1))
+    assert rec["status"] == "ok", rec
+    assert sum(rec["forms"].values()) == 20, rec["forms"]
+    assert "transformer/attention/q/kernel" in rec["plan"]
 
 
 def test_input_pipelines_benchmark_rows_and_plans():

@@ -198,7 +198,6 @@ def _custagg_system(strategy):
             raise
 
     def _build_custagg(ctx, task):
-        tf = ctx.tf
         ca = _custagg()
         if task == "grads":
             return _task_from_per_example(_pe_custagg(strategy))(ctx, task)
@@ -321,10 +320,10 @@ def _count_ops(graph):
 STATIC_BATCH_SYSTEMS = ("tf_loop", "tf_jacobian", "custagg_loop", "custagg_custom_slices")
 
 
-def dynamic_batch(model, system):
+def dynamic_batch(model, system, builder=False):
     """Whether `system` on `model` is built on `[None, ...]` placeholders (a
     builder's model: always)."""
-    return (model in models.DYNAMIC_BATCH_MODELS or model not in models.MODELS) and \
+    return (builder or model in models.DYNAMIC_BATCH_MODELS) and \
         system not in STATIC_BATCH_SYSTEMS
 
 
@@ -336,10 +335,13 @@ def run(cfg):
     tf = _tf()
     model, batch_size, task = cfg["model"], cfg["batch_size"], cfg["task"]
     sig = common.load_signature(cfg["ref_path"]) if cfg.get("ref_path") else None
-    dynamic = dynamic_batch(model, cfg["system"])
+    # A builder's model (`cfg["builder"]`, the zoo's and the TF1 models) may
+    # share a harness model's name (the TF1 transformer): the flag decides.
+    builder = bool(cfg.get("builder"))
+    dynamic = dynamic_batch(model, cfg["system"], builder)
     graph = tf.Graph()
     with graph.as_default():
-        if model in models.MODELS:
+        if not builder:
             variables, var_list = models.tf_variables(model)
             x, y = models.tf_placeholders(model, batch_size, dynamic=dynamic)
             loss = models.tf_loss(model, variables, x, y)
