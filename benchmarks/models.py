@@ -3,8 +3,8 @@
 TensorFlow, JAX and PyTorch build the same models from the same seeded
 numpy arrays (`init_params`, `make_batch`), so their numbers compare one to
 one. `forward` writes each model once, on a framework's `Ops` (`TfOps`
-here, `jax_systems.Ops`, `torch_systems.Ops`; keras_systems builds Keras
-layers of its own), which hold the parameters and take them by name. Layout
+here, `jax_systems.Ops`, `torch_systems.Ops`, `keras_systems.Layers` on Keras
+layers), which hold the parameters and take them by name. Layout
 is TF's: dense kernels [D_in, D_out], conv kernels [H, W, C_in, C_out], NHWC
 images. Each model maps (x [B, ...], y [B] labels) to the per-example loss
 [B] (sparse softmax cross-entropy, not averaged). TF is imported lazily

@@ -1,5 +1,5 @@
 """The harness's reports: results.md, the plots and the docs' tables from
-results.json's records, peers.md, zoo.md and tf1_models.md from their rows,
+results.json's records, peers.md, zoo.md and tf1_models.md from their records,
 before_after.md from the records of two trees."""
 import collections
 import statistics

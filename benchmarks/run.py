@@ -34,7 +34,7 @@ REPO = os.path.dirname(HERE)
 
 _JOBS = 2 if (os.cpu_count() or 1) >= 2 else 1
 _RUN = dict(batch_sizes=[32, 128, 512], timeout=600.0, budget=2.0, slow_limit=30.0, jobs=_JOBS)
-# One process per model and B, one at a time: no timeout to speak of.
+# One configuration at a time (the zoo's full-size models): no timeout to speak of.
 _ZOO = dict(timeout=3600.0, budget=10.0, slow_limit=0.0, jobs=1, out=common.RESULTS)
 PRESETS = {
     "full": dict(_RUN, models=[m for m in models.MODELS if m not in models.CONTROL_FLOW_ONLY],
@@ -134,17 +134,18 @@ def parse_args(argv=None):
     p.add_argument("--models", type=_csv, help="comma list (default: the mode's; --models "
                    "without a mode: of %s)" % ",".join(models.MODELS))
     p.add_argument("--batch-sizes", type=_sizes,
-                   help="comma list (default 32,128,512; --quick: 32)")
+                   help="comma list (default: the mode's; the full run 32,128,512, --quick 32, "
+                   "--zoo 64,256, --tf1-models 64; --before uses its own and --zoo-batches)")
     p.add_argument("--tasks", type=lambda s: _csv(s, list(TASKS), TASK_ALIASES, "task"),
                    help="comma list of %s (or a,b,b2,c,d)" % ",".join(TASKS))
     p.add_argument("--systems", type=lambda s: _csv(s, list(SYSTEMS), kind="system"),
                    help="comma list of %s" % ",".join(SYSTEMS))
     p.add_argument("--no-peers", action="store_true",
                    help="leave out JAX, PyTorch/Opacus and TF Privacy")
-    p.add_argument("--repeats", type=int, help="timed runs per configuration (default 10)")
+    p.add_argument("--repeats", type=int, help="timed runs per configuration (default: the mode's)")
     p.add_argument("--budget", type=float,
                    help="stop repeating after this many seconds of timing (min 3 runs)")
-    p.add_argument("--timeout", type=float, help="seconds per configuration (default 120)")
+    p.add_argument("--timeout", type=float, help="seconds per configuration (default: the mode's)")
     p.add_argument("--slow-limit", type=float,
                    help="skip a B^2 system when its cost estimated from a smaller B exceeds this")
     p.add_argument("--out", help="output folder")

@@ -7,8 +7,9 @@ Runs each benchmark with the command its docs quote (`benchmarks()`: the
 one list), and records in benchmarks/results/run_all.{md,json} each run's
 command, start, seconds, load before and after, exit code and the results
 files it wrote, with the tree's commit: every figure the docs quote traces
-to one run. The harness modes use both cores and run alone; the others run
-`--jobs` at a time. `--peers PREFIX`: the venvs of `benchmarks/peers_env.sh
+to one run. The runs that use both cores themselves (the harness's full run, its
+--control-flow and --peers) run alone; the others, --zoo and --tf1-models
+among them (one configuration at a time), run `--jobs` at a time. `--peers PREFIX`: the venvs of `benchmarks/peers_env.sh
 PREFIX` for the peers' workers (without it the peers' table is skipped);
 `--tfp PYTHON`: the TF 2.15 interpreter of dp_step's tf_privacy_compare (default
 PREFIX-tf215's; without either it is skipped, its old results kept).

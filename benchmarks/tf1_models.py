@@ -23,7 +23,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.zoo_models import Model, _glorot, _new_variables  # noqa: F401  (one Model)
+from benchmarks.zoo_models import Model, _glorot, _new_variables
 
 tf1 = tf.compat.v1
 
