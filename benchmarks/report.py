@@ -537,7 +537,10 @@ def write_before_after(folder, meta, records):
         norms = {r["tree"]: r["norms"] for r in records if cfg_key(r) == key and r.get("norms")}
         if len(norms) == 2:
             worst[key] = common.rel_err(norms["after"], norms["before"])
-    meta["zoo_norms_rel_err_after_vs_before"] = worst
+    if worst or "zoo_norms_rel_err_after_vs_before" not in meta:
+        # (--report-only re-renders from the written samples, which keep no
+        # norms: the comparison made when they were measured stays.)
+        meta["zoo_norms_rel_err_after_vs_before"] = worst
     cells = summarise(records)
     slim = [{k: v for k, v in r.items() if k not in ("plan", "norms")} for r in records]
     common.write_outputs("before_after", {"meta": meta, "cells": cells, "samples": slim},

@@ -189,6 +189,11 @@ def parse_args(argv=None):
     for flag, mode in (("profile", "zoo"), ("times", "zoo"), ("plans", "tf1_models")):
         if getattr(args, flag) and args.mode != mode:
             p.error("--%s goes with --%s" % (flag, mode.replace("_", "-")))
+    if args.merge and args.mode in ("zoo", "tf1_models", "before"):
+        p.error("--merge merges into results.json's records; --zoo, --tf1-models and --before "
+                "write their own files whole")
+    if args.mode == "before" and args.batch_sizes is not None:
+        p.error("--before measures its own batch sizes (and --zoo-batches'); drop --batch-sizes")
     defaults = dict(PRESETS[args.mode])
     args.stem = defaults.pop("stem", "results")
     known = list(models.MODELS)
@@ -662,9 +667,35 @@ def _merged(args, old, done):
 
 
 def report_only(args):
-    """--report-only: rewrite results.md and the plots from --out's JSON files."""
-    with open(os.path.join(args.out, "results.json")) as f:
-        records = json.load(f)
+    """--report-only: rewrite the mode's page from --out's JSON files
+    (results.md and the plots; --peers: peers.md; --zoo, --tf1-models:
+    <stem>.md; --before: before_after.md)."""
+    from benchmarks import report
+
+    def load(name):
+        path = os.path.join(args.out, name)
+        if not os.path.exists(path):
+            raise SystemExit("--report-only: no %s; run the mode first" % path)
+        with open(path) as f:
+            return json.load(f)
+    if args.mode == "before":
+        saved = load("before_after.json")
+        report.write_before_after(args.out, saved["meta"], saved["samples"])
+        return 0
+    if args.mode in ("zoo", "tf1_models"):
+        saved = load(args.stem + ".json")
+        if "records" not in saved:
+            raise SystemExit("--report-only: %s.json was written by the harness before its "
+                             "zoo and TF1 models became its modes; run the mode again"
+                             % args.stem)
+        report.write_markdown(os.path.join(args.out, args.stem + ".md"), saved["records"],
+                              saved["meta"], *ZOO_PAGES[args.mode])
+        return 0
+    if args.stem == "peers":
+        report.write_peers(os.path.join(args.out, "peers.md"), load("peers.json"),
+                           load("peers_machine.json"))
+        return 0
+    records = load("results.json")
     meta_path = os.path.join(args.out, "machine.json")
     meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
     _report(args, records, meta)

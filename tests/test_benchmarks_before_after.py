@@ -58,6 +58,15 @@ def test_before_after_cells_from_both_trees(tmp_path):
     with open(str(tmp_path / "before_after.json")) as f:
         samples = json.load(f)["samples"]
     assert len(samples) == 12 and not any("plan" in s or "norms" in s for s in samples)
+    # --report-only re-renders the page from the written samples (no norms
+    # kept): the same table, the norms' comparison as measured.
+    from benchmarks import run
+    first = text
+    assert run.main(["--before", REPO, "--report-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "before_after.md").read_text() == first
+    with open(str(tmp_path / "before_after.json")) as f:
+        again = json.load(f)["meta"]["zoo_norms_rel_err_after_vs_before"]
+    assert again == meta["zoo_norms_rel_err_after_vs_before"]
 
 
 def test_before_after_changed_needs_more_than_the_spread():

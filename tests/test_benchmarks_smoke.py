@@ -252,6 +252,36 @@ def test_tf1_models_run_the_builders_model_under_a_harness_models_name():
     assert "transformer/attention/q/kernel" in rec["plan"]
 
 
+@pytest.mark.parametrize("argv", [
+    ["--profile"], ["--peers", "--times"], ["--zoo", "--plans"], ["--zoo", "--merge"],
+    ["--tf1-models", "--merge"], ["--before", REPO, "--merge"],
+    ["--before", REPO, "--batch-sizes", "4"], ["--before", REPO, "--zoo-models", "nope"]])
+def test_a_flag_outside_its_mode_is_a_usage_error(argv, capsys):
+    from benchmarks import run
+    with pytest.raises(SystemExit) as e:
+        run.parse_args(argv)
+    assert e.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_report_only_rewrites_the_modes_own_page(tmp_path):
+    # --peers: peers.md again from peers.json and peers_machine.json, the
+    # same tables; --zoo on a zoo.json of the harness before its modes: a
+    # message, not results.md.
+    import shutil
+    from benchmarks import run
+    results = os.path.join(REPO, "benchmarks", "results")
+    for name in ("peers.json", "peers_machine.json", "zoo.json"):
+        shutil.copy(os.path.join(results, name), str(tmp_path / name))
+    assert run.main(["--peers", "--report-only", "--out", str(tmp_path)]) == 0
+    rows = [line for line in open(str(tmp_path / "peers.md")) if line.startswith("| ")]
+    assert rows and rows == [line for line in open(os.path.join(results, "peers.md"))
+                             if line.startswith("| ")]
+    assert not os.path.exists(str(tmp_path / "results.md"))
+    with pytest.raises(SystemExit, match="run the mode again"):
+        run.main(["--zoo", "--report-only", "--out", str(tmp_path)])
+
+
 def test_input_pipelines_benchmark_rows_and_plans():
     # Issue 23's benchmark (`python -m benchmarks.dp_step input_pipelines`)
     # at the tests' size: every source gives a row with both timings and the
