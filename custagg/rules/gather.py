@@ -233,15 +233,15 @@ class GatherRule(registry.Rule):
             if scale is not None:
                 c = c * tf.cast(scale, u.dtype)
             uc = u * c
+            full = _spread_shape(u, spread)                      # [B, T, Dp]
             if spread.type == "BroadcastTo":
-                values = tf.broadcast_to(uc, _spread_shape(u, spread))
+                values = tf.broadcast_to(uc, full)
             else:
                 # Tile's multiples were for u, whose batch may be 1 (tiled
-                # to B): u*c has B rows, so its batch multiple is 1; the
-                # other axes' are unchanged (c is 1 there). B=0: no rows
-                # to tile, any multiple.
-                values = tf.tile(uc, tf.cast(spread.inputs[1], tf.int32) *
-                                 tf.shape(u) // tf.maximum(tf.shape(uc), 1))
+                # to B): u*c has B rows, so its multiples are the full
+                # shape over its own (c is 1 on the other axes). B=0: no
+                # rows to tile, any multiple.
+                values = tf.tile(uc, full // tf.maximum(tf.shape(uc), 1))
         else:
             _, values = rows.per_example_rows()                   # [B, T, Dp]
             values = values * tf.cast(weights, values.dtype)[:, None, None]

@@ -119,8 +119,7 @@ def _squared_id_counts(ids, dtype):
       ids: `[B, T]` ids (>= 0, as any lookup that ran).
     """
     if ids.shape[1] is not None and ids.shape[1] <= 2 * MASKED_GRAM_MAX_LOOKUPS:
-        same = tf.equal(ids[:, :, None], ids[:, None, :])
-        return tf.cast(tf.reduce_sum(tf.cast(same, tf.int32), axis=[1, 2]),
+        return tf.cast(tf.reduce_sum(_same_id(ids, tf.int32), axis=[1, 2]),
                        dtype)
     batch = tf.shape(ids, out_type=tf.int64)[0]
     ids = tf.cast(ids, tf.int64)
