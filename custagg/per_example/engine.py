@@ -379,8 +379,7 @@ class Engine(object):
         g = tf.cast(g, self.loss.dtype)
         if groups is not None:
             g = registry_lib.group_sum(g, groups)
-        return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
-                             axis=1)
+        return registry_lib.squared_norms_of(g)
 
     def _rules_squared_norms(self, a, groups):
         dtype = self.loss.dtype

@@ -79,14 +79,14 @@ class FoldedRows(registry_lib.Rule):
         if outer is not None:
             return outer.squared_norms()
         if self.time_major is not None:
-            return _squared_rows(self.per_example(ctx))
+            return registry_lib.squared_norms_of(self.per_example(ctx))
         return self.rule.group_squared_norms(self._inner(ctx),
                                              self._batch(ctx))
 
     def group_squared_norms(self, ctx, num_groups):
         # M groups of B/M examples are M groups of R/M consecutive rows.
         if self.time_major is not None:
-            return _squared_rows(registry_lib.group_sum(
+            return registry_lib.squared_norms_of(registry_lib.group_sum(
                 self._rows_per_example(ctx), num_groups))
         return self.rule.group_squared_norms(self._inner(ctx), num_groups)
 
@@ -120,9 +120,3 @@ class FoldedRows(registry_lib.Rule):
             outer.to_param)
         grouped._choose_at_run_time = True
         return grouped
-
-
-def _squared_rows(t):
-    """`[N]` squared norms of the rows of `[N, ...]`."""
-    return tf.reduce_sum(tf.reshape(tf.square(t), [tf.shape(t)[0], -1]),
-                         axis=1)

@@ -452,7 +452,7 @@ class ConvBase(registry.Rule):
     def _chunk_kernel_parts(self, chunk):
         rows = tf.reshape(self._chunk_per_example(chunk),
                           tf.stack([tf.shape(chunk.grad)[0], -1]))
-        return (tf.reduce_sum(tf.square(rows), axis=1),
+        return (_reduce.per_example_squared_norms(rows),
                 lambda f: tf.matmul(f[None, :], rows)[0])
 
     def _chunked_weighted_sum(self, ctx, c):

@@ -179,7 +179,7 @@ class GatherRule(registry.Rule):
         ids = tf.reshape(ctx.op.inputs[1], [tf.shape(values)[0], -1])
         lookups = ctx.op.inputs[1].shape[1:].num_elements()
         if lookups == 1:        # one row per example: nothing to merge
-            return tf.reduce_sum(tf.square(values), axis=[1, 2])
+            return registry.squared_norms_of(values)
         if lookups is not None and lookups <= _MASKED_GRAM_MAX_LOOKUPS:
             return _masked_gram_squared_norms(ids, values)
         return _sorted_squared_norms(ids, values)

@@ -15,6 +15,7 @@ dense per-example form and the merged sums.
 import tensorflow as tf
 from custagg import op_kinds
 from custagg._tf_compat import resource_variable_ops
+from custagg.rules import _reduce
 
 
 def table_shape(p):
@@ -215,4 +216,4 @@ def sorted_squared_norms(ids, rows):
         tf.reshape(tf.tile(tf.range(batch)[:, None], [1, tf.shape(ids)[1]]),
                    [-1]), segment)                                # [S]
     return tf.math.unsorted_segment_sum(
-        tf.reduce_sum(tf.square(merged), axis=1), example, batch)
+        _reduce.per_example_squared_norms(merged), example, batch)

@@ -237,7 +237,7 @@ class SampledLookup(object):
         """`[B]` squared norms (the docstring's identity)."""
         rows, ids = self.true_rows3, self.true_ids
         if self.num_true == 1:      # (rows [B, 1, Dp]: nothing to merge)
-            true = tf.reduce_sum(tf.square(rows), axis=[1, 2])
+            true = registry.squared_norms_of(rows)
         else:
             true = gather_norms.masked_gram_squared_norms(ids, rows)
         sid = self.sampled_ids

@@ -49,6 +49,7 @@ import sys
 
 import tensorflow as tf
 
+from custagg.rules import _reduce
 from custagg.rules import segments as segments_lib
 
 
@@ -149,9 +150,7 @@ class Rule(object):
         return ctx.cache is not None and "per_example" in ctx.cache
 
     def squared_norms(self, ctx):
-        g = self.cached_per_example(ctx)
-        return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
-                             axis=1)
+        return squared_norms_of(self.cached_per_example(ctx))
 
     def weighted_sum(self, ctx, weights):
         g = self.cached_per_example(ctx)
@@ -185,6 +184,14 @@ class Rule(object):
         several ops get its norms from cross terms."""
         del ctx
         return None
+
+
+def squared_norms_of(t):
+    """`[B, ...]` -> `[B]`: each example's sum of squares, in one pass
+    (`_reduce.per_example_squared_norms`: no `[B, ...]` of squares written
+    first, which was the clipped MLP's peak at B = 512)."""
+    return _reduce.per_example_squared_norms(
+        tf.reshape(t, tf.stack([tf.shape(t)[0], -1])))
 
 
 def group_sum(t, num_groups):

@@ -128,3 +128,36 @@ def test_an_empty_registry_falls_back_or_refuses(sess, rng):
     with pytest.raises(Exception, match="MatMul"):
         custagg.per_example_gradients(loss, [w], strategy="rules",
                                       registry=empty)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_norms_of_materialized_gradients_write_no_squares(dtype, batch):
+    """A bias's per-example gradient is its `[B, K]` output gradient: its
+    squared norms are one reduction (`registry.squared_norms_of`), not a
+    `[B, K]` of squares beside it (the clipped MLP's peak at B = 512).
+    Values against one tf.gradients per example."""
+    rng = np.random.RandomState(batch)
+    xv = rng.randn(batch, 6)
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(dtype, [None, 6])
+        w = tf.Variable(rng.randn(6, 7), dtype=dtype)
+        b = tf.Variable(rng.randn(7), dtype=dtype)
+        v = tf.Variable(rng.randn(7, 3), dtype=dtype)
+        loss = tf.reduce_sum(tf.square(tf.matmul(
+            tf.tanh(tf.nn.bias_add(tf.matmul(x, w), b)), v)), axis=1)
+        with tf.name_scope("norms"):
+            norms = custagg.per_example_norms(loss, [w, b, v])
+        squares = [op for op in tf.compat.v1.get_default_graph()
+                   .get_operations()
+                   if op.name.startswith("norms/") and op.type == "Square"
+                   and op.inputs[0].shape.rank not in (None, 0, 1)]
+        assert not squares, [op.name for op in squares]
+        ref = testing.loop_per_example(loss, [w, b, v], batch)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            got, per = sess.run([norms, ref], {x: xv})
+    want = np.sqrt(sum(np.sum(np.reshape(g, [batch, -1]) ** 2, axis=1)
+                       for g in per))
+    np.testing.assert_allclose(got, want, rtol=1e-5 if dtype == tf.float32
+                               else 1e-12)
