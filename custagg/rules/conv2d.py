@@ -178,8 +178,11 @@ class Conv2DRule(conv.ConvBase):
             ctx.grad.shape, ctx.op.get_attr("data_format").decode())]
         if None in out_hw or not self._takes_gram(ctx, out_hw[0] * out_hw[1]):
             return None
-        patches, g, channels_first = self._window_patches(ctx,
-                                                          any_filter=True)
+        # The patches (forward values alone) wait for dz: see
+        # `outer.after_gradient`.
+        with tf.control_dependencies([ctx.grad]):
+            patches, g, channels_first = self._window_patches(
+                ctx, any_filter=True)
         gram_a = tf.matmul(patches, patches, transpose_a=channels_first,
                            transpose_b=not channels_first)    # [B, P, P]
         gram_g = tf.matmul(g, g, transpose_b=True)

@@ -16,6 +16,7 @@ import tensorflow as tf
 from custagg import op_kinds
 from custagg._tf_compat import resource_variable_ops
 from custagg.rules import _reduce
+from custagg.rules import outer as _outer
 
 
 def table_shape(p):
@@ -98,8 +99,10 @@ def masked_gram_squared_norms(ids, rows):
       ids: `[B, T]` ids.
       rows: `[B, T, Dp]` output gradients, one row per lookup.
     """
-    gram = tf.linalg.matmul(rows, rows, transpose_b=True)          # [B, T, T]
-    return tf.reduce_sum(gram * _same_id(ids, rows.dtype), axis=[1, 2])
+    gram, same = _outer.after_gradient(
+        lambda: tf.linalg.matmul(rows, rows, transpose_b=True),  # [B, T, T]
+        lambda: _same_id(ids, rows.dtype))
+    return tf.reduce_sum(gram * same, axis=[1, 2])
 
 
 def _same_id(ids, dtype):

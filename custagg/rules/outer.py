@@ -100,8 +100,9 @@ class Outer(object):
         return self._full_norms()
 
     def _gram_norms(self):
-        gram_a = tf.matmul(self.a, self.a, transpose_b=True)
-        gram_g = tf.matmul(self.g, self.g, transpose_b=True)
+        gram_g, gram_a = after_gradient(
+            lambda: tf.matmul(self.g, self.g, transpose_b=True),
+            lambda: tf.matmul(self.a, self.a, transpose_b=True))
         return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
 
     def _full_norms(self):
@@ -148,8 +149,9 @@ class Outer(object):
         if self.seq_len == 1 and other.seq_len == 1:
             return (tf.reduce_sum(self.a[:, 0] * other.a[:, 0], axis=1) *
                     tf.reduce_sum(self.g[:, 0] * other.g[:, 0], axis=1))
-        gram_a = tf.matmul(self.a, other.a, transpose_b=True)
-        gram_g = tf.matmul(self.g, other.g, transpose_b=True)
+        gram_g, gram_a = after_gradient(
+            lambda: tf.matmul(self.g, other.g, transpose_b=True),
+            lambda: tf.matmul(self.a, other.a, transpose_b=True))
         return tf.reduce_sum(gram_a * gram_g, axis=[1, 2])
 
     def inner_dense(self, m, batched):
@@ -207,9 +209,11 @@ class SegmentedOuter(object):
         """`[U]`: `sum_{r in u, s in u} (a_r . a'_s)(g_r . g'_s)`."""
         a, g, seg = self._rows()
         a2, g2, seg2 = other._rows()  # pylint: disable=protected-access
-        gram = (tf.matmul(a, a2, transpose_b=True) *
-                tf.matmul(g, tf.cast(g2, g.dtype), transpose_b=True) *
-                self.segments.same(seg, seg2, a.dtype))           # [R, R']
+        gram_g, (gram_a, same) = after_gradient(
+            lambda: tf.matmul(g, tf.cast(g2, g.dtype), transpose_b=True),
+            lambda: (tf.matmul(a, a2, transpose_b=True),
+                     self.segments.same(seg, seg2, a.dtype)))
+        gram = gram_a * gram_g * same                             # [R, R']
         return tf.math.unsorted_segment_sum(tf.reduce_sum(gram, axis=1), seg,
                                             self.segments.count)
 
@@ -251,6 +255,21 @@ class SegmentedOuter(object):
         return tf.math.unsorted_segment_sum(
             self.base.inner_dense(m, batched), self.segments.ids,
             self.segments.count)
+
+
+def after_gradient(gradient_part, forward_part):
+    """`(gradient_part(), forward_part())`, the second built to run after
+    the first.
+
+    A term of forward values alone (an activations' Gram, an id mask)
+    would otherwise run in the forward pass, as soon as its inputs exist,
+    and be held until the backward pass reaches the layer: `[B, T, T]` per
+    layer on top of the aggregated gradient's peak (a transformer block at
+    B = 512, T = 16: 0.5 MB each).
+    """
+    first = gradient_part()
+    with tf.control_dependencies(tf.nest.flatten(first)):
+        return first, forward_part()
 
 
 def layout(d_dims, k_dims, perm):
