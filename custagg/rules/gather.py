@@ -211,7 +211,7 @@ class GatherRule(registry.Rule):
         merged = tf.math.unsorted_segment_sum(
             rows.values, idx, tf.size(unique, out_type=tf.int64))
         return tf.math.unsorted_segment_sum(
-            tf.reduce_sum(tf.square(merged), axis=1), unique // rows.vocab,
+            registry.squared_norms_of(merged), unique // rows.vocab,
             tf.cast(segments.count, tf.int64))
 
     def weighted_sum(self, ctx, weights):

@@ -187,7 +187,7 @@ def pooled_squared_norms(ids, u, scale, row_shape):
       scale: `None` or a scalar multiplying `u`.
     """
     u = tf.broadcast_to(u, row_shape)
-    sq = tf.reduce_sum(tf.reshape(tf.square(u), [row_shape[0], -1]), axis=1)
+    sq = _reduce.per_example_squared_norms(tf.reshape(u, [row_shape[0], -1]))
     if scale is not None:
         sq = sq * tf.square(tf.cast(scale, sq.dtype))
     return sq * _squared_id_counts(ids, sq.dtype)

@@ -245,7 +245,7 @@ class SampledLookup(object):
         sampled = tf.reduce_sum(tf.matmul(self.coef, same) * self.coef,
                                 axis=1)                                # [B]
         if self.row_dims:
-            sampled = sampled * tf.reduce_sum(tf.square(self.vec), axis=1)
+            sampled = sampled * registry.squared_norms_of(self.vec)
         hits = tf.cast(tf.equal(ids[:, :, None], sid[None, None, :]),
                        rows.dtype)                                   # [B, nt, S]
         hit_coef = tf.reduce_sum(hits * self.coef[:, None, :], axis=2)
@@ -320,7 +320,7 @@ class SampledLookup(object):
         merged = tf.math.unsorted_segment_sum(
             rows, idx, tf.size(unique, out_type=tf.int64))
         true = tf.math.unsorted_segment_sum(
-            tf.reduce_sum(tf.square(merged), axis=1), unique // self.vocab,
+            registry.squared_norms_of(merged), unique // self.vocab,
             count)
         sid = self.sampled_ids
         same = tf.cast(tf.equal(sid[:, None], sid[None, :]), dtype)

@@ -165,8 +165,7 @@ class Rule(object):
         microbatches). Default: the per-example gradients summed per group;
         rules with an identity for the group sum override it."""
         g = group_sum(self.cached_per_example(ctx), num_groups)
-        return tf.reduce_sum(tf.reshape(tf.square(g), [num_groups, -1]),
-                             axis=1)
+        return squared_norms_of(g)
 
     def segment_squared_norms(self, ctx, segments):
         """`[U]` squared norms of the group gradients `sum_{i in u} g_i`,
@@ -174,9 +173,7 @@ class Rule(object):
         U known at run time). Default: the per-example gradients summed per
         group; rules with an identity for the group sum override it. A rule
         overriding only `group_squared_norms` keeps this exact default."""
-        g = segments.sum(self.cached_per_example(ctx))
-        return tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]),
-                             axis=1)
+        return squared_norms_of(segments.sum(self.cached_per_example(ctx)))
 
     def outer(self, ctx):
         """The per-example gradients as an `outer.Outer` (sums of outer
