@@ -335,9 +335,9 @@ def tf_variables(model, seed=0):
 
 
 # --------------------------------------------------------------------------
-# The other model sets: graphs as users write them (`--zoo`,
-# benchmarks/zoo_models.py) and other people's TF1 models (`--tf1-models`,
-# benchmarks/tf1_models.py), each a builder `(dtype, rng, full)`.
+# The other model sets (benchmarks/zoo_models.py): graphs as users write them
+# (`--zoo`) and other people's TF1 models (`--tf1-models`), each a builder
+# `(dtype, rng, full)`.
 # --------------------------------------------------------------------------
 
 HARNESS_ZOO = ("cnn", "mlp", "text")   # the harness's models `build` builds too (--profile)
@@ -350,9 +350,9 @@ def builders():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from benchmarks import common
     common.legacy_keras()                               # their Keras 2 layers
-    from benchmarks import tf1_models, zoo_models
+    from benchmarks import zoo_models
     out = collections.OrderedDict(zoo_models.ZOO)
-    for table in (tf1_models.MODELS, tf1_models.DYNAMIC_MODELS):
+    for table in (zoo_models.MODELS, zoo_models.DYNAMIC_MODELS):
         for name, build_model in table.items():
             out.setdefault(name, build_model)
     return out

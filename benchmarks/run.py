@@ -7,7 +7,7 @@ models) and times system and floor alternately; one that hangs or crashes is
 recorded as "timeout" or "failed" and the run goes on. The modes are presets:
 none, `--quick`, `--control-flow` (results.json, .md, .png, results_memory.png,
 machine.json), `--peers` (peers.json, .md, peers_machine.json), `--zoo` and
-`--tf1-models` (the models of zoo_models.py and tf1_models.py, `models.build`:
+`--tf1-models` (the models of zoo_models.py, `models.build`:
 zoo.json, .md, tf1_models.json, .md; `--zoo --profile`: where each step's
 peak memory goes, printed), `--before DIR` (two trees' custagg on the same
 configurations, one worker server per tree, interleaved over rounds:
@@ -69,7 +69,7 @@ ZOO_PAGES = {
             "mnist_deep's DP step (DPOptimizer around Adam) over the tutorial's Adam step, its "
             "floor."),
     "tf1_models": ("Other people's TF1 models (`python -m benchmarks --tf1-models`)",
-                   "Issue 24's yardstick: the models of benchmarks/tf1_models.py (full size, "
+                   "Issue 24's yardstick: the TF1 models of benchmarks/zoo_models.py (full size, "
                    "float32, dynamic batch and sequence length), custagg_auto with C = 1 and no "
                    "loop reference; Plans: variables per form of the plan.")}
 BEFORE_BATCHES = {"mlp": (64, 256), "cnn": (64, 256), "lstm": (32, 64)}
@@ -126,7 +126,7 @@ def parse_args(argv=None):
                    help="the model zoo (benchmarks/zoo_models.py) at full size: norms, clipped "
                         "sums, mnist_deep's DP step; B 64,256, 15 repeats; writes results/zoo.*")
     p.add_argument("--tf1-models", action="store_true",
-                   help="issue 24's TF1 models (benchmarks/tf1_models.py; issue 34's by "
+                   help="issue 24's TF1 models (benchmarks/zoo_models.py; issue 34's by "
                         "--models): the clipped sum; B 64, 5 repeats; writes results/tf1_models.*")
     p.add_argument("--before", metavar="DIR",
                    help="DIR's custagg (a checkout) against --after's in one run, interleaved; "
@@ -199,14 +199,14 @@ def parse_args(argv=None):
     known = list(models.MODELS)
     if args.mode in ("zoo", "tf1_models", "before"):
         others = list(models.builders())                # imports TensorFlow
-        from benchmarks import tf1_models, zoo_models
+        from benchmarks import zoo_models
         zoo = list(zoo_models.ZOO)
         if args.mode == "zoo":
             known = zoo + list(models.HARNESS_ZOO)
             defaults["models"] = ["mnist_deep", "cnn"] if args.profile else zoo
         elif args.mode == "tf1_models":
-            known = list(tf1_models.MODELS) + list(tf1_models.DYNAMIC_MODELS)
-            defaults["models"] = list(tf1_models.MODELS)
+            known = list(zoo_models.MODELS) + list(zoo_models.DYNAMIC_MODELS)
+            defaults["models"] = list(zoo_models.MODELS)
         else:
             known = list(BEFORE_BATCHES)
             try:
