@@ -270,16 +270,6 @@ def tf_loss(model, p, x, y):
     return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
 
 
-def _keras(tf):
-    """Keras 2: tf_keras where TF's own tf.keras is Keras 3 (TF >= 2.16),
-    which has no graph mode."""
-    try:
-        import tf_keras
-        return tf_keras
-    except ImportError:
-        return tf.keras
-
-
 # Models whose TensorFlow graphs are built on `[None, ...]` placeholders (see
 # `tf_placeholders`): loop models, as users feed them. custagg's per-example
 # copy of the forward pass ("recompute", the O(B) form for variables inside a
@@ -288,13 +278,9 @@ DYNAMIC_BATCH_MODELS = ("lstm", "gru", "norule_rnn", "keras_lstm", "keras_gru")
 
 
 def tf_placeholders(model, batch_size, dynamic=False):
-    """Placeholders (x [B, ...], y [B]).
-
-    Args:
-      batch_size: the static leading dimension, or with `dynamic=True` only
-        the size that will be fed (the placeholders' leading dimension is
-        None). Per-example loops over `loss[i]` need the static form.
-    """
+    """Placeholders (x [B, ...], y [B]) with the static leading dimension
+    `batch_size` (per-example loops over `loss[i]` need it), or None if
+    `dynamic`."""
     import tensorflow as tf
     shape, dtype = input_spec(model)
     lead = None if dynamic else batch_size
@@ -315,7 +301,10 @@ def tf_variables(model, seed=0):
     params = init_params(model, seed)
     variables = Variables()
     if model in KERAS_RNN:
-        keras = _keras(tf)
+        try:    # Keras 2: tf_keras where tf.keras is Keras 3 (TF >= 2.16, no graph mode)
+            import tf_keras as keras
+        except ImportError:
+            keras = tf.keras
         cls = getattr(keras.layers, KERAS_RNN[model])
         extra = {"unit_forget_bias": False} if cls is keras.layers.LSTM else {}
         layer = cls(LSTM_HIDDEN, name=model,

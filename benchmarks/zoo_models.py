@@ -41,13 +41,9 @@ def _one_hot(rng, batch, classes):
 
 @contextlib.contextmanager
 def _keras_floatx(dtype):
-    """Keras' default float type is `dtype` within the block.
-
-    Keras 2.12's MultiHeadAttention does not pass its `dtype=` on to the
-    EinsumDense sublayers it builds at the first call, which take the default
-    (float32): a float64 block then fails adding float32 to float64. Later
-    Keras releases pass it on, so there this changes nothing.
-    """
+    """Keras' default float type is `dtype` within the block: Keras 2.12's
+    MultiHeadAttention does not pass its `dtype=` on to the EinsumDense
+    sublayers it builds at the first call (later releases do)."""
     keras = tf.keras  # Keras 2 (tf-keras) under TF_USE_LEGACY_KERAS=1
     saved = keras.backend.floatx()
     keras.backend.set_floatx(tf.as_dtype(dtype).name)
