@@ -143,8 +143,7 @@ def to_markdown(result):
     for model, rows in result["models"].items():
         lines += ["## %s" % model, "", common.md_table(
             ["B", "call ms: vector / list (ratio)", "cpu ratio", "graph ratio",
-             "+slices ms (ratio)", "ops: vector / list (+slices)",
-             "run ms: vector / list (ratio)",
+             "+slices ms (ratio)", "ops: vector / list (+slices)", "run ms: vector / list (ratio)",
              "unstack: call ms (ratio), +unstack ms (ratio), run ratio"],
             [["%d" % row["batch"],
               "%.1f / %.1f (%.2fx)" % (1e3 * row["vector"]["call_s"], 1e3 * row["list"]["call_s"],

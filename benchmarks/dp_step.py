@@ -246,8 +246,7 @@ def make_query(kind, num_vars, batch, sigma=1.1):
             clipped_count_stddev=batch / 20.0, expected_num_records=batch)
     clip = 1.0 / np.sqrt(num_vars)
     return nested_query.NestedSumQuery(
-        [gaussian_query.GaussianSumQuery(clip, clip * sigma)
-         for _ in range(num_vars)])
+        [gaussian_query.GaussianSumQuery(clip, clip * sigma) for _ in range(num_vars)])
 
 
 def adaptive_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), log=print, **_):
@@ -382,8 +381,7 @@ def input_pipelines(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
             s, forms = _pipeline_graph(model, source, x, y, batch)
             try:
                 med, peaks = common.interleaved(
-                    {k: s.runner(k) for k in ("plain", "dp")},
-                    [(None, None)] * (repeats + 1),
+                    {k: s.runner(k) for k in ("plain", "dp")}, [(None, None)] * (repeats + 1),
                     {k: s.peak(k) for k in ("plain", "dp")})
             finally:
                 s.close()
@@ -557,8 +555,7 @@ def tf_privacy_markdown(result):
                          "%.4f" % cs if cs else c.get("skipped", "-"),
                          "%.0fx" % (ts / cs) if ts and cs else "-"])
         lines += ["## Seconds per DP-SGD step (median, 1 thread)", "", common.md_table(
-            ["model", "B", "M", "TF Privacy", "custagg", "ratio"], rows,
-            ["---"] + ["---:"] * 5)]
+            ["model", "B", "M", "TF Privacy", "custagg", "ratio"], rows, ["---"] + ["---:"] * 5)]
         mlp = {r["microbatches"]: r.get("seconds_per_step") for r in result["timing"]
                if r["system"] == "custagg" and r["model"] == "mlp" and r["batch"] == 512}
         if mlp.get(512) and mlp.get(128):
@@ -585,8 +582,7 @@ _COLUMNS = {
         ("/ (M = B)", "ratio_to_m_eq_b", "%.2fx")],
     "adaptive_clipping": [
         ("model", "model", "%s"), ("B", "batch", "%d"), ("query", "query", "%s"),
-        ("s/step", "seconds_per_step", "%.4f"),
-        ("ratio to fixed", "ratio_to_fixed", "%.2fx")],
+        ("s/step", "seconds_per_step", "%.4f"), ("ratio to fixed", "ratio_to_fixed", "%.2fx")],
     "user_level_clipping": [
         ("model", "model", "%s"), ("B", "batch", "%d"), ("gradient", "kind", "%s"),
         ("s", "seconds", "%.4f"), ("time ratio", "time_ratio", "%.2fx"),
@@ -595,8 +591,7 @@ _COLUMNS = {
         ("model", "model", "%s"), ("source", "source", "%s"), ("B", "batch", "%d"),
         ("plain s", "plain_s", "%.4f"), ("DP step s", "dp_s", "%.4f"),
         ("DP / plain", "ratio", "%.2fx"), ("peak DP / plain", "memory_ratio", "%.2fx"),
-        ("forms", lambda r: ", ".join("%s %d" % kv for kv in sorted(r["forms"].items())),
-         "%s")],
+        ("forms", lambda r: ", ".join("%s %d" % kv for kv in sorted(r["forms"].items())), "%s")],
 }
 MODES = collections.OrderedDict((m, globals()[m]) for m in _COLUMNS)
 

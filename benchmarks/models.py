@@ -309,8 +309,7 @@ def tf_variables(model, seed=0):
         extra = {"unit_forget_bias": False} if cls is keras.layers.LSTM else {}
         layer = cls(LSTM_HIDDEN, name=model,
                     kernel_initializer=keras.initializers.Constant(params["kernel"]),
-                    recurrent_initializer=keras.initializers.Constant(
-                        params["recurrent_kernel"]),
+                    recurrent_initializer=keras.initializers.Constant(params["recurrent_kernel"]),
                     bias_initializer=keras.initializers.Constant(params["bias"]), **extra)
         layer.build((None, LSTM_STEPS, LSTM_IN))
         cell = layer.cell

@@ -195,8 +195,7 @@ def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")
              "estimated too slow (B² systems) or not supported by the strategy; notes, the "
              "other figures and task (d) are in [`%s`](%s)." % (
                  meta.get("cpu", "?"), meta.get("cores", "?"), meta.get("memory_gb", "?"),
-                 versions or "versions not recorded", runs, NOISE_FACTOR, results_md,
-                 results_md),
+                 versions or "versions not recorded", runs, NOISE_FACTOR, results_md, results_md),
              ""]
     block += task_tables(records, tasks=tasks, heading="####")
     mem = memory_tables(records, tasks=tasks, heading="####")

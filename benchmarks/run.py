@@ -57,8 +57,7 @@ PRESETS = {
     # Issues 23 and 34: the harness's models at their BEFORE_BATCHES, then
     # the zoo and BEFORE_OTHERS at --zoo-batches.
     "before": dict(_ZOO, models=["mlp", "cnn", "lstm"], repeats=10, budget=2.0, timeout=300.0,
-                   tasks=["norms", "clip", "dpsgd"], out="/tmp/before_after",
-                   stem="before_after"),
+                   tasks=["norms", "clip", "dpsgd"], out="/tmp/before_after", stem="before_after"),
 }
 # The titles and introductions of zoo.md and tf1_models.md.
 ZOO_PAGES = {
@@ -678,8 +677,7 @@ def report_only(args):
         saved = load(args.stem + ".json")
         if "records" not in saved:
             raise SystemExit("--report-only: %s.json was written by the harness before its "
-                             "zoo and TF1 models became its modes; run the mode again"
-                             % args.stem)
+                             "zoo and TF1 models became its modes; run the mode again" % args.stem)
         records, meta = saved["records"], saved["meta"]
     elif args.stem == "peers":
         records, meta = load("peers.json"), load("peers_machine.json")

@@ -204,8 +204,7 @@ def _init(rng):
 def keras_cnn(dtype, rng, full=False):
     side, filters = (28, 32) if full else (8, 4)
     k = tf.keras.layers
-    layers = [k.Conv2D(filters, 3, activation="relu", dtype=dtype,
-                       kernel_initializer=_init(rng)),
+    layers = [k.Conv2D(filters, 3, activation="relu", dtype=dtype, kernel_initializer=_init(rng)),
               k.MaxPooling2D(2, dtype=dtype), k.Flatten(dtype=dtype),
               k.Dense(6, dtype=dtype, kernel_initializer=_init(rng))]
     return Model(*_keras_model(dtype, rng, [side, side, 1], layers, 6))
@@ -214,8 +213,7 @@ def keras_cnn(dtype, rng, full=False):
 def keras_embedding_mean(dtype, rng, full=False):
     vocab, dim, steps = (5000, 64, 32) if full else (20, 6, 5)
     k = tf.keras.layers
-    layers = [k.Embedding(vocab, dim, dtype=dtype,
-                          embeddings_initializer=_init(rng)),
+    layers = [k.Embedding(vocab, dim, dtype=dtype, embeddings_initializer=_init(rng)),
               k.GlobalAveragePooling1D(dtype=dtype),
               k.Dense(4, dtype=dtype, kernel_initializer=_init(rng))]
     return Model(*_keras_model(dtype, rng, [steps], layers, 4, ids=True))
@@ -224,14 +222,12 @@ def keras_embedding_mean(dtype, rng, full=False):
 def keras_separable(dtype, rng, full=False):
     side, filters = (28, 32) if full else (6, 4)
     k = tf.keras.layers
-    layers = [k.SeparableConv2D(filters, 3, padding="same", activation="relu",
-                                dtype=dtype,
+    layers = [k.SeparableConv2D(filters, 3, padding="same", activation="relu", dtype=dtype,
                                 depthwise_initializer=_init(rng),
                                 pointwise_initializer=_init(rng)),
               k.DepthwiseConv2D(3, depth_multiplier=2, dtype=dtype,
                                 depthwise_initializer=_init(rng)),
-              k.Flatten(dtype=dtype),
-              k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
+              k.Flatten(dtype=dtype), k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
     return Model(*_keras_model(dtype, rng, [side, side, 2], layers, 3))
 
 
@@ -328,8 +324,7 @@ def weight_decay_loss(dtype, rng, full=False):
     b1 = tf.Variable(tf.zeros([hidden], dtype))
     w2 = tf.Variable(0.4 * rng.normal(size=[hidden, 3]), dtype=dtype)
     logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2)
-    loss = (tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
-                                                           logits=logits)
+    loss = (tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
             + 1e-2 * (tf.nn.l2_loss(w1) + tf.nn.l2_loss(w2)))
 
     def feed(rng, batch):
@@ -352,8 +347,7 @@ def official_resnet_cifar(dtype, rng, full=False):
 
     def batch_norm(inputs, training, data_format):
         return tf1.layers.batch_normalization(
-            inputs=inputs, axis=3,
-            momentum=0.997, epsilon=1e-5, center=True, scale=True,
+            inputs=inputs, axis=3, momentum=0.997, epsilon=1e-5, center=True, scale=True,
             training=training, fused=True)
 
     def fixed_padding(inputs, kernel_size, data_format):
@@ -367,10 +361,8 @@ def official_resnet_cifar(dtype, rng, full=False):
             inputs = fixed_padding(inputs, kernel_size, data_format)
         return tf1.layers.conv2d(
             inputs=inputs, filters=filters, kernel_size=kernel_size,
-            strides=strides, padding=("SAME" if strides == 1 else "VALID"),
-            use_bias=False,
-            kernel_initializer=tf1.variance_scaling_initializer(
-                seed=init_seed),
+            strides=strides, padding=("SAME" if strides == 1 else "VALID"), use_bias=False,
+            kernel_initializer=tf1.variance_scaling_initializer(seed=init_seed),
             data_format=data_format)
 
     def building_block_v1(inputs, filters, training, projection_shortcut, strides, data_format):
@@ -405,8 +397,7 @@ def official_resnet_cifar(dtype, rng, full=False):
             inputs = batch_norm(inputs, training, data_format)
             inputs = tf.nn.relu(inputs)
             for i, strides in enumerate([1, 2, 2]):
-                inputs = block_layer(inputs, num_filters * (2 ** i),
-                                     num_blocks, strides, training,
+                inputs = block_layer(inputs, num_filters * (2 ** i), num_blocks, strides, training,
                                      "block_layer%d" % (i + 1), data_format)
             axes = [1, 2]
             inputs = tf.reduce_mean(inputs, axes, keepdims=True)
@@ -546,8 +537,7 @@ def _tagger_logits(word_embeddings, sequence_lengths, hidden, tags, dtype, init,
         cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden)
         cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden)
         (output_fw, output_bw), _ = tf1.nn.bidirectional_dynamic_rnn(
-            cell_fw, cell_bw, word_embeddings,
-            sequence_length=sequence_lengths, dtype=dtype)
+            cell_fw, cell_bw, word_embeddings, sequence_length=sequence_lengths, dtype=dtype)
         output = tf.concat([output_fw, output_bw], axis=-1)
         if dropout is not None:
             output = tf1.nn.dropout(output, dropout)
@@ -604,11 +594,9 @@ def wide_deep(dtype, rng, full=False):
         "age": tf1.placeholder(dtype, [None, 1], name="age"),
         "hours_per_week": tf1.placeholder(dtype, [None, 1], name="hours"),
         "education": tf1.placeholder(tf.string, [None, 1], name="education"),
-        "occupation": tf1.placeholder(tf.string, [None, 1],
-                                      name="occupation"),
+        "occupation": tf1.placeholder(tf.string, [None, 1], name="occupation"),
         # Several interests per person, or none: a sparse input.
-        "interests": tf1.sparse_placeholder(tf.string, [None, None],
-                                            name="interests"),
+        "interests": tf1.sparse_placeholder(tf.string, [None, None], name="interests"),
     }
     label = tf1.placeholder(dtype, [None, 1], name="label")
     # Standardized as the input pipelines of these models do (raw ages
@@ -636,8 +624,7 @@ def wide_deep(dtype, rng, full=False):
             net = fc.input_layer(features, deep_columns)
             init = _glorot(rng)
             for i, units in enumerate(hidden):
-                net = tf1.layers.dense(net, units, activation=tf.nn.relu,
-                                       kernel_initializer=init,
+                net = tf1.layers.dense(net, units, activation=tf.nn.relu, kernel_initializer=init,
                                        name="hiddenlayer_%d" % i)
             deep_logits = tf1.layers.dense(net, 1, kernel_initializer=init, name="logits")
         return wide_logits + deep_logits
@@ -664,8 +651,7 @@ def wide_deep(dtype, rng, full=False):
                 features["hours_per_week"]: rng.uniform(10, 60, [batch, 1]),
                 # "Preschool" is out of the vocabulary: the -1 id path.
                 features["education"]: pick(_EDUCATION + ["Preschool"]),
-                features["occupation"]: pick(_OCCUPATIONS),
-                features["interests"]: sparse,
+                features["occupation"]: pick(_OCCUPATIONS), features["interests"]: sparse,
                 label: rng.integers(0, 2, [batch, 1]).astype(float)}
     return Model(loss, xs, feed)
 
@@ -680,15 +666,13 @@ def word2vec(dtype, rng, full=False):
         seed=int(rng.integers(1 << 30))), name="embeddings")
     embed = tf.nn.embedding_lookup(embeddings, train_inputs)
     nce_weights = tf.Variable(tf1.truncated_normal(
-        [vocabulary_size, embedding_size],
-        stddev=1.0 / math.sqrt(embedding_size), dtype=dtype,
+        [vocabulary_size, embedding_size], stddev=1.0 / math.sqrt(embedding_size), dtype=dtype,
         seed=int(rng.integers(1 << 30))), name="nce_weights")
     nce_biases = tf.Variable(0.1 * rng.normal(size=[vocabulary_size]),
                              dtype=dtype, name="nce_biases")
     # The tutorial averages this [B] vector.
     loss = tf1.nn.nce_loss(weights=nce_weights, biases=nce_biases,
-                           labels=train_labels, inputs=embed,
-                           num_sampled=num_sampled,
+                           labels=train_labels, inputs=embed, num_sampled=num_sampled,
                            num_classes=vocabulary_size)
 
     def feed(rng, batch, t=None):
@@ -753,8 +737,7 @@ def _two_towers(dtype, rng, full):
                 h = tf1.layers.dense(x, hidden, activation=tf.nn.tanh,
                                      kernel_initializer=init, name="h")
                 return tf.nn.l2_normalize(
-                    tf1.layers.dense(h, out, kernel_initializer=init,
-                                     name="out"), axis=-1)
+                    tf1.layers.dense(h, out, kernel_initializer=init, name="out"), axis=-1)
         return tower(query, "query_tower"), tower(doc, "doc_tower")
     (q, d), xs = _new_variables(build)
 
@@ -850,8 +833,7 @@ def unet(dtype, rng, full=False):
     offset = (tf.shape(y)[1] - tf.shape(logits)[1]) // 2
     labels = y[:, offset:offset + tf.shape(logits)[1], offset:offset + tf.shape(logits)[2], :]
     flat = tf.nn.softmax_cross_entropy_with_logits(
-        logits=tf.reshape(logits, [-1, n_class]),
-        labels=tf.reshape(labels, [-1, n_class]))
+        logits=tf.reshape(logits, [-1, n_class]), labels=tf.reshape(labels, [-1, n_class]))
     # The author averages `flat`; per image, its pixels' mean.
     loss = tf.reduce_mean(tf.reshape(flat, [tf.shape(x)[0], -1]), axis=1)
 
@@ -897,8 +879,7 @@ def ctc_lstm(dtype, rng, full=False):
                 indices.append([n, k])
                 values.append(int(rng.integers(0, num_classes - 1)))
         width = max(i[1] for i in indices) + 1
-        return {inputs: rng.normal(size=[batch, t, num_features]),
-                seq_len: lengths,
+        return {inputs: rng.normal(size=[batch, t, num_features]), seq_len: lengths,
                 targets: tf1.SparseTensorValue(
                     np.array(indices, np.int64), np.array(values, np.int32),
                     np.array([batch, width], np.int64))}
@@ -923,8 +904,7 @@ def neurobind(dtype, rng, full=False):
                 out = tf1.layers.dense(out, units // 2, tf.nn.relu, name="dense2")
                 prenet_out = tf1.layers.dropout(out, 0.2, training=True)
             enc = tf1.layers.conv1d(prenet_out, units // 2, 3,
-                                    padding="same", activation=tf.nn.relu,
-                                    name="conv1d_1")
+                                    padding="same", activation=tf.nn.relu, name="conv1d_1")
             enc += prenet_out
             with tf1.variable_scope("highwaynet_0"):
                 H = tf1.layers.dense(enc, units // 2, tf.nn.relu, name="H")
@@ -979,8 +959,7 @@ def attention_pooling(dtype, rng, full=False):
 
     def feed(rng, batch, t=None):
         t = t or steps
-        return {ids: rng.integers(0, vocab, [batch, t]),
-                lengths: _lengths(rng, batch, t),
+        return {ids: rng.integers(0, vocab, [batch, t]), lengths: _lengths(rng, batch, t),
                 labels: rng.integers(0, classes, batch)}
     return Model(loss, xs, feed, dynamic_steps=True)
 
@@ -999,8 +978,7 @@ def _crf_log_likelihood(inputs, tag_indices, sequence_lengths, dtype):
     offsets += tf.expand_dims(tf.range(max_seq_len) * n, 0)
     flattened_tag_indices = tf.reshape(offsets + tag_indices, [-1])
     unary_scores = tf.reshape(
-        tf.gather(flattened_inputs, flattened_tag_indices),
-        [batch_size, max_seq_len])
+        tf.gather(flattened_inputs, flattened_tag_indices), [batch_size, max_seq_len])
 
     def lengths_to_masks(lengths, max_length):
         tiled_ranges = tf.tile(tf.expand_dims(tf.range(max_length), 0), [tf.shape(lengths)[0], 1])
@@ -1020,8 +998,7 @@ def _crf_log_likelihood(inputs, tag_indices, sequence_lengths, dtype):
     rest_of_input = tf.slice(inputs, [0, 1, 0], [-1, -1, -1])
     _, alphas = tf1.nn.dynamic_rnn(
         cell=_crf_forward_cell(transition_params), inputs=rest_of_input,
-        sequence_length=sequence_lengths - 1, initial_state=first_input,
-        dtype=dtype)
+        sequence_length=sequence_lengths - 1, initial_state=first_input, dtype=dtype)
     log_norm = tf.reduce_logsumexp(alphas, [1])
     return unary_scores + binary_scores - log_norm
 
@@ -1058,8 +1035,7 @@ def bilstm_crf(dtype, rng, full=False, static_steps=False):
     """guillaumegenthial/sequence_tagging's NER tagger (model/ner_model.py,
     chars and CRF): `-log_likelihood`; `static_steps`: a static T."""
     vocab, nchars, dim, dim_char, hidden_char, hidden, tags, steps, chars = (
-        (1000, 60, 50, 25, 25, 64, 9, 24, 8) if full else
-        (15, 11, 4, 3, 2, 5, 3, 4, 3))
+        (1000, 60, 50, 25, 25, 64, 9, 24, 8) if full else (15, 11, 4, 3, 2, 5, 3, 4, 3))
     t = steps if static_steps else None
     word_ids = tf1.placeholder(tf.int32, [None, t], name="word_ids")
     sequence_lengths = tf1.placeholder(tf.int32, [None], name="sequence_lengths")
@@ -1085,8 +1061,7 @@ def bilstm_crf(dtype, rng, full=False, static_steps=False):
             cell_fw = tf1.nn.rnn_cell.LSTMCell(hidden_char, state_is_tuple=True)
             cell_bw = tf1.nn.rnn_cell.LSTMCell(hidden_char, state_is_tuple=True)
             _output = tf1.nn.bidirectional_dynamic_rnn(
-                cell_fw, cell_bw, char_embeddings,
-                sequence_length=word_lengths_flat, dtype=dtype)
+                cell_fw, cell_bw, char_embeddings, sequence_length=word_lengths_flat, dtype=dtype)
             _, ((_, output_fw), (_, output_bw)) = _output
             output = tf.concat([output_fw, output_bw], axis=-1)
             output = tf.reshape(output, shape=[s[0], s[1], 2 * hidden_char])
@@ -1116,8 +1091,7 @@ ZOO = collections.OrderedDict(
         mnist_softmax, mnist_deep, layers_mlp, layers_text_cnn, keras_cnn,
         keras_embedding_mean, keras_separable, keras_batch_norm_inference,
         keras_batch_norm_training, keras_transformer,
-        residual_mlp_shared_weight, weight_decay_loss,
-        official_resnet_cifar, dcgan_generator])
+        residual_mlp_shared_weight, weight_decay_loss, official_resnet_cifar, dcgan_generator])
 MODELS = collections.OrderedDict(
     (fn.__name__, fn) for fn in [transformer, bilstm_tagger, wide_deep, word2vec, ptb_lm,
                                  in_batch_negatives, in_batch_softmax, bilstm_crf])
