@@ -14,6 +14,7 @@ to --out (default benchmarks/results) and its logs/. docs/benchmarks.md
 describes the tasks, systems and figures.
 """
 import argparse
+import collections
 import datetime
 import hashlib
 import json
@@ -615,9 +616,7 @@ def main(argv=None):
     machine["loadavg_end"] = os.getloadavg()
     _write_outputs(args, _merged(args, old, done), machine, versions, references, started,
                    final=True)
-    counts = {}
-    for r in done:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    counts = collections.Counter(r["status"] for r in done)
     fails = sum(1 for r in done if r["check"] == "fail")
     print("done in %.0f s: %s; check failures: %d; results in %s" % (
         time.time() - started, ", ".join("%d %s" % (v, k) for k, v in sorted(counts.items())),
