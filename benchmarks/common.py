@@ -71,9 +71,7 @@ class SignatureBuilder:
             self.sig["csum/" + n] += self.scale[i] * np.asarray(g, np.float64)
 
     def save(self, path):
-        out = dict(self.sig)
-        out["factors"] = self.f.astype(np.float32)
-        out["clip"] = np.array(self.clip)
+        out = dict(self.sig, factors=self.f.astype(np.float32), clip=np.array(self.clip))
         tmp = path + ".tmp.npz"
         np.savez(tmp, **out)
         os.replace(tmp, path)
@@ -85,8 +83,7 @@ def load_signature(path):
 
 
 def rel_err(value, ref):
-    value = np.asarray(value, np.float64)
-    ref = np.asarray(ref, np.float64)
+    value, ref = np.asarray(value, np.float64), np.asarray(ref, np.float64)
     if value.shape != ref.shape:
         return float("inf")
     if ref.size == 0:
@@ -113,8 +110,7 @@ def compare(values, sig):
 
 def signature_of_per_example(names, per_example):
     """Signature entries (norms, proj/<v>) of materialized per-example grads."""
-    out = {}
-    sq = None
+    out, sq = {}, None
     for n, g in zip(names, per_example):
         # float32 on purpose: at B=512 the text model's gradients are 650 MB.
         g = np.asarray(g, np.float32).reshape(g.shape[0], -1)
@@ -209,16 +205,11 @@ def cpu_model():
 
 
 def machine_info(extra=None):
-    info = {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
+    return dict({
+        "cpu": cpu_model(), "cores": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(),
-    }
-    info.update(extra or {})
-    return info
+        "platform": platform.platform(), "python": platform.python_version(),
+        "loadavg_start": os.getloadavg()}, **(extra or {}))
 
 
 def git(tree, *argv):

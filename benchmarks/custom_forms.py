@@ -12,6 +12,7 @@ time and runs within 1.3x. Results: benchmarks/results/custom_forms.*.
 """
 
 import argparse
+import functools
 import gc
 import os
 import platform
@@ -54,9 +55,7 @@ def build(layers, batch, form, seed=0):
                 np.float32), name="w%d" % k)
             b = tf.compat.v1.Variable(np.zeros(n_out, np.float32), name="b%d" % k)
             h = tf.matmul(h, w) + b
-            h = tf.nn.relu(h) if k + 1 < len(layers) else h
-            params += [w, b]
-            n_in = n_out
+            h, params, n_in = (tf.nn.relu(h) if k + 1 < len(layers) else h), params + [w, b], n_out
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=h)
         f = tf.compat.v1.placeholder(tf.float32, [batch], name="factors")
         model_s = time.perf_counter() - t0
@@ -90,19 +89,18 @@ def measure(layers, batch, build_repeats, repeats, warmup=3):
     rng = np.random.RandomState(1)
     data = (rng.uniform(size=(batch, 784)).astype(np.float32), rng.randint(0, 10, size=batch),
             rng.uniform(size=batch).astype(np.float32))
-    sessions = {}
+    sessions, runs = {}, {}
     for form, bs in builds.items():
-        sess = common.session(bs[0]["graph"], 0)
+        sessions[form] = sess = common.session(bs[0]["graph"], 0)
         sess.run(bs[0]["init"])
-        sessions[form] = (sess, bs[0]["grads"], dict(zip(bs[0]["feeds"], data)))
-    runs, values = {form: [] for form in FORMS}, {}
-    for r in range(warmup + repeats):
-        for form, (sess, grads, feed) in sessions.items():
-            t0 = time.perf_counter()
-            values[form] = sess.run(grads, feed)
-            if r >= warmup:
-                runs[form].append(time.perf_counter() - t0)
-    for sess, _, _ in sessions.values():
+        runs[form] = functools.partial(sess.run, bs[0]["grads"], dict(zip(bs[0]["feeds"], data)))
+    for _ in range(warmup - 1):
+        for fn in runs.values():
+            fn()
+    # One more warm-up run each, then `repeats` timed runs, the forms in turn.
+    run_s = common.interleaved(runs, [()] * (repeats + 1))[0]
+    values = {form: fn() for form, fn in runs.items()}
+    for sess in sessions.values():
         sess.close()
     row = {"batch": batch, "max_abs_diff": max(
         float(np.max(np.abs(a - b))) for form in ("list", "unstack")
@@ -111,7 +109,7 @@ def measure(layers, batch, build_repeats, repeats, warmup=3):
         row[form] = {k: statistics.median(b[k] for b in bs)
                      for k in ("call_s", "call_cpu_s", "graph_s", "with_slices_s")}
         row[form].update(call_ops=bs[0]["call_ops"], with_slices_ops=bs[0]["with_slices_ops"],
-                         run_s=statistics.median(runs[form]))
+                         run_s=run_s[form])
     v, l, u = row["vector"], row["list"], row["unstack"]
     row["ratio"] = {
         "build_call": l["call_s"] / v["call_s"], "build_call_cpu": l["call_cpu_s"] / v["call_cpu_s"],
@@ -145,8 +143,7 @@ def to_markdown(result):
     for model, rows in result["models"].items():
         lines += ["## %s" % model, "", common.md_table(
             ["B", "call ms: vector / list (ratio)", "cpu ratio", "graph ratio",
-             "+slices ms (ratio)", "ops: vector / list (+slices)",
-             "run ms: vector / list (ratio)",
+             "+slices ms (ratio)", "ops: vector / list (+slices)", "run ms: vector / list (ratio)",
              "unstack: call ms (ratio), +unstack ms (ratio), run ratio"],
             [["%d" % row["batch"],
               "%.1f / %.1f (%.2fx)" % (1e3 * row["vector"]["call_s"], 1e3 * row["list"]["call_s"],

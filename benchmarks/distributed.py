@@ -61,12 +61,9 @@ def _single(batch, epochs):
 
 def _single_process(batch, epochs):
     """The main job's DP-SGD graph (custagg.app.train) in one Session."""
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from custagg.app import cli  # pylint: disable=g-import-not-at-top
-    from custagg.app import datasets  # pylint: disable=g-import-not-at-top
-    from custagg.app import train  # pylint: disable=g-import-not-at-top
-    from custagg.app.models import build_model  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+    from custagg.app import cli, datasets, train
+    from custagg.app.models import build_model
     tf.compat.v1.disable_eager_execution()
     args = cli.build_parser().parse_args(["--aggregation", "dpsgd", "--batch-size", str(batch)])
     data = datasets.load_dataset(args.dataset, seed=args.seed)
@@ -74,33 +71,30 @@ def _single_process(batch, epochs):
         tf.compat.v1.set_random_seed(args.seed)
         x = tf.compat.v1.placeholder(tf.float32, [batch, data.num_features])
         y = tf.compat.v1.placeholder(tf.int64, [batch])
-        logits, variables = build_model(args.model, x, data.image_shape,
-                                        data.num_classes, args.hidden,
-                                        args.seed)
+        logits, variables = build_model(args.model, x, data.image_shape, data.num_classes,
+                                        args.hidden, args.seed)
         loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         step = tf.compat.v1.train.get_or_create_global_step()
         opt = train.make_optimizer(args, train.learning_rate(args))
         train_op = opt.minimize(loss, global_step=step, var_list=variables)
         x_eval = tf.compat.v1.placeholder(tf.float32, [None, data.num_features])
         y_eval = tf.compat.v1.placeholder(tf.int64, [None])
-        eval_logits, _ = build_model(args.model, x_eval, data.image_shape,
-                                     data.num_classes, args.hidden, args.seed)
+        eval_logits, _ = build_model(args.model, x_eval, data.image_shape, data.num_classes,
+                                     args.hidden, args.seed)
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(eval_logits, 1), y_eval), tf.float32))
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             secs, examples = 0.0, 0
             for epoch in range(1, epochs + 1):
                 t0 = time.perf_counter()
-                for xb, yb in datasets.minibatches(
-                        data.x_train, data.y_train, batch, seed=args.seed,
-                        epoch=epoch):
+                for xb, yb in datasets.minibatches(data.x_train, data.y_train, batch,
+                                                   seed=args.seed, epoch=epoch):
                     sess.run(train_op, {x: xb, y: yb})
                     examples += batch
                 secs += time.perf_counter() - t0
             acc = sess.run(correct, {x_eval: data.x_test, y_eval: data.y_test}) / len(data.y_test)
     rate = examples / secs
     print(json.dumps({"per_worker": [rate], "total": rate, "accuracy": float(acc)}))
-    del np
 
 
 def main(argv=None):
@@ -111,12 +105,11 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2)
     a = p.parse_args(argv)
-    configs = [("one process, no cluster", None, 64),
-               ("1 ps + 1 worker", 1, 64),
-               ("1 ps + 2 workers (same global batch)", 2, 64),
-               ("1 ps + 2 workers (same batch per worker)", 2, 128)]
     rows = []
-    for label, workers, batch in configs:
+    for label, workers, batch in [("one process, no cluster", None, 64),
+                                  ("1 ps + 1 worker", 1, 64),
+                                  ("1 ps + 2 workers (same global batch)", 2, 64),
+                                  ("1 ps + 2 workers (same batch per worker)", 2, 128)]:
         runs = []
         for _ in range(a.repeats):
             runs.append(_single(batch, a.epochs) if workers is None else
@@ -134,13 +127,12 @@ def main(argv=None):
     base = rows[1]["total_examples_per_s"]
     for r in rows:
         r["vs_one_worker"] = r["total_examples_per_s"] / base
-    result = {"command": "python benchmarks/distributed.py --epochs %d "
-                         "--repeats %d" % (a.epochs, a.repeats),
-              "cpus": os.cpu_count(), "machine": platform.machine(),
-              "python": platform.python_version(), "epochs": a.epochs,
-              "rows": rows}
+    result = {"command": "python benchmarks/distributed.py --epochs %d --repeats %d"
+                         % (a.epochs, a.repeats), "cpus": os.cpu_count(),
+              "machine": platform.machine(), "python": platform.python_version(),
+              "epochs": a.epochs, "rows": rows}
     try:
-        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        import tensorflow as tf
         result["tensorflow"] = tf.__version__
     except ImportError:
         pass

@@ -13,28 +13,22 @@ queries), `user_level_clipping` (`group_ids` of 64 and 8 users beside
 per-example clipping and the plain gradient), `input_pipelines` (issue 23:
 the batch from a placeholder, `tf.data`, a `shuffle_batch` queue or
 variables, the plan's forms too), and `tf_privacy_compare`: custagg.privacy
-next to TF Privacy's own TF1 optimizers, which need TF <= 2.15; run it in
-such an environment with TF Privacy fully installed and custagg on the path:
+next to TF Privacy's own TF1 optimizers, which need TF <= 2.15 (the
+PREFIX-tf215 venv of benchmarks/peers_env.sh, custagg on the path):
 
-    python3.11 -m venv /work/venvs/tfp215 && . /work/venvs/tfp215/bin/activate
-    pip install tensorflow-cpu==2.15.1 dp-accounting==0.4.3 \\
-        tensorflow-probability==0.22.1 dm-tree==0.1.8 "absl-py<2" scikit-learn
-    pip install --no-deps tensorflow-privacy==0.9.0 tensorflow-estimator==2.15.0
     PYTHONPATH=. python -m benchmarks.dp_step tf_privacy_compare [--parity] [--epsilon]
         [--timing] [--tutorial] [--json] [--write]
 
 Both systems build the same graph code; only the `dp_optimizer` module
-differs (the migration). Parts (all without flags): `--parity` (TF Privacy's
-tutorial CNN and the MLP, same weights and batches, 5 noise-free steps: the
-largest weight difference; with noise, each noise std), `--epsilon`
-(`compute_dp_sgd_privacy` of both), `--timing` (seconds per DP-SGD step, B =
-64 and 256, M = B and B/4; TF Privacy skipped above `--slow-limit`),
-`--tutorial` (the tutorial's Estimator loop with custagg); without TF
-Privacy only custagg's rows. What each measures and why:
-docs/benchmarks.md. With --write: benchmarks/results/MODE.json and MODE.md
-(tf_privacy_compare: the parts not run keep their last figures).
+differs (the migration). Parts (all without flags): `--parity` (same weights
+and batches, 5 noise-free steps: the largest weight difference; with noise,
+each noise std), `--epsilon` (`compute_dp_sgd_privacy` of both), `--timing`
+(seconds per DP-SGD step, B = 64 and 256, M = B and B/4; TF Privacy skipped
+above `--slow-limit`), `--tutorial` (the tutorial's Estimator loop with
+custagg); without TF Privacy only custagg's rows. Why: docs/benchmarks.md.
+With --write: benchmarks/results/MODE.json and MODE.md (tf_privacy_compare:
+the parts not run keep their last figures).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -71,30 +65,24 @@ EPSILON_SETTINGS = [(60000, 256, 1.1, 60, 1e-5), (60000, 150, 1.3, 15, 1e-5),
 PARTS = ("parity", "epsilon", "timing", "tutorial")
 
 
-# --------------------------------------------------------------------------
-# Data, models and steps.
-
-
 def tf_privacy():
     """TF Privacy's dp_optimizer and accountant modules, or None."""
     try:
         from tensorflow_privacy.privacy.analysis import compute_dp_sgd_privacy_lib  # pylint: disable=g-import-not-at-top
-        from tensorflow_privacy.privacy.optimizers import dp_optimizer  # pylint: disable=g-import-not-at-top
+        from tensorflow_privacy.privacy.optimizers import dp_optimizer as tfp_optimizer  # pylint: disable=g-import-not-at-top
     except Exception:  # pylint: disable=broad-except
         return None
-    return dp_optimizer, compute_dp_sgd_privacy_lib
+    return tfp_optimizer, compute_dp_sgd_privacy_lib
 
 
 def systems():
-    out = {"custagg": dp_optimizer}
+    """{name: dp_optimizer module}: TF Privacy's (if importable) first, then custagg's."""
     tfp = tf_privacy()
-    if tfp is not None:
-        out = {"tf_privacy": tfp[0], "custagg": dp_optimizer}
-    return out
+    return dict({"tf_privacy": tfp[0]} if tfp else {}, custagg=dp_optimizer)
 
 
 # --------------------------------------------------------------------------
-# Data and models.
+# Data, models and graphs.
 
 
 def digits28(seed=0):
@@ -103,8 +91,7 @@ def digits28(seed=0):
     ds = datasets.load_digits(seed=seed)
 
     def up(x):
-        x = x.reshape(-1, 8, 8)
-        x = np.kron(x, np.ones((1, 3, 3), np.float32))
+        x = np.kron(x.reshape(-1, 8, 8), np.ones((1, 3, 3), np.float32))
         return np.pad(x, ((0, 0), (2, 2), (2, 2)))[..., None].astype(np.float32)
 
     return (up(ds.x_train), ds.y_train.astype(np.int32), up(ds.x_test), ds.y_test.astype(np.int32))
@@ -135,71 +122,19 @@ def mlp(features):
 MODELS = {"tutorial_cnn": tutorial_cnn, "mlp": mlp}
 
 
-class Step(object):
-    """One model + DP optimizer in its own graph and session."""
-
-    def __init__(self, dp_module, model, batch, microbatches, noise, lr=0.15,
-                 seed=0, optimizer=None):
-        """`optimizer(vars)`, if given, in place of the tutorial's call."""
-        self.graph = tf.Graph()
-        with self.graph.as_default():
-            tf.compat.v1.set_random_seed(seed)
-            self.x = tf.compat.v1.placeholder(tf.float32, [batch, 28, 28, 1])
-            self.y = tf.compat.v1.placeholder(tf.int32, [batch])
-            logits = MODELS[model](self.x)
-            vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=self.y, logits=logits)
-            self.vars = tf.compat.v1.trainable_variables()
-            # The tutorial's optimizer call, word for word.
-            optimizer = optimizer(self.vars) if optimizer else (
-                dp_module.DPGradientDescentGaussianOptimizer(
-                    l2_norm_clip=1.0, noise_multiplier=noise,
-                    num_microbatches=microbatches, learning_rate=lr))
-            global_step = tf.compat.v1.train.get_or_create_global_step()
-            self.grads = [g for g, _ in optimizer.compute_gradients(vector_loss, self.vars)]
-            self.train_op = optimizer.apply_gradients(
-                zip(self.grads, self.vars), global_step=global_step)
-            self.sess = common.session(self.graph)
-            self.sess.run(tf.compat.v1.global_variables_initializer())
-
-    def weights(self):
-        return self.sess.run(self.vars)
-
-    def set_weights(self, values):
-        with self.graph.as_default():
-            for v, value in zip(self.vars, values):
-                v.load(value, self.sess)
-
-    def run(self, xb, yb, fetch=None):
-        return self.sess.run(self.train_op if fetch is None else fetch, {self.x: xb, self.y: yb})
-
-    def close(self):
-        self.sess.close()
+def _loss(model, xb, yb):
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=MODELS[model](xb))
 
 
 def batches(x, y, batch, count, seed=0):
     rng = np.random.RandomState(seed)
-    out = []
-    for _ in range(count):
-        idx = rng.choice(len(x), batch, replace=False)
-        out.append((x[idx], y[idx]))
-    return out
+    return [(x[idx], y[idx]) for idx in (rng.choice(len(x), batch, replace=False)
+                                         for _ in range(count))]
 
 
 def _data():
     x, y, _, _ = digits28()
     return np.concatenate([x] * 2), np.concatenate([y] * 2)
-
-
-def _step_times(steps, x, y, batch, repeats):
-    """{key: median s} of `steps` {key: Step}, timed in
-    turn on the same batches; closes them."""
-    try:
-        return common.interleaved({k: st.run for k, st in steps.items()},
-                           batches(x, y, batch, repeats + 1, seed=3))[0]
-    finally:
-        for st in steps.values():
-            st.close()
 
 
 class Graph(object):
@@ -230,8 +165,57 @@ class Graph(object):
         self.sess.close()
 
 
-def _loss(model, xb, yb):
-    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=MODELS[model](xb))
+class Step(Graph):
+    """One model + DP optimizer: the tutorial's optimizer call with
+    `dp_module`, or `optimizer(vars)`; `run(xb, yb)` one training step."""
+
+    def __init__(self, dp_module, model, batch, microbatches, noise, lr=0.15, seed=0,
+                 optimizer=None):
+        def build():
+            self.x = tf.compat.v1.placeholder(tf.float32, [batch, 28, 28, 1])
+            self.y = tf.compat.v1.placeholder(tf.int32, [batch])
+            vector_loss = _loss(model, self.x, self.y)
+            self.vars = tf.compat.v1.trainable_variables()
+            # The tutorial's optimizer call, word for word.
+            opt = optimizer(self.vars) if optimizer else (
+                dp_module.DPGradientDescentGaussianOptimizer(
+                    l2_norm_clip=1.0, noise_multiplier=noise,
+                    num_microbatches=microbatches, learning_rate=lr))
+            global_step = tf.compat.v1.train.get_or_create_global_step()
+            self.grads = [g for g, _ in opt.compute_gradients(vector_loss, self.vars)]
+            train_op = opt.apply_gradients(zip(self.grads, self.vars), global_step=global_step)
+            return {"step": train_op}, lambda kind, xb, yb: {self.x: xb, self.y: yb}, None
+        super(Step, self).__init__(build, seed)
+
+    def run(self, xb, yb, fetch=None):
+        return self.sess.run(self.fetches["step"] if fetch is None else fetch,
+                             {self.x: xb, self.y: yb})
+
+    def weights(self):
+        return self.sess.run(self.vars)
+
+    def set_weights(self, values):
+        with self.graph.as_default():
+            for v, value in zip(self.vars, values):
+                v.load(value, self.sess)
+
+
+def _step_times(steps, x, y, batch, repeats):
+    """{key: median s} of `steps` {key: Step}, timed in turn on the same
+    batches; closes them."""
+    try:
+        return common.interleaved({k: st.run for k, st in steps.items()},
+                                  batches(x, y, batch, repeats + 1, seed=3))[0]
+    finally:
+        for st in steps.values():
+            st.close()
+
+
+def _logged(log, mode, row):
+    """`row`, printed as its line of MODE's table."""
+    log("  ".join("%s %s" % (head, fmt % (key(row) if callable(key) else row[key]))
+                  for head, key, fmt in _COLUMNS[mode]))
+    return row
 
 
 # --------------------------------------------------------------------------
@@ -244,16 +228,11 @@ def microbatches(repeats=7, configs=MICROBATCH_CONFIGS, log=print, **_):
     for model, batch in configs:
         for dynamic in (False, True):
             mbs = [batch, batch // 4, 1]
-            steps = {m: Step(dp_optimizer, model, None if dynamic else batch,
-                                 m, noise=1.1) for m in mbs}
-            med = _step_times(steps, x, y, batch, repeats)
-            for m in mbs:
-                rows.append(dict(model=model, batch=batch, dynamic=dynamic,
-                                 microbatches=m, seconds_per_step=med[m],
-                                 ratio_to_m_eq_b=med[m] / med[batch]))
-                log("%-12s B=%d %-7s M=%-3d %.4f s/step  %.2fx the M=B step"
-                    % (model, batch, "dynamic" if dynamic else "static", m,
-                       med[m], med[m] / med[batch]))
+            med = _step_times({m: Step(dp_optimizer, model, None if dynamic else batch, m,
+                                       noise=1.1) for m in mbs}, x, y, batch, repeats)
+            rows += [_logged(log, "microbatches", dict(
+                model=model, batch=batch, dynamic=dynamic, microbatches=m,
+                seconds_per_step=med[m], ratio_to_m_eq_b=med[m] / med[batch])) for m in mbs]
     return rows
 
 
@@ -267,25 +246,20 @@ def make_query(kind, num_vars, batch, sigma=1.1):
             clipped_count_stddev=batch / 20.0, expected_num_records=batch)
     clip = 1.0 / np.sqrt(num_vars)
     return nested_query.NestedSumQuery(
-        [gaussian_query.GaussianSumQuery(clip, clip * sigma)
-         for _ in range(num_vars)])
+        [gaussian_query.GaussianSumQuery(clip, clip * sigma) for _ in range(num_vars)])
 
 
 def adaptive_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), log=print, **_):
     x, y = _data()
     rows = []
     for model in models:
-        steps = {k: Step(None, model, batch, None, None, optimizer=(
+        med = _step_times({k: Step(None, model, batch, None, None, optimizer=(
             lambda xs, k=k: dp_optimizer.DPGradientDescentOptimizer(
-                make_query(k, len(xs), batch), learning_rate=0.15)))
-                 for k in QUERIES}
-        med = _step_times(steps, x, y, batch, repeats)
-        for k in QUERIES:
-            rows.append(dict(model=model, batch=batch, query=k,
-                             seconds_per_step=med[k],
-                             ratio_to_fixed=med[k] / med["fixed"]))
-            log("%-12s B=%d %-9s %.4f s/step  %.2fx the fixed-clip step"
-                % (model, batch, k, med[k], med[k] / med["fixed"]))
+                make_query(k, len(xs), batch), learning_rate=0.15))) for k in QUERIES},
+            x, y, batch, repeats)
+        rows += [_logged(log, "adaptive_clipping", dict(
+            model=model, batch=batch, query=k, seconds_per_step=med[k],
+            ratio_to_fixed=med[k] / med["fixed"])) for k in QUERIES]
     return rows
 
 
@@ -331,17 +305,13 @@ def user_level_clipping(batch=256, repeats=9, models=("mlp", "tutorial_cnn"), lo
     for model in models:
         f = _users_graph(model, batch)
         med, peaks = common.interleaved({k: f.runner(k) for k in KINDS},
-                                 batches(x, y, batch, repeats + 1, seed=3),
-                                 {k: f.peak(k) for k in KINDS})
+                                        batches(x, y, batch, repeats + 1, seed=3),
+                                        {k: f.peak(k) for k in KINDS})
         f.close()
-        for k in KINDS:
-            rows.append(dict(model=model, batch=batch, kind=k, seconds=med[k],
-                             time_ratio=med[k] / med["aggregated"],
-                             peak_mb=memory.mb(peaks[k]),
-                             memory_ratio=peaks[k] / peaks["aggregated"]))
-            log("%-12s B=%d %-11s %.4f s (%.2fx)  peak %.1f MB (%.2fx)"
-                % (model, batch, k, med[k], rows[-1]["time_ratio"],
-                   peaks[k] / 1e6, rows[-1]["memory_ratio"]))
+        rows += [_logged(log, "user_level_clipping", dict(
+            model=model, batch=batch, kind=k, seconds=med[k],
+            time_ratio=med[k] / med["aggregated"], peak_mb=memory.mb(peaks[k]),
+            memory_ratio=peaks[k] / peaks["aggregated"])) for k in KINDS]
     return rows
 
 
@@ -411,19 +381,15 @@ def input_pipelines(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
             s, forms = _pipeline_graph(model, source, x, y, batch)
             try:
                 med, peaks = common.interleaved(
-                    {k: s.runner(k) for k in ("plain", "dp")},
-                    [(None, None)] * (repeats + 1),
+                    {k: s.runner(k) for k in ("plain", "dp")}, [(None, None)] * (repeats + 1),
                     {k: s.peak(k) for k in ("plain", "dp")})
             finally:
                 s.close()
-            rows.append(dict(model=model, source=source, batch=batch,
-                             plain_s=med["plain"], dp_s=med["dp"],
-                             ratio=med["dp"] / med["plain"], forms=dict(forms),
-                             plain_peak_mb=memory.mb(peaks["plain"]),
-                             memory_ratio=peaks["dp"] / peaks["plain"]))
-            log("%-12s %-20s B=%d plain %.4f s, DP %.4f s (%.2fx), peak %.2fx, "
-                "forms %s" % (model, source, batch, med["plain"], med["dp"],
-                              rows[-1]["ratio"], rows[-1]["memory_ratio"], forms))
+            rows.append(_logged(log, "input_pipelines", dict(
+                model=model, source=source, batch=batch, plain_s=med["plain"], dp_s=med["dp"],
+                ratio=med["dp"] / med["plain"], forms=dict(forms),
+                plain_peak_mb=memory.mb(peaks["plain"]),
+                memory_ratio=peaks["dp"] / peaks["plain"])))
     return rows
 
 
@@ -462,11 +428,7 @@ def parity(steps=5, log=print):
         row = dict(model=model, batch=batch, microbatches=mb, steps=steps,
                    max_abs_weight_diff=diff, max_weight_change=moved,
                    noise_std=stds, noise_std_expected=1.1 * 1.0 / mb)
-        log("parity %-12s B=%d M=%d: max |w_tfp - w_custagg| = %.2e after %d "
-            "steps (weights moved up to %.3f); noise std tfp %.5f custagg "
-            "%.5f (expected %.5f)" % (model, batch, mb, diff, steps, moved,
-                                       stds["tf_privacy"], stds["custagg"],
-                                       row["noise_std_expected"]))
+        log("parity %s" % row)
         rows.append(row)
         for r in runs.values():
             r.close()
@@ -484,21 +446,14 @@ def epsilon(log=print):
             theirs, t_order = tfp[1].compute_dp_sgd_privacy(*s)
             row.update(tf_privacy=float(theirs), tf_privacy_order=float(t_order),
                        rel_diff=abs(ours - theirs) / theirs)
-        log("epsilon n=%d B=%d sigma=%g epochs=%g delta=%g: custagg %.6g "
-            "(order %s, PLD %.6g)%s" % (
-                tuple(s) + (ours, order, pld) +
-                ((" tf_privacy %.6g (order %s), rel diff %.1e"
-                  % (row["tf_privacy"], row["tf_privacy_order"],
-                     row["rel_diff"])) if tfp is not None else "",)))
+        log("epsilon %s" % row)
         rows.append(row)
     return rows
 
 
 def timing(slow_limit=30.0, repeats=5, log=print):
     mods = systems()
-    x, y, _, _ = digits28()
-    x = np.concatenate([x] * 2)
-    y = np.concatenate([y] * 2)
+    x, y = _data()
     rows = []
     configs = [(m, b, mb) for m in ("tutorial_cnn", "mlp") for b in (64, 256)
                for mb in (b, b // 4)]
@@ -509,26 +464,18 @@ def timing(slow_limit=30.0, repeats=5, log=print):
             key = (name, model, mb == batch)
             if name == "tf_privacy" and batch == 512:
                 continue
+            row = dict(system=name, model=model, batch=batch, microbatches=mb)
             est = last.get(key)
             if est is not None and est[1] * (batch / est[0]) ** 2 > slow_limit:
-                rows.append(dict(system=name, model=model, batch=batch,
-                                 microbatches=mb, skipped="estimated > %gs"
-                                 % slow_limit))
-                log("time %-10s %-12s B=%-3d M=%-3d skipped (est. > %gs)"
-                    % (name, model, batch, mb, slow_limit))
-                continue
-            t0 = time.perf_counter()
-            step = Step(mod, model, batch, mb, noise=1.1)
-            build = time.perf_counter() - t0
-            data = batches(x, y, batch, repeats + 1, seed=3)
-            sec = common.interleaved({"step": step.run}, data)[0]["step"]
-            step.close()
-            last[key] = (batch, sec)
-            rows.append(dict(system=name, model=model, batch=batch,
-                             microbatches=mb, seconds_per_step=sec,
-                             build_seconds=build))
-            log("time %-10s %-12s B=%-3d M=%-3d %.4f s/step (graph %.1fs)"
-                % (name, model, batch, mb, sec, build))
+                row["skipped"] = "estimated > %gs" % slow_limit
+            else:
+                t0 = time.perf_counter()
+                step = Step(mod, model, batch, mb, noise=1.1)
+                row["build_seconds"] = time.perf_counter() - t0
+                sec = row["seconds_per_step"] = _step_times({0: step}, x, y, batch, repeats)[0]
+                last[key] = (batch, sec)
+            log("time %s" % row)
+            rows.append(row)
     return rows
 
 
@@ -608,8 +555,7 @@ def tf_privacy_markdown(result):
                          "%.4f" % cs if cs else c.get("skipped", "-"),
                          "%.0fx" % (ts / cs) if ts and cs else "-"])
         lines += ["## Seconds per DP-SGD step (median, 1 thread)", "", common.md_table(
-            ["model", "B", "M", "TF Privacy", "custagg", "ratio"], rows,
-            ["---"] + ["---:"] * 5)]
+            ["model", "B", "M", "TF Privacy", "custagg", "ratio"], rows, ["---"] + ["---:"] * 5)]
         mlp = {r["microbatches"]: r.get("seconds_per_step") for r in result["timing"]
                if r["system"] == "custagg" and r["model"] == "mlp" and r["batch"] == 512}
         if mlp.get(512) and mlp.get(128):
@@ -636,8 +582,7 @@ _COLUMNS = {
         ("/ (M = B)", "ratio_to_m_eq_b", "%.2fx")],
     "adaptive_clipping": [
         ("model", "model", "%s"), ("B", "batch", "%d"), ("query", "query", "%s"),
-        ("s/step", "seconds_per_step", "%.4f"),
-        ("ratio to fixed", "ratio_to_fixed", "%.2fx")],
+        ("s/step", "seconds_per_step", "%.4f"), ("ratio to fixed", "ratio_to_fixed", "%.2fx")],
     "user_level_clipping": [
         ("model", "model", "%s"), ("B", "batch", "%d"), ("gradient", "kind", "%s"),
         ("s", "seconds", "%.4f"), ("time ratio", "time_ratio", "%.2fx"),
@@ -646,8 +591,7 @@ _COLUMNS = {
         ("model", "model", "%s"), ("source", "source", "%s"), ("B", "batch", "%d"),
         ("plain s", "plain_s", "%.4f"), ("DP step s", "dp_s", "%.4f"),
         ("DP / plain", "ratio", "%.2fx"), ("peak DP / plain", "memory_ratio", "%.2fx"),
-        ("forms", lambda r: ", ".join("%s %d" % kv for kv in sorted(r["forms"].items())),
-         "%s")],
+        ("forms", lambda r: ", ".join("%s %d" % kv for kv in sorted(r["forms"].items())), "%s")],
 }
 MODES = collections.OrderedDict((m, globals()[m]) for m in _COLUMNS)
 

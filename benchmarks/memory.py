@@ -15,19 +15,23 @@ once, apart from the timed runs (tracing slows a step).
 import collections
 
 
+def _nodes(step_stats):
+    """(node stats, op type) of every kernel the traced step ran."""
+    for dev in step_stats.dev_stats:
+        for node in dev.node_stats:
+            yield node, node.timeline_label.split(" = ")[-1].split("(")[0]
+
+
 def _events(step_stats):
     """The step's allocation records as (time, 0 for an allocation or 1 for a
     free, order, bytes, allocator, op name, op type), in time order; at equal
     times allocations count before frees, so a peak errs high, not low."""
     events = []
-    for dev in step_stats.dev_stats:
-        for node in dev.node_stats:
-            op_type = node.timeline_label.split(" = ")[-1].split("(")[0]
-            for mem in node.memory:
-                for rec in mem.allocation_records:
-                    events.append((rec.alloc_micros, 0 if rec.alloc_bytes > 0 else 1,
-                                   len(events), rec.alloc_bytes, mem.allocator_name,
-                                   node.node_name, op_type))
+    for node, op_type in _nodes(step_stats):
+        for mem in node.memory:
+            for rec in mem.allocation_records:
+                events.append((rec.alloc_micros, 0 if rec.alloc_bytes > 0 else 1, len(events),
+                               rec.alloc_bytes, mem.allocator_name, node.node_name, op_type))
     return sorted(events)
 
 
@@ -86,23 +90,15 @@ def largest_allocations(step_stats, count=8):
     """The ops that allocated the most bytes in a traced step, to say where a
     peak comes from: a list of (bytes, op name, op type) for the `count` ops
     with the largest `total_bytes`, largest first."""
-    rows = []
-    for dev in step_stats.dev_stats:
-        for node in dev.node_stats:
-            total = sum(mem.total_bytes for mem in node.memory)
-            if total:
-                rows.append((total, node.node_name, node.timeline_label.split(" = ")[-1]
-                             .split("(")[0]))
-    rows.sort(reverse=True)
-    return rows[:count]
+    rows = [(sum(mem.total_bytes for mem in node.memory), node.node_name, op_type)
+            for node, op_type in _nodes(step_stats)]
+    return sorted((r for r in rows if r[0]), reverse=True)[:count]
 
 
 def op_times(step_stats):
     """Milliseconds per op of a traced step: each kernel's own time
     (`op_end_rel_micros`), a Counter of (name, type)."""
     times = collections.Counter()
-    for dev in step_stats.dev_stats:
-        for node in dev.node_stats:
-            op_type = node.timeline_label.split(" = ")[-1].split("(")[0]
-            times[(node.node_name, op_type)] += node.op_end_rel_micros / 1e3
+    for node, op_type in _nodes(step_stats):
+        times[(node.node_name, op_type)] += node.op_end_rel_micros / 1e3
     return times

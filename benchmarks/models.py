@@ -270,16 +270,6 @@ def tf_loss(model, p, x, y):
     return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
 
 
-def _keras(tf):
-    """Keras 2: tf_keras where TF's own tf.keras is Keras 3 (TF >= 2.16),
-    which has no graph mode."""
-    try:
-        import tf_keras
-        return tf_keras
-    except ImportError:
-        return tf.keras
-
-
 # Models whose TensorFlow graphs are built on `[None, ...]` placeholders (see
 # `tf_placeholders`): loop models, as users feed them. custagg's per-example
 # copy of the forward pass ("recompute", the O(B) form for variables inside a
@@ -288,13 +278,9 @@ DYNAMIC_BATCH_MODELS = ("lstm", "gru", "norule_rnn", "keras_lstm", "keras_gru")
 
 
 def tf_placeholders(model, batch_size, dynamic=False):
-    """Placeholders (x [B, ...], y [B]).
-
-    Args:
-      batch_size: the static leading dimension, or with `dynamic=True` only
-        the size that will be fed (the placeholders' leading dimension is
-        None). Per-example loops over `loss[i]` need the static form.
-    """
+    """Placeholders (x [B, ...], y [B]) with the static leading dimension
+    `batch_size` (per-example loops over `loss[i]` need it), or None if
+    `dynamic`."""
     import tensorflow as tf
     shape, dtype = input_spec(model)
     lead = None if dynamic else batch_size
@@ -315,13 +301,15 @@ def tf_variables(model, seed=0):
     params = init_params(model, seed)
     variables = Variables()
     if model in KERAS_RNN:
-        keras = _keras(tf)
+        try:    # Keras 2: tf_keras where tf.keras is Keras 3 (TF >= 2.16, no graph mode)
+            import tf_keras as keras
+        except ImportError:
+            keras = tf.keras
         cls = getattr(keras.layers, KERAS_RNN[model])
         extra = {"unit_forget_bias": False} if cls is keras.layers.LSTM else {}
         layer = cls(LSTM_HIDDEN, name=model,
                     kernel_initializer=keras.initializers.Constant(params["kernel"]),
-                    recurrent_initializer=keras.initializers.Constant(
-                        params["recurrent_kernel"]),
+                    recurrent_initializer=keras.initializers.Constant(params["recurrent_kernel"]),
                     bias_initializer=keras.initializers.Constant(params["bias"]), **extra)
         layer.build((None, LSTM_STEPS, LSTM_IN))
         cell = layer.cell
@@ -335,9 +323,9 @@ def tf_variables(model, seed=0):
 
 
 # --------------------------------------------------------------------------
-# The other model sets: graphs as users write them (`--zoo`,
-# benchmarks/zoo_models.py) and other people's TF1 models (`--tf1-models`,
-# benchmarks/tf1_models.py), each a builder `(dtype, rng, full)`.
+# The other model sets (benchmarks/zoo_models.py): graphs as users write them
+# (`--zoo`) and other people's TF1 models (`--tf1-models`), each a builder
+# `(dtype, rng, full)`.
 # --------------------------------------------------------------------------
 
 HARNESS_ZOO = ("cnn", "mlp", "text")   # the harness's models `build` builds too (--profile)
@@ -350,9 +338,9 @@ def builders():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from benchmarks import common
     common.legacy_keras()                               # their Keras 2 layers
-    from benchmarks import tf1_models, zoo_models
+    from benchmarks import zoo_models
     out = collections.OrderedDict(zoo_models.ZOO)
-    for table in (tf1_models.MODELS, tf1_models.DYNAMIC_MODELS):
+    for table in (zoo_models.MODELS, zoo_models.DYNAMIC_MODELS):
         for name, build_model in table.items():
             out.setdefault(name, build_model)
     return out

@@ -195,8 +195,7 @@ def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")
              "estimated too slow (B² systems) or not supported by the strategy; notes, the "
              "other figures and task (d) are in [`%s`](%s)." % (
                  meta.get("cpu", "?"), meta.get("cores", "?"), meta.get("memory_gb", "?"),
-                 versions or "versions not recorded", runs, NOISE_FACTOR, results_md,
-                 results_md),
+                 versions or "versions not recorded", runs, NOISE_FACTOR, results_md, results_md),
              ""]
     block += task_tables(records, tasks=tasks, heading="####")
     mem = memory_tables(records, tasks=tasks, heading="####")
@@ -421,33 +420,27 @@ def summarise(records):
     rounds a tree: no spread to judge against)."""
     by = collections.OrderedDict()
     for rec in records:
-        if rec.get("status") == "ok":
-            measure, key = rec["task"], cfg_key(rec)
-            c = dict(ratio=rec["ratio_to_floor"], base_ms=rec["floor_ms"],
-                     peak_ratio=rec["peak_ratio"], peak_mb=rec["peak_mb"])
-            cell = by.setdefault((key, measure), {"key": key, "measure": measure, "before": [],
-                                                  "after": [], "forms": {}, "plan": {},
-                                                  "checks": {}})
-            cell[rec["tree"]].append(c)
-            cell["forms"][rec["tree"]] = rec.get("forms")
-            cell["plan"][rec["tree"]] = rec.get("plan")
-            if rec["check"] in ("pass", "fail"):
-                cell["checks"].setdefault(rec["tree"], set()).add(rec["check"])
+        if rec.get("status") != "ok":
+            continue
+        key, tree = cfg_key(rec), rec["tree"]
+        cell = by.setdefault((key, rec["task"]), dict(
+            key=key, measure=rec["task"], before=[], after=[], forms={}, plan={}, checks={}))
+        cell[tree].append(rec)
+        cell["forms"][tree], cell["plan"][tree] = rec.get("forms"), rec.get("plan")
+        if rec["check"] in ("pass", "fail"):
+            cell["checks"].setdefault(tree, set()).add(rec["check"])
     out = []
     for cell in by.values():
         row = dict(cell, checks={t: sorted(v) for t, v in cell["checks"].items()})
-        ratios, peaks = {}, {}
-        for tree in TREES:
-            runs = cell[tree]
-            ratios[tree] = [c["ratio"] for c in runs]
-            peaks[tree] = [c["peak_ratio"] for c in runs if c.get("peak_ratio") is not None]
-            row[tree] = {
-                "ratios": ratios[tree], "median": _median(ratios[tree]),
-                "range": (min(ratios[tree]), max(ratios[tree])) if runs else None,
-                "base_ms": _median([c["base_ms"] for c in runs]),
-                "peak_ratio": _median(peaks[tree]),
-                "peak_range": (min(peaks[tree]), max(peaks[tree])) if peaks[tree] else None,
-                "peak_mb": _median([c["peak_mb"] for c in runs])}
+        ratios = {t: [r["ratio_to_floor"] for r in cell[t]] for t in TREES}
+        peaks = {t: [r["peak_ratio"] for r in cell[t] if r.get("peak_ratio") is not None]
+                 for t in TREES}
+        for t in TREES:
+            row[t] = {"ratios": ratios[t], "median": _median(ratios[t]),
+                      "range": _range(ratios[t]),
+                      "base_ms": _median([r["floor_ms"] for r in cell[t]]),
+                      "peak_ratio": _median(peaks[t]), "peak_range": _range(peaks[t]),
+                      "peak_mb": _median([r["peak_mb"] for r in cell[t]])}
         b, a = row["before"], row["after"]
         for prefix, key, values, tol in (("", "median", ratios, TIME_TOLERANCE),
                                          ("peak_", "peak_ratio", peaks, MEMORY_TOLERANCE)):
@@ -459,6 +452,10 @@ def summarise(records):
 
 def _median(values):
     return statistics.median(values) if values else None
+
+
+def _range(values):
+    return (min(values), max(values)) if values else None
 
 
 def changed(before, after, rel_floor):

@@ -4,17 +4,17 @@ A configuration (model, B, task, system) runs in a forked child of a warm
 worker server (benchmarks/worker.py), which builds model, floor and system in
 one graph, checks the system against the loop reference (the harness's
 models) and times system and floor alternately; one that hangs or crashes is
-recorded as "timeout" or "failed" and the run goes on. The modes are presets:
-none, `--quick`, `--control-flow` (results.json, .md, .png, results_memory.png,
-machine.json), `--peers` (peers.json, .md, peers_machine.json), `--zoo` and
-`--tf1-models` (the models of zoo_models.py and tf1_models.py, `models.build`:
-zoo.json, .md, tf1_models.json, .md; `--zoo --profile`: where each step's
-peak memory goes, printed), `--before DIR` (two trees' custagg on the same
-configurations, one worker server per tree, interleaved over rounds:
-before_after.json, .md). Writes to --out (default benchmarks/results) and its
-logs/. docs/benchmarks.md describes the tasks, systems and figures.
+recorded as "timeout" or "failed" and the run goes on. The modes are presets
+(`PRESETS`) of one run: none, `--quick`, `--control-flow`, `--peers`, `--zoo`
+and `--tf1-models` (the builders of zoo_models.py, `models.build`; `--zoo
+--profile`: where each step's peak memory goes, printed), `--before DIR` (two
+trees' custagg on the same configurations, one worker server per tree,
+interleaved over rounds). Each writes its records (<stem>.json) and its page
+to --out (default benchmarks/results) and its logs/. docs/benchmarks.md
+describes the tasks, systems and figures.
 """
 import argparse
+import collections
 import datetime
 import hashlib
 import json
@@ -58,8 +58,7 @@ PRESETS = {
     # Issues 23 and 34: the harness's models at their BEFORE_BATCHES, then
     # the zoo and BEFORE_OTHERS at --zoo-batches.
     "before": dict(_ZOO, models=["mlp", "cnn", "lstm"], repeats=10, budget=2.0, timeout=300.0,
-                   tasks=["norms", "clip", "dpsgd"], out="/tmp/before_after",
-                   stem="before_after"),
+                   tasks=["norms", "clip", "dpsgd"], out="/tmp/before_after", stem="before_after"),
 }
 # The titles and introductions of zoo.md and tf1_models.md.
 ZOO_PAGES = {
@@ -69,7 +68,7 @@ ZOO_PAGES = {
             "mnist_deep's DP step (DPOptimizer around Adam) over the tutorial's Adam step, its "
             "floor."),
     "tf1_models": ("Other people's TF1 models (`python -m benchmarks --tf1-models`)",
-                   "Issue 24's yardstick: the models of benchmarks/tf1_models.py (full size, "
+                   "Issue 24's yardstick: the TF1 models of benchmarks/zoo_models.py (full size, "
                    "float32, dynamic batch and sequence length), custagg_auto with C = 1 and no "
                    "loop reference; Plans: variables per form of the plan.")}
 BEFORE_BATCHES = {"mlp": (64, 256), "cnn": (64, 256), "lstm": (32, 64)}
@@ -113,21 +112,18 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
-    p.add_argument("--quick", action="store_true",
-                   help="MLP and text at B=32, 3 repeats (< 3 min); out benchmarks/results/quick")
-    p.add_argument("--control-flow", action="store_true",
-                   help="issue 11's table: the loop models, custagg_auto, tf_vmap and the vmap "
-                        "peers; out benchmarks/results/control_flow (pass the peers' --python)")
-    p.add_argument("--peers", action="store_true",
-                   help="issue 37's table: custagg beside Opacus (ghost, hooks), JAX Privacy and "
-                        "TF Privacy's fast clipping; writes results/peers.{json,md} (pass "
-                        "--python torch=, jax=, keras=)")
-    p.add_argument("--zoo", action="store_true",
-                   help="the model zoo (benchmarks/zoo_models.py) at full size: norms, clipped "
-                        "sums, mnist_deep's DP step; B 64,256, 15 repeats; writes results/zoo.*")
-    p.add_argument("--tf1-models", action="store_true",
-                   help="issue 24's TF1 models (benchmarks/tf1_models.py; issue 34's by "
-                        "--models): the clipped sum; B 64, 5 repeats; writes results/tf1_models.*")
+    for flag, text in (
+            ("quick", "MLP and text at B=32, 3 repeats (< 3 min); out benchmarks/results/quick"),
+            ("control-flow", "issue 11's table: the loop models, custagg_auto, tf_vmap and the "
+             "vmap peers; out benchmarks/results/control_flow (pass the peers' --python)"),
+            ("peers", "issue 37's table: custagg beside Opacus (ghost, hooks), JAX Privacy and "
+             "TF Privacy's fast clipping; writes results/peers.{json,md} (pass --python "
+             "torch=, jax=, keras=)"),
+            ("zoo", "the model zoo (benchmarks/zoo_models.py) at full size: norms, clipped "
+             "sums, mnist_deep's DP step; B 64,256, 15 repeats; writes results/zoo.*"),
+            ("tf1-models", "issue 24's TF1 models (benchmarks/zoo_models.py; issue 34's by "
+             "--models): the clipped sum; B 64, 5 repeats; writes results/tf1_models.*")):
+        p.add_argument("--" + flag, action="store_true", help=text)
     p.add_argument("--before", metavar="DIR",
                    help="DIR's custagg (a checkout) against --after's in one run, interleaved; "
                         "out /tmp/before_after")
@@ -163,7 +159,8 @@ def parse_args(argv=None):
     p.add_argument("--readme", metavar="PATH",
                    help="also rewrite the benchmark tables in PATH from --out's results")
     p.add_argument("--report-only", action="store_true",
-                   help="only rewrite results.md and the plots from --out/results.json")
+                   help="only rewrite the mode's page (results.md and the plots, peers.md, ...) "
+                        "from --out's JSON files")
     p.add_argument("--profile", action="store_true",
                    help="--zoo: print where each step's peak memory comes from (default models "
                         "mnist_deep,cnn; also %s); writes nothing" % ",".join(models.HARNESS_ZOO))
@@ -199,14 +196,14 @@ def parse_args(argv=None):
     known = list(models.MODELS)
     if args.mode in ("zoo", "tf1_models", "before"):
         others = list(models.builders())                # imports TensorFlow
-        from benchmarks import tf1_models, zoo_models
+        from benchmarks import zoo_models
         zoo = list(zoo_models.ZOO)
         if args.mode == "zoo":
             known = zoo + list(models.HARNESS_ZOO)
             defaults["models"] = ["mnist_deep", "cnn"] if args.profile else zoo
         elif args.mode == "tf1_models":
-            known = list(tf1_models.MODELS) + list(tf1_models.DYNAMIC_MODELS)
-            defaults["models"] = list(tf1_models.MODELS)
+            known = list(zoo_models.MODELS) + list(zoo_models.DYNAMIC_MODELS)
+            defaults["models"] = list(zoo_models.MODELS)
         else:
             known = list(BEFORE_BATCHES)
             try:
@@ -619,9 +616,7 @@ def main(argv=None):
     machine["loadavg_end"] = os.getloadavg()
     _write_outputs(args, _merged(args, old, done), machine, versions, references, started,
                    final=True)
-    counts = {}
-    for r in done:
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    counts = collections.Counter(r["status"] for r in done)
     fails = sum(1 for r in done if r["check"] == "fail")
     print("done in %.0f s: %s; check failures: %d; results in %s" % (
         time.time() - started, ", ".join("%d %s" % (v, k) for k, v in sorted(counts.items())),
@@ -651,7 +646,7 @@ def _reference(worker, cfg, ref_path, args, dirs):
 def _merged(args, old, done):
     """The records of this run, and --merge's old ones it did not redo, in
     the tables' order (--zoo, --tf1-models and --before: as run)."""
-    if args.mode in ("zoo", "tf1_models", "before"):
+    if args.stem not in ("results", "peers"):
         return list(done)
 
     def key(r):
@@ -667,11 +662,7 @@ def _merged(args, old, done):
 
 
 def report_only(args):
-    """--report-only: rewrite the mode's page from --out's JSON files
-    (results.md and the plots; --peers: peers.md; --zoo, --tf1-models:
-    <stem>.md; --before: before_after.md)."""
-    from benchmarks import report
-
+    """--report-only: the mode's page again from --out's JSON files."""
     def load(name):
         path = os.path.join(args.out, name)
         if not os.path.exists(path):
@@ -680,75 +671,67 @@ def report_only(args):
             return json.load(f)
     if args.mode == "before":
         saved = load("before_after.json")
-        report.write_before_after(args.out, saved["meta"], saved["samples"])
-        return 0
-    if args.mode in ("zoo", "tf1_models"):
+        records, meta = saved["samples"], saved["meta"]
+    elif args.mode in ZOO_PAGES:
         saved = load(args.stem + ".json")
         if "records" not in saved:
             raise SystemExit("--report-only: %s.json was written by the harness before its "
-                             "zoo and TF1 models became its modes; run the mode again"
-                             % args.stem)
-        report.write_markdown(os.path.join(args.out, args.stem + ".md"), saved["records"],
-                              saved["meta"], *ZOO_PAGES[args.mode])
-        return 0
-    if args.stem == "peers":
-        report.write_peers(os.path.join(args.out, "peers.md"), load("peers.json"),
-                           load("peers_machine.json"))
-        return 0
-    records = load("results.json")
-    meta_path = os.path.join(args.out, "machine.json")
-    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
-    _report(args, records, meta)
+                             "zoo and TF1 models became its modes; run the mode again" % args.stem)
+        records, meta = saved["records"], saved["meta"]
+    elif args.stem == "peers":
+        records, meta = load("peers.json"), load("peers_machine.json")
+    else:
+        records = load("results.json")
+        meta_path = os.path.join(args.out, "machine.json")
+        meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+    _page(args, records, meta)
     return 0
 
 
 def _write_outputs(args, records, machine, versions, references, started, final):
-    """--out/<stem>.json after every configuration; at the end (`final`) the
-    run's description (machine.json; --merge: the first run's, this one under
-    "merged_runs") and the tables (`--peers`: peers_machine.json, peers.md;
-    `--zoo`, `--tf1-models`: <stem>.md; `--before`: before_after.*)."""
-    from benchmarks import report
+    """--out/<stem>.json after every configuration (--zoo, --tf1-models,
+    --before: {"meta", "records" or "samples"}); at the end (`final`) the
+    run's description (machine.json, --merge: the first run's with this one
+    under "merged_runs"; --peers: peers_machine.json) and the mode's page."""
     meta = dict(machine, versions=versions, wall_s=time.time() - started)
+    refs = {"%s B=%d" % k: v["note"] for k, v in references.items()}
     if args.mode == "before":
-        meta.update(tf=(versions.get("tf@after") or {}).get("tensorflow"), references={
-            "%s B=%d" % k: v["note"] for k, v in references.items()})
-        if final:
-            return report.write_before_after(args.out, meta, records)
-        return common.dump_json(os.path.join(args.out, "before_after.json"),
-                                {"meta": meta, "samples": records})
-    if args.mode in ("zoo", "tf1_models"):
-        common.dump_json(os.path.join(args.out, args.stem + ".json"),
-                         {"meta": meta, "records": records})
-        if final:
-            report.write_markdown(os.path.join(args.out, args.stem + ".md"), records, meta,
-                                  *ZOO_PAGES[args.mode])
-        return
-    common.dump_json(os.path.join(args.out, args.stem + ".json"), records)
+        meta.update(tf=(versions.get("tf@after") or {}).get("tensorflow"), references=refs)
+    saved = ({"meta": meta, "samples": records} if args.mode == "before" else
+             {"meta": meta, "records": records} if args.mode in ZOO_PAGES else records)
+    common.dump_json(os.path.join(args.out, args.stem + ".json"), saved)
     if not final:
         return
     if args.stem == "peers":
         common.dump_json(os.path.join(args.out, "peers_machine.json"), meta)
-        report.write_peers(os.path.join(args.out, "peers.md"), records, meta)
-        return
-    meta["references"] = {"%s B=%d" % k: v["note"] for k, v in references.items()}
-    meta["tolerance"] = common.TOLERANCE
-    meta_path = os.path.join(args.out, "machine.json")
-    if args.merge and os.path.exists(meta_path):
-        with open(meta_path) as f:
-            base = json.load(f)
-        base.setdefault("merged_runs", []).append(
-            {k: meta[k] for k in ("command", "started", "wall_s", "loadavg_start", "loadavg_end")
-             if k in meta})
-        for fw, v in versions.items():
-            base.setdefault("versions", {}).setdefault(fw, {}).update(v)
-        meta = base
-    common.dump_json(meta_path, meta)
-    _report(args, records, meta)
+    elif args.stem == "results":
+        meta.update(references=refs, tolerance=common.TOLERANCE)
+        meta_path = os.path.join(args.out, "machine.json")
+        if args.merge and os.path.exists(meta_path):
+            with open(meta_path) as f:
+                base = json.load(f)
+            base.setdefault("merged_runs", []).append(
+                {k: meta[k] for k in ("command", "started", "wall_s", "loadavg_start",
+                                      "loadavg_end") if k in meta})
+            for fw, v in versions.items():
+                base.setdefault("versions", {}).setdefault(fw, {}).update(v)
+            meta = base
+        common.dump_json(meta_path, meta)
+    _page(args, records, meta)
 
 
-def _report(args, records, meta):
-    """results.md, the plots (unless --no-plot) and --readme's tables."""
+def _page(args, records, meta):
+    """The mode's page: before_after.{json,md}, <stem>.md (--zoo,
+    --tf1-models), peers.md, or results.md, the plots (unless --no-plot) and
+    --readme's tables."""
     from benchmarks import report
+    if args.mode == "before":
+        return report.write_before_after(args.out, meta, records)
+    if args.mode in ZOO_PAGES:
+        return report.write_markdown(os.path.join(args.out, args.stem + ".md"), records, meta,
+                                     *ZOO_PAGES[args.mode])
+    if args.stem == "peers":
+        return report.write_peers(os.path.join(args.out, "peers.md"), records, meta)
     report.write_markdown(os.path.join(args.out, "results.md"), records, meta)
     wrote = "results.md"
     if not args.no_plot:

@@ -4,15 +4,14 @@
                                  [--only NAME,...] [--skip NAME,...] [--dry-run] [--merge]
 
 Runs each benchmark with the command its docs quote (`benchmarks()`: the
-one list), and records in benchmarks/results/run_all.{md,json} each run's
+one list) and records in benchmarks/results/run_all.{md,json} each run's
 command, start, seconds, load before and after, exit code and the results
 files it wrote, with the tree's commit: every figure the docs quote traces
-to one run. The runs that use both cores themselves (the harness's full run, its
---control-flow and --peers) run alone; the others, --zoo and --tf1-models
-among them (one configuration at a time), run `--jobs` at a time. `--peers PREFIX`: the venvs of `benchmarks/peers_env.sh
-PREFIX` for the peers' workers (without it the peers' table is skipped);
-`--tfp PYTHON`: the TF 2.15 interpreter of dp_step's tf_privacy_compare (default
-PREFIX-tf215's; without either it is skipped, its old results kept).
+to one run. The runs that use both cores themselves (the harness's full
+run, --control-flow, --peers) run alone, the others `--jobs` at a time.
+`--peers PREFIX`: the venvs of `benchmarks/peers_env.sh PREFIX` (without it
+no peers' table); `--tfp PYTHON`: the TF 2.15 interpreter of dp_step's
+tf_privacy_compare (default PREFIX-tf215's; without either it is skipped).
 """
 
 import argparse
@@ -66,10 +65,7 @@ def benchmarks(peers=None, tfp=None):
 
 
 def _load():
-    try:
-        return "/".join("%.1f" % v for v in os.getloadavg())
-    except OSError:
-        return "?"
+    return "/".join("%.1f" % v for v in os.getloadavg())
 
 
 def _run_one(name, argv, outputs, logdir):
@@ -77,21 +73,16 @@ def _run_one(name, argv, outputs, logdir):
     start = time.time()
     record = dict(name=name, command=" ".join(
         os.path.relpath(a, ROOT) if a.startswith(ROOT) else a for a in argv),
-        started=datetime.datetime.now().isoformat(timespec="seconds"),
-        load_start=_load())
+        started=datetime.datetime.now().isoformat(timespec="seconds"), load_start=_load())
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(os.path.join(logdir, name + ".log"), "w") as log:
-        rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT,
+        rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL).returncode
-    record.update(seconds=round(time.time() - start, 1), load_end=_load(),
-                  exit=rc, outputs=[
-                      o for o in outputs
-                      if os.path.exists(os.path.join(RESULTS, o))
-                      and os.path.getmtime(os.path.join(RESULTS, o)) >= start])
+    paths = {o: os.path.join(RESULTS, o) for o in outputs}
+    record.update(seconds=round(time.time() - start, 1), load_end=_load(), exit=rc, outputs=[
+        o for o, path in paths.items() if os.path.exists(path) and os.path.getmtime(path) >= start])
     print("%-20s exit %d in %6.0f s (load %s -> %s)" % (
-        name, rc, record["seconds"], record["load_start"],
-        record["load_end"]), flush=True)
+        name, rc, record["seconds"], record["load_start"], record["load_end"]), flush=True)
     return record
 
 
@@ -120,30 +111,24 @@ def main(argv=None):
     p.add_argument("--peers", metavar="PREFIX",
                    help="the peers' venvs made by benchmarks/peers_env.sh PREFIX")
     p.add_argument("--tfp", metavar="PYTHON", help="TF 2.15 interpreter with tensorflow-privacy")
-    p.add_argument("--jobs", type=int,
-                   default=2 if (os.cpu_count() or 1) >= 2 else 1,
-                   help="single-threaded benchmarks run at once (default 2 "
-                        "on 2+ cores)")
+    p.add_argument("--jobs", type=int, default=2 if (os.cpu_count() or 1) >= 2 else 1,
+                   help="single-threaded benchmarks run at once (default 2 on 2+ cores)")
     p.add_argument("--only", help="comma list of benchmark names")
     p.add_argument("--skip", help="comma list of benchmark names")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--merge", action="store_true",
-                   help="keep run_all.json's records of the benchmarks not "
-                        "run this time (a re-run of one that failed)")
+    p.add_argument("--merge", action="store_true", help="keep run_all.json's records of the "
+                   "benchmarks not run this time (a re-run of one that failed)")
     args = p.parse_args(argv)
     todo = benchmarks(args.peers, args.tfp)
     names = [t[0] for t in todo]
-    for flag in ("only", "skip"):
-        chosen = getattr(args, flag)
-        if chosen:
-            bad = [n for n in chosen.split(",") if n not in names]
+    for flag, keep in (("only", True), ("skip", False)):
+        if getattr(args, flag):
+            chosen = getattr(args, flag).split(",")
+            bad = [n for n in chosen if n not in names]
             if bad:
                 p.error("--%s: unknown benchmark %s; choose from %s"
                         % (flag, ", ".join(bad), ", ".join(names)))
-    if args.only:
-        todo = [t for t in todo if t[0] in args.only.split(",")]
-    if args.skip:
-        todo = [t for t in todo if t[0] not in args.skip.split(",")]
+            todo = [t for t in todo if (t[0] in chosen) == keep]
     if args.dry_run:
         for name, argv_, alone, _ in todo:
             print("%-20s %s%s" % (name, " ".join(argv_), "  (alone)" if alone else ""))
@@ -157,17 +142,14 @@ def main(argv=None):
         commit=common.git(ROOT, "rev-parse", "--short", "HEAD"),
         clean=common.git(ROOT, "status", "--porcelain", "--untracked-files=no") == "",
         started=datetime.datetime.now().isoformat(timespec="seconds"),
-        machine="%d cores; python %s" % (os.cpu_count() or 1,
-                                         sys.version.split()[0]))
+        machine="%d cores; python %s" % (os.cpu_count() or 1, sys.version.split()[0]))
     if not (args.tfp or args.peers) and (not args.only or "tf_privacy_compare" in args.only):
         meta["skipped"] = [dict(name="tf_privacy_compare", why="no --tfp interpreter given")]
-    records = []
-    for name, argv_, alone, outputs in [t for t in todo if t[2]]:
-        records.append(_run_one(name, argv_, outputs, logdir))
-    rest = [t for t in todo if not t[2]]
+    records = [_run_one(name, argv_, outputs, logdir) for name, argv_, alone, outputs in todo
+               if alone]
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = [pool.submit(_run_one, name, argv_, outputs, logdir)
-                   for name, argv_, _, outputs in rest]
+                   for name, argv_, alone, outputs in todo if not alone]
         records += [f.result() for f in futures]
     meta["seconds"] = time.time() - start
     path = os.path.join(RESULTS, "run_all.json")
@@ -182,10 +164,8 @@ def main(argv=None):
         old["meta"].setdefault("reruns", []).append(
             {k: meta[k] for k in ("command", "commit", "started")})
         meta = old["meta"]
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, runs=records), f, indent=1)
-    with open(os.path.join(RESULTS, "run_all.md"), "w") as f:
-        f.write(_markdown(meta, records))
+    common.write_outputs("run_all", dict(meta=meta, runs=records), _markdown(meta, records),
+                         RESULTS)
     print("wrote benchmarks/results/run_all.md")
     return 0 if all(r["exit"] == 0 for r in records) else 1
 

@@ -62,17 +62,17 @@ def import_framework(framework, tree=None):
     if framework == "jax":
         import jax
         import jaxlib
-        from benchmarks.systems import jax_systems  # noqa: F401
+        importlib.import_module("benchmarks.systems.jax_systems")
         return {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
     if framework == "keras":      # TF 2.15 with TF Privacy (benchmarks/peers_env.sh)
         import tensorflow as tf
-        from tensorflow_privacy.privacy.fast_gradient_clipping import clip_grads  # noqa: F401
+        importlib.import_module("tensorflow_privacy.privacy.fast_gradient_clipping.clip_grads")
         from importlib import metadata
         return {"tensorflow": tf.__version__,
                 "tensorflow-privacy": metadata.version("tensorflow-privacy")}
     if framework == "torch":
         import torch
-        from benchmarks.systems import torch_systems  # noqa: F401
+        importlib.import_module("benchmarks.systems.torch_systems")
         versions = {"torch": torch.__version__}
         try:
             import opacus

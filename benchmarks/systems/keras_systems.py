@@ -1,24 +1,20 @@
 """TF Privacy's Keras fast gradient clipping (TF Privacy 0.9, TF 2.15).
 
-Runs in a TF 2.15 interpreter of its own (benchmarks/peers_env.sh; pass it
-as `--python keras=PATH`). The harness's models are rebuilt as functional
-Keras 2 models on the same weights (`models.init_params`, TF layout), and
-`clip_grads.compute_clipped_gradients_and_outputs` computes the clipped sum
-as TF Privacy's `DPModel.train_step` does: per-example norms from its layer
-registry (Gram / "ghost" norms for Dense, Embedding; the per-example forms
-it ships for LayerNormalization, EinsumDense and MultiHeadAttention added
-here), then one backward pass of the clip-weighted loss. The DP step adds
+Runs in a TF 2.15 interpreter of its own (benchmarks/peers_env.sh; `--python
+keras=PATH`). The harness's models are rebuilt as functional Keras 2 models
+on the same weights (`models.init_params`), and the clipped sum is computed
+as TF Privacy's `DPModel.train_step` does
+(`clip_grads.compute_clipped_gradients_and_outputs`: per-example norms from
+its layer registry, with the registry functions it ships for
+LayerNormalization, EinsumDense and MultiHeadAttention added, then one
+backward pass of the clip-weighted loss); the DP step adds
 `gradient_clipping_utils.add_aggregate_noise`. A layer outside the registry
-(Conv2D, LSTM, GRU) makes TF Privacy raise; the record keeps its error.
-
-The graph is a tf.compat.v1 graph run in a Session (what a tf.function
-traces, minus the function call), so the step's peak memory comes from
-TF's allocation records, as for the TF systems (benchmarks/memory.py).
-The floor: tf.compat.v1.gradients of the summed loss of the same model.
-
-The transformer block's attention projections are Dense layers (the
-model's q, k, v have no bias, which Keras's MultiHeadAttention would
-add), its positional embedding an Embedding of a position-ids input.
+(Conv2D, LSTM, GRU) makes TF Privacy raise; the record keeps its error. A
+tf.compat.v1 graph in a Session, so the peak comes from TF's allocation
+records as for the TF systems; the floor: tf.compat.v1.gradients of the
+summed loss of the same model. The transformer's q, k, v are bias-free Dense
+layers (MultiHeadAttention would add biases), its positions an Embedding of a
+position-ids input.
 """
 import time
 

@@ -128,12 +128,8 @@ def _pe_custagg(strategy):
 # --------------------------------------------------------------------------
 
 def _sumsq_per_example(tf, per_example):
-    terms = []
-    for g in per_example:
-        if g is None:
-            continue
-        terms.append(tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.ndims))))
-    return tf.add_n(terms)
+    return tf.add_n([tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.ndims)))
+                     for g in per_example if g is not None])
 
 
 def _projection_checks(ctx, per_example):
@@ -153,12 +149,8 @@ def _noised(ctx, grads):
     of the parameters in the step's peak), which no training step needs."""
     tf = ctx.tf
     grads = [tf.convert_to_tensor(g) for g in grads]
-    out = []
     with tf.control_dependencies(grads):
-        for g in grads:
-            noise = tf.random.normal(tf.shape(g))
-            out.append(g + noise * (ctx.noise_scale * ctx.clip))
-    return out
+        return [g + tf.random.normal(tf.shape(g)) * (ctx.noise_scale * ctx.clip) for g in grads]
 
 
 def _task_from_per_example(provider):
@@ -261,15 +253,12 @@ def tfp_location():
     for root in roots:
         path = os.path.join(root, _TFP_REL)
         if os.path.exists(path):
-            version = "unknown"
             vfile = os.path.join(root, "tensorflow_privacy", "version.py")
-            if os.path.exists(vfile):
-                m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", open(vfile).read())
-                version = m.group(1) if m else version
-            if version == "unknown":
-                for info in glob.glob(os.path.join(root, "tensorflow_privacy-*.dist-info")):
-                    version = info.rsplit("-", 1)[0].split("tensorflow_privacy-")[-1]
-            return path, version
+            m = os.path.exists(vfile) and re.search(r"__version__\s*=\s*['\"]([^'\"]+)",
+                                                    open(vfile).read())
+            infos = glob.glob(os.path.join(root, "tensorflow_privacy-*.dist-info"))
+            return path, (m.group(1) if m else infos[-1].rsplit("-", 1)[0].split(
+                "tensorflow_privacy-")[-1] if infos else "unknown")
     return None, ("tensorflow-privacy not installed (pip install --no-deps --target "
                   "benchmarks/.peers/tfp tensorflow-privacy)")
 
@@ -310,10 +299,6 @@ BUILDERS = {
 # --------------------------------------------------------------------------
 # One configuration.
 # --------------------------------------------------------------------------
-
-def _count_ops(graph):
-    return len(graph.get_operations())
-
 
 # Systems that index the batch in Python (loss[i] for i in range(B)) or take
 # it from static shapes: they keep static placeholders on every model.
@@ -356,18 +341,18 @@ def run(cfg):
         ctx = Ctx(tf, model, batch_size, variables, var_list, names, x, y, loss, f,
                   float(sig["clip"]) if sig else 1.0, noise_scale)
 
-        n0, t0 = _count_ops(graph), time.perf_counter()
+        n0, t0 = len(graph.get_operations()), time.perf_counter()
         floor = (adam_step(tf, loss, var_list) if task == "step" else
                  tf.compat.v1.gradients(tf.reduce_sum(loss), var_list))
-        floor_build_s, floor_n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
+        floor_build_s, floor_n_ops = time.perf_counter() - t0, len(graph.get_operations()) - n0
 
-        n0, t0 = _count_ops(graph), time.perf_counter()
+        n0, t0 = len(graph.get_operations()), time.perf_counter()
         try:
             built = (Built(adam_step(tf, loss, var_list, dp=True), {}, "") if task == "step"
                      else BUILDERS[cfg["system"]](ctx, task))
         except _Skip as e:
             return {"status": "skipped", "note": str(e)}
-        build_s, n_ops = time.perf_counter() - t0, _count_ops(graph) - n0
+        build_s, n_ops = time.perf_counter() - t0, len(graph.get_operations()) - n0
         init = tf.group(tf.compat.v1.global_variables_initializer(),
                         tf.compat.v1.tables_initializer())
         extra = {}

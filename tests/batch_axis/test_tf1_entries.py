@@ -1,7 +1,7 @@
 """Table entries that other people's TF1 models need (issue 24).
 
 Each case is a small graph that uses one op (or one shape pattern) the way
-`benchmarks/tf1_models.py` does, on a dynamic batch (and a dynamic T where
+`benchmarks/zoo_models.py` does, on a dynamic batch (and a dynamic T where
 the model has one), float64 unless TF cannot build it so:
 
 * positive cases: the static proof now keeps every variable on the plain

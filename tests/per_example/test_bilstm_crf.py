@@ -1,5 +1,5 @@
 """Issue 34's regression: a bi-LSTM CRF tagger with a character-level
-bi-LSTM (`benchmarks.tf1_models.bilstm_crf`, re-typed from
+bi-LSTM (`benchmarks.zoo_models.bilstm_crf`, re-typed from
 guillaumegenthial/sequence_tagging) failed at run time under "auto" with
 "a loop rule's op 'lstm_cell/BiasAdd' has other rows than the batch's
 examples" at every B.
@@ -28,7 +28,7 @@ import custagg
 from custagg import testing
 
 import per_example_reference as ref
-from benchmarks import tf1_models
+from benchmarks import zoo_models as tf1_models
 
 tf1 = tf.compat.v1
 

@@ -61,7 +61,7 @@ from custagg.per_example import certificate as certificate_lib
 from custagg.per_example import engine as engine_lib
 from custagg.per_example.forms import rows as rows_lib
 
-from benchmarks import tf1_models
+from benchmarks import zoo_models as tf1_models
 
 RTOL = 1e-9
 DEFAULT_BATCHES = per_example_reference.DEFAULT_BATCHES
@@ -929,7 +929,7 @@ def test_gathered_rows_not_the_losses_b_fail_the_check(graph):
 @pytest.mark.parametrize("batches", BATCHES)
 def test_ptb_embedding_is_certified_and_the_rules_run(
         batches, graph, monkeypatch):
-    """benchmarks/tf1_models.py's PTB language model (small sizes, float64,
+    """benchmarks/zoo_models.py's PTB language model (small sizes, float64,
     dynamic B and T): every variable certified, the embedding through its
     ResourceGather rule (no chain, no O(B^2) form); the checks pass and the
     values are the rules' (the exact form replaced by a wrong one), against

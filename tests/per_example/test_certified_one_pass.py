@@ -20,7 +20,7 @@ example), B in {1, 7} (`-m slow`: {32, 33}):
   values are returned (the exact form replaced by a wrong one); rolled
   along the batch after the loop, the checks fail at B > 1 and the exact
   form, on the recomputed graph, gives the values;
-* benchmarks/tf1_models.py's ptb_lm and bilstm_tagger (small) with every
+* benchmarks/zoo_models.py's ptb_lm and bilstm_tagger (small) with every
   check forced to fail: the exact form alone gives every value;
 * the structure: the nodes the executor ran in one traced step (the
   `LoopCond` of each lowered While) hold no original loop, and one forward
@@ -42,7 +42,7 @@ from custagg.per_example import certificate as certificate_lib
 from custagg.per_example import engine as engine_lib
 
 import test_certified
-from benchmarks import tf1_models
+from benchmarks import zoo_models as tf1_models
 
 RTOL = 1e-9
 BATCHES = (1, 7)

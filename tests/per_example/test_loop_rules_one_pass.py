@@ -25,7 +25,7 @@ from custagg.graph import walks
 
 import test_loop_rules
 import test_loops
-from benchmarks import tf1_models
+from benchmarks import zoo_models as tf1_models
 from custagg.per_example import engine as engine_lib
 
 BATCHES = (1, 7)

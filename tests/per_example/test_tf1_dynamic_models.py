@@ -1,4 +1,4 @@
-"""Issue 34's models (`benchmarks/tf1_models.DYNAMIC_MODELS`) against the
+"""Issue 34's models (`benchmarks/zoo_models.DYNAMIC_MODELS`) against the
 loop: shapes the static proof of separation cannot read, taken by the
 rules with the run-time certificate.
 
@@ -29,7 +29,7 @@ import custagg
 from custagg import testing
 from custagg.rules import registry as registry_lib
 
-from benchmarks import tf1_models
+from benchmarks import zoo_models as tf1_models
 
 import per_example_reference as ref
 

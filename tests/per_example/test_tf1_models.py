@@ -1,4 +1,4 @@
-"""Other people's TF1 models (`benchmarks/tf1_models.py`) against the loop.
+"""Other people's TF1 models (`benchmarks/zoo_models.py`) against the loop.
 
 Issue 24's yardstick. Each model is built once with a dynamic batch (and a
 dynamic sequence length where it has one) and run at two batch sizes: B=1
@@ -34,7 +34,7 @@ import tensorflow as tf
 import custagg
 from custagg import testing
 
-from benchmarks import tf1_models
+from benchmarks import zoo_models as tf1_models
 
 import per_example_reference as ref
 
@@ -126,6 +126,6 @@ def test_tf1_model_matches_loop(name, batches, graph):
 
 
 def _short_steps(name):
-    # One less than the model's own T (benchmarks/tf1_models.py).
+    # One less than the model's own T (benchmarks/zoo_models.py).
     return {"transformer": 4, "bilstm_tagger": 3, "ptb_lm": 3,
             "bilstm_crf": 3}[name]

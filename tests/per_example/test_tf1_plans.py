@@ -1,4 +1,4 @@
-"""Which forms other people's TF1 models (`benchmarks/tf1_models.py`) get
+"""Which forms other people's TF1 models (`benchmarks/zoo_models.py`) get
 from the static proof (issue 24): the plan alone, no run (the values are
 tests/per_example/test_tf1_models.py's). A variable listed here must be on
 the form given; a regression that sends it back to the certificate or an
@@ -34,7 +34,7 @@ import tensorflow as tf
 
 import custagg
 
-from benchmarks import tf1_models
+from benchmarks import zoo_models as tf1_models
 
 ALL = "*"
 EXPECTED = {
