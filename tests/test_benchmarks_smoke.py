@@ -265,19 +265,26 @@ def test_a_flag_outside_its_mode_is_a_usage_error(argv, capsys):
 
 
 def test_report_only_rewrites_the_modes_own_page(tmp_path):
-    # --peers: peers.md again from peers.json and peers_machine.json, the
-    # same tables; --zoo on a zoo.json of the harness before its modes: a
-    # message, not results.md.
+    # --peers and --zoo: their pages again from their JSON files, the same
+    # tables, and no results.md; a zoo.json of the harness before its modes
+    # ({"meta", "rows"}): a message.
+    import json
     import shutil
     from benchmarks import run
     results = os.path.join(REPO, "benchmarks", "results")
     for name in ("peers.json", "peers_machine.json", "zoo.json"):
         shutil.copy(os.path.join(results, name), str(tmp_path / name))
-    assert run.main(["--peers", "--report-only", "--out", str(tmp_path)]) == 0
-    rows = [line for line in open(str(tmp_path / "peers.md")) if line.startswith("| ")]
-    assert rows and rows == [line for line in open(os.path.join(results, "peers.md"))
-                             if line.startswith("| ")]
+
+    def rows(path):
+        return [line for line in open(path) if line.startswith("| ")]
+
+    for mode, page in (("--peers", "peers.md"), ("--zoo", "zoo.md")):
+        assert run.main([mode, "--report-only", "--out", str(tmp_path)]) == 0
+        got = rows(str(tmp_path / page))
+        assert got and got == rows(os.path.join(results, page)), page
     assert not os.path.exists(str(tmp_path / "results.md"))
+    with open(str(tmp_path / "zoo.json"), "w") as f:
+        json.dump({"meta": {}, "rows": []}, f)
     with pytest.raises(SystemExit, match="run the mode again"):
         run.main(["--zoo", "--report-only", "--out", str(tmp_path)])
 
