@@ -872,18 +872,23 @@ def ctc_lstm(dtype, rng, full=False):
     def feed(rng, batch, t=None):
         t = t or steps
         lengths = _lengths(rng, batch, t)
-        indices, values = [], []
-        for n, length in enumerate(lengths):
-            # Labels no longer than half the frames: CTC can always align.
-            for k in range(int(rng.integers(1, max(length // 2, 1) + 1))):
-                indices.append([n, k])
-                values.append(int(rng.integers(0, num_classes - 1)))
-        width = max(i[1] for i in indices) + 1
         return {inputs: rng.normal(size=[batch, t, num_features]), seq_len: lengths,
-                targets: tf1.SparseTensorValue(
-                    np.array(indices, np.int64), np.array(values, np.int32),
-                    np.array([batch, width], np.int64))}
+                targets: ctc_labels(rng, lengths, num_classes)}
     return Model(loss, xs, feed, dynamic_steps=True)
+
+
+def ctc_labels(rng, lengths, num_classes):
+    """A `SparseTensorValue` of CTC labels (classes 0 .. num_classes - 2,
+    the last is the blank) for sequences of `lengths` frames: at most half
+    the frames each, so CTC can always align them."""
+    indices, values = [], []
+    for n, length in enumerate(lengths):
+        for k in range(int(rng.integers(1, max(length // 2, 1) + 1))):
+            indices.append([n, k])
+            values.append(int(rng.integers(0, num_classes - 1)))
+    width = max(i[1] for i in indices) + 1
+    return tf1.SparseTensorValue(np.array(indices, np.int64), np.array(values, np.int32),
+                                 np.array([len(lengths), width], np.int64))
 
 
 def neurobind(dtype, rng, full=False):

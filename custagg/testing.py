@@ -157,3 +157,23 @@ def numpy_clipped(per_example, clip, per_x=False):
 def numpy_second_moments(per_example):
     """`sum_b g_b ** 2` per x."""
     return [np.sum(np.square(g), axis=0) for g in per_example]
+
+
+def waits_for_backward_pass(op):
+    """Whether graph op `op` runs only after a backward pass: one of its
+    inputs or control inputs, transitively, is an op under a
+    `.../gradients/...` name scope (what `tf.compat.v1.gradients` and
+    custagg's traversal build). For tests of ordering: a term built from
+    forward values alone that does not wait runs in the forward pass and
+    is held to the backward pass."""
+    seen, stack = set(), [op]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if "/gradients/" in "/" + op.name and op.type != "Const":
+            return True
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return False

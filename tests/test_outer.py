@@ -48,18 +48,6 @@ def test_weighted_sum_matches_materialized(graph, dk, steps, batch):
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
-def _reads_backward_pass(op, seen):
-    """Whether `op` waits for the norms' backward pass (an input or control
-    input, transitively, from `.../gradients/...`)."""
-    if op.name in seen:
-        return False
-    seen.add(op.name)
-    if "/gradients/" in op.name and op.type != "Const":
-        return True
-    return any(_reads_backward_pass(i.op, seen) for i in op.inputs) or \
-        any(_reads_backward_pass(c, seen) for c in op.control_inputs)
-
-
 _VIEWS = ("Reshape", "Identity", "StridedSlice", "Shape", "Const", "Pack",
           "ReadVariableOp", "ExpandDims", "Squeeze")
 
@@ -91,7 +79,7 @@ def test_forward_terms_of_the_norms_wait_for_the_gradient(batch):
                 continue
             if any(o.shape.rank is not None and o.shape.rank >= 3
                    for o in op.outputs) and \
-                    not _reads_backward_pass(op, set()):
+                    not testing.waits_for_backward_pass(op):
                 early.append("%s (%s)" % (op.name, op.type))
         assert not early, early
         ref = testing.loop_per_example(loss, [w, table], batch)

@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
+from benchmarks import zoo_models
 from custagg import testing
 
 tf1 = tf.compat.v1
@@ -47,16 +48,8 @@ def _ctc(time_major):
 
     def feed(rng, batch, steps):
         lens = rng.integers(2, steps + 1, batch)
-        idx, vals = [], []
-        for n, length in enumerate(lens):
-            for k in range(int(rng.integers(1, length // 2 + 1))):
-                idx.append([n, k])
-                vals.append(int(rng.integers(0, C - 1)))
-        width = max(i[1] for i in idx) + 1
         return {x: rng.normal(size=[batch, steps, F]), lengths: lens,
-                labels: tf1.SparseTensorValue(
-                    np.array(idx, np.int64), np.array(vals, np.int32),
-                    np.array([batch, width], np.int64))}
+                labels: zoo_models.ctc_labels(rng, lens, C)}
     return loss, [w, b], feed
 
 

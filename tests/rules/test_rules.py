@@ -219,15 +219,5 @@ def test_batch_norm_scale_waits_for_its_output_gradient():
                     if op.name.startswith("norms/") and op.type == "Sub"
                     and op.inputs[0].shape.rank == 4]
         assert centered, "the rule's x - mean was not found"
-
-        def reads_gradient(op, seen):
-            if op.name in seen:
-                return False
-            seen.add(op.name)
-            if "gradients" in op.name and op.type != "Const":
-                return True
-            return any(reads_gradient(i.op, seen) for i in op.inputs) or \
-                any(reads_gradient(c, seen) for c in op.control_inputs)
-
         for op in centered:
-            assert reads_gradient(op, set()), op.name
+            assert testing.waits_for_backward_pass(op), op.name
