@@ -15,8 +15,8 @@ dense per-example form and the merged sums.
 import tensorflow as tf
 from custagg import op_kinds
 from custagg._tf_compat import resource_variable_ops
-from custagg.rules import _reduce
 from custagg.rules import outer as _outer
+from custagg.rules import registry
 
 
 def table_shape(p):
@@ -187,7 +187,7 @@ def pooled_squared_norms(ids, u, scale, row_shape):
       scale: `None` or a scalar multiplying `u`.
     """
     u = tf.broadcast_to(u, row_shape)
-    sq = _reduce.per_example_squared_norms(tf.reshape(u, [row_shape[0], -1]))
+    sq = registry.squared_norms_of(u)
     if scale is not None:
         sq = sq * tf.square(tf.cast(scale, sq.dtype))
     return sq * _squared_id_counts(ids, sq.dtype)
@@ -219,4 +219,4 @@ def sorted_squared_norms(ids, rows):
         tf.reshape(tf.tile(tf.range(batch)[:, None], [1, tf.shape(ids)[1]]),
                    [-1]), segment)                                # [S]
     return tf.math.unsorted_segment_sum(
-        _reduce.per_example_squared_norms(merged), example, batch)
+        registry.squared_norms_of(merged), example, batch)
