@@ -110,6 +110,34 @@ def test_peak_scales_with_the_batch():
     assert 1.8 < large / float(small) < 2.2
 
 
+def test_tf_peaks_takes_the_median_over_new_sessions_and_the_record_keeps_it():
+    """common.tf_peaks: each fetch's peak over new sessions (each
+    initialized), their median in the record and their range beside it."""
+    from benchmarks import common
+    rng = np.random.RandomState(2)
+    n, m = rng.randint(200, 500), rng.randint(300, 700)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf1.placeholder(tf.float32, [None, 8])
+        w = tf.Variable(np.ones([8, m], np.float32))
+        small = tf.reduce_sum(tf.matmul(x, w))                              # one [N, M]
+        large = tf.reduce_sum(tf.matmul(x, w) * tf.matmul(x, w, name="b"))  # two at once
+        init = tf1.global_variables_initializer()
+    feed = {x: np.ones([n, 8], np.float32)}
+    peaks = common.tf_peaks(graph, init, feed, {"floor": small, "system": large}, sessions=3)
+    one = n * m * 4
+    _within(peaks["floor"], one)
+    _within(peaks["system"], 2 * one)
+    assert peaks["sessions"] == 3
+    for name in ("floor", "system"):
+        low, high = peaks["range_mb"][name]
+        assert low <= memory.mb(peaks[name]) <= high
+    record = common.measured(None, {}, lambda: None, lambda: None,
+                             {"repeats": 1, "budget_s": 0.0}, 1.0, lambda: peaks)
+    assert record["peak_ratio"] == peaks["system"] / float(peaks["floor"])
+    assert record["peak_range_mb"] == peaks["range_mb"] and record["peak_sessions"] == 3
+
+
 def test_peak_from_step_stats_orders_by_time():
     # A hand-written StepStats: 100 bytes then 50 alive together (150), then
     # both freed and 120 allocated: peak 150, not the 270 of all allocations

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from benchmarks import common, memory, models
+from benchmarks import common, models
 
 
 def _build(tf, model):
@@ -161,8 +161,8 @@ def run(cfg):
         return common.measured(
             sig, sess.run(check, {**feed, noise: 0.0}), lambda: sess.run(fetch, feed),
             lambda: sess.run(floor, feed), cfg, first_run_ms,
-            lambda: (memory.step_peak_bytes(sess, floor, feed)[0],
-                     memory.step_peak_bytes(sess, fetch, feed)[0]), build_s=build_s,
+            lambda: common.tf_peaks(graph, init, feed, {"floor": floor, "system": fetch},
+                                    cfg.get("threads", 0)), build_s=build_s,
             floor_system="tf.compat.v1.gradients(sum(loss)) of the Keras model",
             framework_version="tensorflow %s, tensorflow-privacy %s" % (
                 tf.__version__, metadata.version("tensorflow-privacy")))

@@ -380,8 +380,9 @@ def run(cfg):
             extra["norms"] = [float(v) for v in values["norms"]]
         return common.measured(
             sig, values, lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
-            cfg, first_run_ms, lambda: (memory.step_peak_bytes(sess, floor, feed)[0],
-                                        memory.step_peak_bytes(sess, built.fetch, feed)[0]),
+            cfg, first_run_ms, lambda: common.tf_peaks(
+                graph, init, feed, {"floor": floor, "system": built.fetch},
+                cfg.get("threads", 0)),
             note=built.note, build_s=build_s, n_ops=n_ops, floor_build_s=floor_build_s,
             floor_n_ops=floor_n_ops, floor_first_run_ms=floor_first_ms,
             floor_system="tf.compat.v1.gradients(sum(loss))" if task != "step" else
