@@ -185,9 +185,9 @@ def tf_peaks(graph, init, feed, fetches, threads=1, sessions=PEAK_SESSIONS):
     step per fetch): {name: bytes, "range_mb": {name: [lowest, highest] MB},
     "sessions": sessions}.
 
-    TF's executor settles each session's order of ready ops in its first
-    runs (from their timing), and a plain gradient's peak follows that
-    order: the harness CNN's at B=512 was 66.7, 78.8 or 81.9 MB by session,
+    The order in which TF's executor runs ready ops differs between
+    sessions (thread timing, its running cost estimate of each kernel) and
+    then holds within one, and a plain gradient's peak follows that order: the harness CNN's at B=512 was 66.7, 78.8 or 81.9 MB by session,
     the transformer's 39.9-46.5 MB, while custagg's CNN clipped sum took
     82.0 MB in every one. One session's peak is one draw of that."""
     samples = {name: [] for name in fetches}
