@@ -1,16 +1,11 @@
 """The harness: `python -m benchmarks [MODE] [options]`, one run for every mode.
 
-A configuration (model, B, task, system) runs in a forked child of a warm
-worker server (benchmarks/worker.py), which builds model, floor and system in
-one graph, checks the system against the loop reference (the harness's
-models) and times system and floor alternately; one that hangs or crashes is
-recorded as "timeout" or "failed" and the run goes on. The modes are presets
-(`PRESETS`) of one run: none, `--quick`, `--control-flow`, `--peers`, `--zoo`
-and `--tf1-models` (the builders of zoo_models.py, `models.build`; `--zoo
---profile`: where each step's peak memory goes, printed), `--before DIR` (two
-trees' custagg on the same configurations, one worker server per tree,
-interleaved over rounds). Each writes its records (<stem>.json) and its page
-to --out (default benchmarks/results) and its logs/. docs/benchmarks.md
+Each configuration (model, B, task, system) runs in a forked child of a warm
+worker server (benchmarks/worker.py) that builds model, floor and system in
+one graph, checks the system against the loop reference and times system and
+floor alternately; one that hangs or crashes is recorded as "timeout" or
+"failed". The modes are presets of one run (`PRESETS`); each writes its
+records (<stem>.json), its page and logs/ to --out. docs/benchmarks.md
 describes the tasks, systems and figures.
 """
 import argparse
@@ -115,25 +110,19 @@ def parse_args(argv=None):
         prog="python -m benchmarks",
         description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
     for flag, text in (
-            ("quick", "MLP and text at B=32, 3 repeats (< 3 min); out benchmarks/results/quick"),
-            ("control-flow", "issue 11's table: the loop models, custagg_auto, tf_vmap and the "
-             "vmap peers; out benchmarks/results/control_flow (pass the peers' --python)"),
-            ("peers", "issue 37's table: custagg beside Opacus (ghost, hooks), JAX Privacy and "
-             "TF Privacy's fast clipping; writes results/peers.{json,md} (pass --python "
-             "torch=, jax=, keras=)"),
-            ("zoo", "the model zoo (benchmarks/zoo_models.py) at full size: norms, clipped "
-             "sums, mnist_deep's DP step; B 64,256, 15 repeats; writes results/zoo.*"),
-            ("tf1-models", "issue 24's TF1 models (benchmarks/zoo_models.py; issue 34's by "
-             "--models): the clipped sum; B 64, 5 repeats; writes results/tf1_models.*")):
-        p.add_argument("--" + flag, action="store_true", help=text)
+            ("quick", "MLP and text at B=32, 3 repeats (< 3 min)"),
+            ("control-flow", "issue 11's table: the loop models against tf_vmap and the vmap peers"),
+            ("peers", "issue 37's table: custagg beside the DP peers (pass --python torch=, jax=, "
+             "keras=)"),
+            ("zoo", "the model zoo (benchmarks/zoo_models.py) at full size"),
+            ("tf1-models", "issue 24's TF1 models (issue 34's by --models): the clipped sum")):
+        p.add_argument("--" + flag, action="store_true", help=text + " (PRESETS)")
     p.add_argument("--before", metavar="DIR",
                    help="DIR's custagg (a checkout) against --after's in one run, interleaved; "
                         "out /tmp/before_after")
     p.add_argument("--models", type=_csv, help="comma list (default: the mode's; --models "
                    "without a mode: of %s)" % ",".join(models.MODELS))
-    p.add_argument("--batch-sizes", type=_sizes,
-                   help="comma list (default: the mode's; the full run 32,128,512, --quick 32, "
-                   "--zoo 64,256, --tf1-models 64; --before uses its own and --zoo-batches)")
+    p.add_argument("--batch-sizes", type=_sizes, help="comma list (default: the mode's)")
     p.add_argument("--tasks", type=lambda s: _csv(s, list(TASKS), TASK_ALIASES, "task"),
                    help="comma list of %s (or a,b,b2,c,d)" % ",".join(TASKS))
     p.add_argument("--systems", type=lambda s: _csv(s, list(SYSTEMS), kind="system"),
@@ -153,19 +142,14 @@ def parse_args(argv=None):
                    help="interpreter for a framework's workers, e.g. torch=/opt/peers/bin/python")
     p.add_argument("--threads", type=int, default=1,
                    help="intra/inter-op threads for every framework (default 1)")
-    p.add_argument("--jobs", type=int,
-                   help="configurations at once (default 2 on 2+ cores; --zoo, --tf1-models, "
-                        "--before: 1); whole models are dealt to the jobs, each ratio is "
-                        "measured inside one process")
+    p.add_argument("--jobs", type=int, help="configurations at once (default: the mode's)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--readme", metavar="PATH",
                    help="also rewrite the benchmark tables in PATH from --out's results")
     p.add_argument("--report-only", action="store_true",
-                   help="only rewrite the mode's page (results.md and the plots, peers.md, ...) "
-                        "from --out's JSON files")
+                   help="only rewrite the mode's page from --out's JSON files")
     p.add_argument("--profile", action="store_true",
-                   help="--zoo: print where each step's peak memory comes from (default models "
-                        "mnist_deep,cnn; also %s); writes nothing" % ",".join(models.HARNESS_ZOO))
+                   help="--zoo: print where each step's peak memory comes from; writes nothing")
     p.add_argument("--times", action="store_true",
                    help="--profile: also the traced steps' kernel time by op")
     p.add_argument("--plans", action="store_true", help="--tf1-models: print each model's plan")
@@ -663,52 +647,53 @@ def _merged(args, old, done):
         pos(SYSTEMS, r["system"]), r["system"]))
 
 
+def _layout(args):
+    """(the key of the records in <stem>.json, None: the file is their list;
+    the file of the run's description beside such a list)."""
+    if args.mode == "before":
+        return "samples", None
+    if args.mode in ZOO_PAGES:
+        return "records", None
+    return None, "peers_machine.json" if args.stem == "peers" else "machine.json"
+
+
 def report_only(args):
     """--report-only: the mode's page again from --out's JSON files."""
-    def load(name):
-        path = os.path.join(args.out, name)
-        if not os.path.exists(path):
-            raise SystemExit("--report-only: no %s; run the mode first" % path)
-        with open(path) as f:
-            return json.load(f)
-    if args.mode == "before":
-        saved = load("before_after.json")
-        records, meta = saved["samples"], saved["meta"]
-    elif args.mode in ZOO_PAGES:
-        saved = load(args.stem + ".json")
-        if "records" not in saved:
-            raise SystemExit("--report-only: %s.json was written by the harness before its "
-                             "zoo and TF1 models became its modes; run the mode again" % args.stem)
-        records, meta = saved["records"], saved["meta"]
-    elif args.stem == "peers":
-        records, meta = load("peers.json"), load("peers_machine.json")
-    else:
-        records = load("results.json")
-        meta_path = os.path.join(args.out, "machine.json")
+    key, meta_file = _layout(args)
+    path = os.path.join(args.out, args.stem + ".json")
+    if not os.path.exists(path):
+        raise SystemExit("--report-only: no %s; run the mode first" % path)
+    with open(path) as f:
+        saved = json.load(f)
+    if key is None:
+        meta_path = os.path.join(args.out, meta_file)
         meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+        records = saved
+    elif key in saved:
+        records, meta = saved[key], saved["meta"]
+    else:
+        raise SystemExit("--report-only: %s.json was written by the harness before its "
+                         "zoo and TF1 models became its modes; run the mode again" % args.stem)
     _page(args, records, meta)
     return 0
 
 
 def _write_outputs(args, records, machine, versions, references, started, final):
-    """--out/<stem>.json after every configuration (--zoo, --tf1-models,
-    --before: {"meta", "records" or "samples"}); at the end (`final`) the
+    """--out/<stem>.json after every configuration; at the end (`final`) the
     run's description (machine.json, --merge: the first run's with this one
     under "merged_runs"; --peers: peers_machine.json) and the mode's page."""
+    key, meta_file = _layout(args)
     meta = dict(machine, versions=versions, wall_s=time.time() - started)
     refs = {"%s B=%d" % k: v["note"] for k, v in references.items()}
     if args.mode == "before":
         meta.update(tf=(versions.get("tf@after") or {}).get("tensorflow"), references=refs)
-    saved = ({"meta": meta, "samples": records} if args.mode == "before" else
-             {"meta": meta, "records": records} if args.mode in ZOO_PAGES else records)
-    common.dump_json(os.path.join(args.out, args.stem + ".json"), saved)
+    common.dump_json(os.path.join(args.out, args.stem + ".json"),
+                     {"meta": meta, key: records} if key else records)
     if not final:
         return
-    if args.stem == "peers":
-        common.dump_json(os.path.join(args.out, "peers_machine.json"), meta)
-    elif args.stem == "results":
+    meta_path = meta_file and os.path.join(args.out, meta_file)
+    if meta_file == "machine.json":
         meta.update(references=refs, tolerance=common.TOLERANCE)
-        meta_path = os.path.join(args.out, "machine.json")
         if args.merge and os.path.exists(meta_path):
             with open(meta_path) as f:
                 base = json.load(f)
@@ -718,6 +703,7 @@ def _write_outputs(args, records, machine, versions, references, started, final)
             for fw, v in versions.items():
                 base.setdefault("versions", {}).setdefault(fw, {}).update(v)
             meta = base
+    if meta_file:
         common.dump_json(meta_path, meta)
     _page(args, records, meta)
 

@@ -5,6 +5,7 @@ build_s is the time of jit lowering + XLA compilation; n_ops is not recorded
 (a TF op count and an HLO count are not comparable).
 """
 import time
+from importlib import metadata
 
 import numpy as np
 
@@ -90,7 +91,7 @@ def run(cfg):
     key = jax.random.PRNGKey(0)
     fn, args = task_fn, (params, x, y) + (
         (key, jnp.float32(common.NOISE_MULTIPLIER)) if task == "dpsgd" else ())
-    if cfg.get("system") == "jax_privacy":
+    if cfg["system"] == "jax_privacy":
         built = _jax_privacy(jax, jnp, loss_vec, task, clip, key)
         if isinstance(built, dict):
             return built
@@ -125,7 +126,8 @@ def run(cfg):
         floor_system="jax.jit(jax.grad(sum(loss)))",
         peak_method="XLA buffer assignment: compiled.memory_analysis() temp + output bytes",
         framework_version="jax %s (jaxlib %s)%s" % (
-            jax.__version__, _jaxlib_version(), _jax_privacy_version(cfg)))
+            jax.__version__, metadata.version("jaxlib"), ", jax-privacy " + metadata.version(
+                "jax-privacy") if cfg["system"] == "jax_privacy" else ""))
 
 
 def _jax_privacy(jax, jnp, loss_vec, task, clip, key):
@@ -136,8 +138,6 @@ def _jax_privacy(jax, jnp, loss_vec, task, clip, key):
         from jax_privacy import clipping, noise_addition
     except ImportError as e:
         return {"status": "skipped", "note": "jax-privacy not installed (%s)" % e}
-    if task not in ("clip", "dpsgd"):
-        return {"status": "skipped", "note": "jax_privacy runs clip and dpsgd only"}
     clipped = clipping.clipped_grad(lambda p, xb, yb: loss_vec(p, xb, yb).sum(),
                                     l2_clip_norm=clip, batch_argnums=(1, 2))
 
@@ -149,13 +149,6 @@ def _jax_privacy(jax, jnp, loss_vec, task, clip, key):
         return noisy
 
     return clipped, dpsgd_task
-
-
-def _jax_privacy_version(cfg):
-    if cfg.get("system") != "jax_privacy":
-        return ""
-    from importlib import metadata
-    return ", jax-privacy " + metadata.version("jax-privacy")
 
 
 def _xla_peak_bytes(compiled):
@@ -173,11 +166,3 @@ def _xla_peak_bytes(compiled):
         return None
     return (stats.temp_size_in_bytes + stats.output_size_in_bytes
             - getattr(stats, "alias_size_in_bytes", 0))
-
-
-def _jaxlib_version():
-    try:
-        import jaxlib
-        return jaxlib.__version__
-    except Exception:  # pragma: no cover - informational only
-        return "?"

@@ -1,20 +1,14 @@
 """TensorFlow systems: the floor, custagg's strategies, TF's own baselines, TF Privacy.
 
-Everything here runs in one worker process per configuration (see
-`benchmarks/worker.py`): build the model graph, the floor (aggregated
-tf.compat.v1.gradients of the summed loss) and the system's graph in one
-tf.Graph, check the system against the reference signature, then time system
-and floor alternately in the same session.
-
-What is timed is always a fetch of the task's result (never a tf.group: TF
-prunes work whose output is not fetched).
+One configuration a worker child (`run`): the model, the floor (the
+aggregated gradient of the summed loss) and the system in one graph, the
+system checked against the reference signature, then timed against the
+floor in one session. What is timed is a fetch of the task's result (never
+a tf.group: TF prunes work whose output is not fetched).
 """
 import collections
-import glob
 import importlib.util
-import inspect
 import os
-import re
 import time
 
 import numpy as np
@@ -103,23 +97,14 @@ def _pe_tf_jacobian(ctx):
     return list(pfor_gradients.jacobian(ctx.loss, ctx.var_list))
 
 
-def _custagg():
-    import custagg
-    missing = [n for n in ("per_example_gradients", "per_example_norms",
-                           "clipped_gradients", "weighted_gradients", "gradients",
-                           "AggregationMethod") if not hasattr(custagg, n)]
-    if missing:
-        raise _Skip("custagg API not available yet (missing %s)" % ", ".join(missing))
-    return custagg
-
-
 class _Skip(Exception):
     """Raised by a builder when the system cannot run here (recorded as skipped)."""
 
 
 def _pe_custagg(strategy):
     def provider(ctx):
-        return list(_custagg().per_example_gradients(ctx.loss, ctx.var_list, strategy=strategy))
+        import custagg
+        return list(custagg.per_example_gradients(ctx.loss, ctx.var_list, strategy=strategy))
     return provider
 
 
@@ -153,6 +138,14 @@ def _noised(ctx, grads):
         return [g + tf.random.normal(tf.shape(g)) * (ctx.noise_scale * ctx.clip) for g in grads]
 
 
+def _built(ctx, task, norms=None, sums=None):
+    """Task "norms" from the norms `[B]`, "clip" and "dpsgd" from the clipped sums."""
+    if task == "norms":
+        return Built(norms, {"norms": norms}, "")
+    fetch = _noised(ctx, sums) if task == "dpsgd" else sums
+    return Built(fetch, _keyed("csum/", ctx.names, sums), "")
+
+
 def _task_from_per_example(provider):
     def build(ctx, task):
         tf = ctx.tf
@@ -164,13 +157,9 @@ def _task_from_per_example(provider):
             return Built(sumsq, check, "")
         norms = tf.sqrt(sumsq)
         if task == "norms":
-            return Built(norms, {"norms": norms}, "")
-        if task in ("clip", "dpsgd"):
-            scale = ctx.clip / tf.maximum(norms, ctx.clip)
-            sums = [tf.tensordot(scale, g, axes=1) for g in per_example]
-            fetch = _noised(ctx, sums) if task == "dpsgd" else sums
-            return Built(fetch, _keyed("csum/", ctx.names, sums), "")
-        raise ValueError("task %r is not built from per-example gradients" % task)
+            return _built(ctx, task, norms=norms)
+        scale = ctx.clip / tf.maximum(norms, ctx.clip)
+        return _built(ctx, task, sums=[tf.tensordot(scale, g, axes=1) for g in per_example])
     return build
 
 
@@ -180,53 +169,39 @@ def _keyed(prefix, names, tensors):
 
 def _custagg_system(strategy):
     def build(ctx, task):
+        import custagg
         try:
-            return _build_custagg(ctx, task)
+            if task == "grads":
+                return _task_from_per_example(_pe_custagg(strategy))(ctx, task)
+            if task == "norms":
+                return _built(ctx, task, norms=custagg.per_example_norms(
+                    ctx.loss, ctx.var_list, strategy=strategy))
+            if task in ("clip", "dpsgd"):
+                return _built(ctx, task, sums=custagg.clipped_gradients(
+                    ctx.loss, ctx.var_list, ctx.clip, strategy=strategy))
         except ValueError as e:
             # A strategy that refuses a model by design (e.g. "rules" has no
             # rule for a While loop) is "skipped", not a failure of the run.
             if strategy != "auto" and "cannot give per-example gradients" in str(e):
                 raise _Skip("not supported by strategy=%r: %s" % (strategy, str(e)[:300]))
             raise
-
-    def _build_custagg(ctx, task):
-        ca = _custagg()
-        if task == "grads":
-            return _task_from_per_example(_pe_custagg(strategy))(ctx, task)
-        if task == "norms":
-            norms = ca.per_example_norms(ctx.loss, ctx.var_list, strategy=strategy)
-            return Built(norms, {"norms": norms}, "")
-        if task in ("clip", "dpsgd"):
-            sums = ca.clipped_gradients(ctx.loss, ctx.var_list, ctx.clip, strategy=strategy)
-            fetch = _noised(ctx, sums) if task == "dpsgd" else sums
-            return Built(fetch, _keyed("csum/", ctx.names, sums), "")
-        if task == "custom":
-            note = ""
-            if "strategy" in inspect.signature(ca.weighted_gradients).parameters:
-                sums = ca.weighted_gradients(ctx.loss, ctx.var_list, ctx.f, strategy=strategy)
-            else:
-                sums = ca.weighted_gradients(ctx.loss, ctx.var_list, ctx.f)
-                note = "weighted_gradients takes no strategy (always one CUSTOM backward pass)"
-            return Built(list(sums), _keyed("wsum/", ctx.names, sums), note)
-        raise ValueError(task)
+        sums = list(custagg.weighted_gradients(ctx.loss, ctx.var_list, ctx.f))     # "custom"
+        return Built(sums, _keyed("wsum/", ctx.names, sums),
+                     "weighted_gradients takes no strategy (always one CUSTOM backward pass)")
     return build
 
 
 def _custom_form(form):
     def build(ctx, task):
-        tf = ctx.tf
+        import custagg as ca
         if form == "tf_grad_ys":
-            sums = tf.compat.v1.gradients(ctx.loss, ctx.var_list, grad_ys=ctx.f)
+            sums = ctx.tf.compat.v1.gradients(ctx.loss, ctx.var_list, grad_ys=ctx.f)
+        elif form == "grad_ys":
+            sums = ca.gradients(ctx.loss, ctx.var_list, grad_ys=ctx.f)
         else:
-            ca = _custagg()
-            if form == "grad_ys":
-                sums = ca.gradients(ctx.loss, ctx.var_list, grad_ys=ctx.f)
-            else:
-                ys = ([ctx.loss[i] for i in range(ctx.batch_size)] if form == "slices"
-                      else ctx.loss)
-                sums = ca.gradients(ys, ctx.var_list,
-                                    aggregation_method=ca.AggregationMethod.CUSTOM,
-                                    gradient_factors=ctx.f)
+            ys = [ctx.loss[i] for i in range(ctx.batch_size)] if form == "slices" else ctx.loss
+            sums = ca.gradients(ys, ctx.var_list, aggregation_method=ca.AggregationMethod.CUSTOM,
+                                gradient_factors=ctx.f)
         sums = list(sums)
         return Built(sums, _keyed("wsum/", ctx.names, sums), "")
     return build
@@ -245,20 +220,14 @@ TFP_TARGET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 def tfp_location():
     """(path to dp_optimizer_vectorized.py, version) or (None, reason)."""
-    roots = []
+    from importlib import metadata
     spec = importlib.util.find_spec("tensorflow_privacy")   # does not execute it
-    if spec is not None and spec.submodule_search_locations:
-        roots.extend(os.path.dirname(p) for p in spec.submodule_search_locations)
-    roots.append(TFP_TARGET)
-    for root in roots:
+    roots = [os.path.dirname(p) for p in (spec and spec.submodule_search_locations or [])]
+    for root in roots + [TFP_TARGET]:
         path = os.path.join(root, _TFP_REL)
         if os.path.exists(path):
-            vfile = os.path.join(root, "tensorflow_privacy", "version.py")
-            m = os.path.exists(vfile) and re.search(r"__version__\s*=\s*['\"]([^'\"]+)",
-                                                    open(vfile).read())
-            infos = glob.glob(os.path.join(root, "tensorflow_privacy-*.dist-info"))
-            return path, (m.group(1) if m else infos[-1].rsplit("-", 1)[0].split(
-                "tensorflow_privacy-")[-1] if infos else "unknown")
+            dist = next(metadata.distributions(name="tensorflow-privacy", path=[root]), None)
+            return path, dist.version if dist else "unknown"
     return None, ("tensorflow-privacy not installed (pip install --no-deps --target "
                   "benchmarks/.peers/tfp tensorflow-privacy)")
 
@@ -357,7 +326,8 @@ def run(cfg):
                         tf.compat.v1.tables_initializer())
         extra = {}
         if cfg.get("plan"):   # what a regression comes from (--before, --tf1-models --plans)
-            plan = _custagg().plan_per_example(loss, var_list)
+            import custagg
+            plan = custagg.plan_per_example(loss, var_list)
             extra = dict(forms=dict(collections.Counter(f or "unconnected" for f in plan.forms())),
                          plan=str(plan), not_rules=["%s: %s" % (a.name, a.form)
                                                     for a in plan.assignments

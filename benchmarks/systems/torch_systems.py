@@ -164,8 +164,9 @@ def run(cfg):
         floor_module.zero_grad(set_to_none=True)
         ce(floor_module(x), y, reduction="none").sum().backward()
 
-    runner = {"torch_func": _torch_func, "opacus": _opacus, "opacus_ghost": _opacus_ghost}[system](
-        torch, model, task, make_module(torch, model), x, y, clip, batch_size)
+    args = (torch, model, task, make_module(torch, model), x, y, clip, batch_size)
+    runner = (_torch_func(*args) if system == "torch_func" else
+              _opacus(*args, ghost=system == "opacus_ghost"))
     if isinstance(runner, dict):
         return runner
     timed_fn, check_fn, build_s, version = runner
@@ -244,38 +245,52 @@ def _torch_func(torch, model, task, module, x, y, clip, batch_size):
     return timed_fn, check_fn, None, ""
 
 
-def _opacus(torch, model, task, module, x, y, clip, batch_size):
+def _opacus(torch, model, task, module, x, y, clip, batch_size, ghost=False):
+    """Opacus's hooks mode (GradSampleModule, DPOptimizer) or (`ghost`) its
+    1.6 ghost clipping as `PrivacyEngine.make_private(...,
+    grad_sample_mode="ghost")` wires it: GradSampleModuleFastGradientClipping
+    (ghost norms where a layer has them, per-sample gradients elsewhere),
+    DPOptimizerFastGradientClipping and the loss wrapper whose backward()
+    runs the two passes (norms, then the clip-weighted gradient)."""
     try:
         import opacus
-        from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer
+        from opacus import GradSampleModule, optimizers
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
     except ImportError as e:
-        return {"status": "skipped", "note": "opacus not installed (%s)" % e}
+        return {"status": "skipped", "note": "opacus (>= 1.5) not installed (%s)" % e}
     import time
-    ce = torch.nn.functional.cross_entropy
     t0 = time.perf_counter()
-    gsm = GradSampleModule(module, batch_first=True, loss_reduction="sum")
+    if ghost:
+        gsm = GradSampleModuleFastGradientClipping(module, batch_first=True, loss_reduction="sum",
+                                                   max_grad_norm=clip, use_ghost_clipping=True)
+    else:
+        gsm = GradSampleModule(module, batch_first=True, loss_reduction="sum")
     opt = None
     if task in ("clip", "dpsgd"):
-        opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0),
-                          noise_multiplier=common.NOISE_MULTIPLIER, max_grad_norm=clip,
-                          expected_batch_size=batch_size, loss_reduction="sum")
+        opt = (optimizers.DPOptimizerFastGradientClipping if ghost else optimizers.DPOptimizer)(
+            torch.optim.SGD(gsm.parameters(), lr=0.0), noise_multiplier=_noise(task),
+            max_grad_norm=clip, expected_batch_size=batch_size, loss_reduction="sum")
+    if ghost:
+        loss = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"),
+                                          loss_reduction="sum")
+    else:
+        loss = lambda out, y: torch.nn.functional.cross_entropy(  # noqa: E731
+            out, y, reduction="none").sum()
     build_s = time.perf_counter() - t0
     named = _named(gsm)
 
     def backward():
-        gsm.zero_grad(set_to_none=True)
-        ce(gsm(x), y, reduction="none").sum().backward()
+        (opt or gsm).zero_grad(set_to_none=True)
+        loss(gsm(x), y).backward()
 
     def timed_fn():
-        if task in ("clip", "dpsgd"):   # clip: the optimizer's clipped sum, noise 0
-            opt.zero_grad(set_to_none=True)
-            ce(gsm(x), y, reduction="none").sum().backward()
-            opt.step()
-            return None
         backward()
-        sq = _sumsq(torch, [p.grad_sample for _, p in named], batch_size)
-        return sq if task == "grads" else sq.sqrt()
+        if task == "dpsgd" or (task == "clip" and not ghost):
+            opt.step()          # hooks: the optimizer makes the clipped sum
+        elif task in ("grads", "norms"):
+            sq = _sumsq(torch, [p.grad_sample for _, p in named], batch_size)
+            return sq if task == "grads" else sq.sqrt()
 
     def check_fn():
         if task == "grads":
@@ -284,11 +299,13 @@ def _opacus(torch, model, task, module, x, y, clip, batch_size):
         if task == "norms":
             return "norms", timed_fn().detach().numpy()
         opt.noise_multiplier = 0.0
-        timed_fn()
+        backward()
+        opt.step()
         opt.noise_multiplier = _noise(task)
         return "csum", {k: p.grad.detach().numpy().copy() for k, p in named}
 
-    return timed_fn, check_fn, build_s, ", opacus " + opacus.__version__
+    return timed_fn, check_fn, build_s, ", opacus %s%s" % (opacus.__version__,
+                                                          " (ghost)" if ghost else "")
 
 
 def _noise(task):
@@ -299,47 +316,3 @@ def _named(gsm):
     """An Opacus-wrapped module's (parameter name, parameter), its own names."""
     return [(k[len("_module."):] if k.startswith("_module.") else k, p)
             for k, p in gsm.named_parameters()]
-
-
-def _opacus_ghost(torch, model, task, module, x, y, clip, batch_size):
-    """Opacus 1.6 ghost clipping, as `PrivacyEngine.make_private(...,
-    grad_sample_mode="ghost")` wires it: GradSampleModuleFastGradientClipping
-    (ghost norms where a layer has them, per-sample gradients elsewhere),
-    DPOptimizerFastGradientClipping and the loss wrapper whose backward()
-    runs the two passes (norms, then the clip-weighted gradient)."""
-    if task not in ("clip", "dpsgd"):
-        return {"status": "skipped", "note": "opacus_ghost runs clip and dpsgd only"}
-    try:
-        import opacus
-        from opacus.grad_sample import GradSampleModuleFastGradientClipping
-        from opacus.optimizers import DPOptimizerFastGradientClipping
-        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
-    except ImportError as e:
-        return {"status": "skipped", "note": "opacus (>= 1.5) not installed (%s)" % e}
-    import time
-    t0 = time.perf_counter()
-    gsm = GradSampleModuleFastGradientClipping(module, batch_first=True, loss_reduction="sum",
-                                               max_grad_norm=clip, use_ghost_clipping=True)
-    opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=0.0),
-                                          noise_multiplier=_noise(task), max_grad_norm=clip,
-                                          expected_batch_size=batch_size, loss_reduction="sum")
-    criterion = DPLossFastGradientClipping(gsm, opt, torch.nn.CrossEntropyLoss(reduction="sum"),
-                                           loss_reduction="sum")
-    build_s = time.perf_counter() - t0
-    named = _named(gsm)
-
-    def timed_fn():
-        opt.zero_grad(set_to_none=True)
-        criterion(gsm(x), y).backward()
-        if task == "dpsgd":
-            opt.step()
-
-    def check_fn():
-        opt.noise_multiplier = 0.0
-        opt.zero_grad(set_to_none=True)
-        criterion(gsm(x), y).backward()
-        opt.step()
-        opt.noise_multiplier = _noise(task)
-        return "csum", {k: p.grad.detach().numpy().copy() for k, p in named}
-
-    return timed_fn, check_fn, build_s, ", opacus %s (ghost)" % opacus.__version__
