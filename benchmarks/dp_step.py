@@ -3,31 +3,15 @@
     python -m benchmarks.dp_step MODE [--batch 256] [--repeats 9] [--models mlp,tutorial_cnn]
         [--write]
 
-On the MLP 784-256-256-10 and TF Privacy's tutorial CNN (Keras layers, the
-bundled digits scaled to 28x28), float32, one thread; the steps of a
-configuration timed interleaved (`common.interleaved`), each over the mode's
-base step, with (user_level_clipping, input_pipelines) each step's peak
-memory over the base's. Modes: `microbatches` (M = B, B/4, 1; static and
-dynamic batch), `adaptive_clipping` (fixed, quantile-adaptive and per-layer
-queries), `user_level_clipping` (`group_ids` of 64 and 8 users beside
-per-example clipping and the plain gradient), `input_pipelines` (issue 23:
-the batch from a placeholder, `tf.data`, a `shuffle_batch` queue or
-variables, the plan's forms too), and `tf_privacy_compare`: custagg.privacy
-next to TF Privacy's own TF1 optimizers, which need TF <= 2.15 (the
-PREFIX-tf215 venv of benchmarks/peers_env.sh, custagg on the path):
-
-    PYTHONPATH=. python -m benchmarks.dp_step tf_privacy_compare [--parity] [--epsilon]
-        [--timing] [--tutorial] [--json] [--write]
-
-Both systems build the same graph code; only the `dp_optimizer` module
-differs (the migration). Parts (all without flags): `--parity` (same weights
-and batches, 5 noise-free steps: the largest weight difference; with noise,
-each noise std), `--epsilon` (`compute_dp_sgd_privacy` of both), `--timing`
-(seconds per DP-SGD step, B = 64 and 256, M = B and B/4; TF Privacy skipped
-above `--slow-limit`), `--tutorial` (the tutorial's Estimator loop with
-custagg); without TF Privacy only custagg's rows. Why: docs/benchmarks.md.
-With --write: benchmarks/results/MODE.json and MODE.md (tf_privacy_compare:
-the parts not run keep their last figures).
+On the MLP 784-256-256-10 and TF Privacy's tutorial CNN, float32, one
+thread; a configuration's steps timed interleaved (`common.interleaved`)
+over the mode's base step (`_COLUMNS` has each mode's table). MODE
+`tf_privacy_compare` puts custagg.privacy beside TF Privacy's own TF1
+optimizers (TF <= 2.15: benchmarks/peers_env.sh's PREFIX-tf215, custagg on
+the path); its parts `--parity --epsilon --timing --tutorial` (all without
+flags). docs/benchmarks.md says what each mode measures. --write:
+benchmarks/results/MODE.{json,md} (tf_privacy_compare: the parts not run keep
+their last figures).
 """
 from __future__ import annotations
 
@@ -38,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from importlib import metadata
 
 from benchmarks import common  # framework-free: before TF
 
@@ -645,7 +630,7 @@ def compare_with_tf_privacy(args, argv):
         machine="%s, %d cores; python %s; tensorflow %s; tensorflow-privacy %s; custagg %s" % (
             platform.processor() or platform.machine(), os.cpu_count(),
             platform.python_version(), tf.__version__,
-            _version("tensorflow_privacy") if tf_privacy() else "absent", custagg.__version__))
+            metadata.version("tensorflow-privacy") if tf_privacy() else "absent", custagg.__version__))
     for part in parts:
         result[part] = (timing(slow_limit=args.slow_limit, log=log) if part == "timing" else
                         globals()[part](log=log))
@@ -663,14 +648,6 @@ def compare_with_tf_privacy(args, argv):
     if args.json:
         print(json.dumps(result))
     return 0
-
-
-def _version(dist):
-    try:
-        from importlib import metadata  # pylint: disable=g-import-not-at-top
-        return metadata.version(dist.replace("_", "-"))
-    except Exception:  # pylint: disable=broad-except
-        return "?"
 
 
 if __name__ == "__main__":

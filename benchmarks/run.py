@@ -52,10 +52,6 @@ PRESETS = {
     "zoo": dict(_ZOO, batch_sizes=[64, 256], repeats=15, tasks=["norms", "clip"], stem="zoo"),
     # Issue 24's models; issue 34's by name (`--models unet,...`).
     "tf1_models": dict(_ZOO, batch_sizes=[64], repeats=5, tasks=["clip"], stem="tf1_models"),
-    # Issues 23 and 34: the harness's models at their BEFORE_BATCHES, then
-    # the zoo and BEFORE_OTHERS at --zoo-batches.
-    "before": dict(_ZOO, models=["mlp", "cnn", "lstm"], repeats=10, budget=2.0, timeout=300.0,
-                   tasks=["norms", "clip", "dpsgd"], out="/tmp/before_after", stem="before_after"),
 }
 # The titles and introductions of zoo.md and tf1_models.md.
 ZOO_PAGES = {
@@ -68,12 +64,6 @@ ZOO_PAGES = {
                    "Issue 24's yardstick: the TF1 models of benchmarks/zoo_models.py (full size, "
                    "float32, dynamic batch and sequence length), custagg_auto with C = 1 and no "
                    "loop reference; Plans: variables per form of the plan.")}
-BEFORE_BATCHES = {"mlp": (64, 256), "cnn": (64, 256), "lstm": (32, 64)}
-# Models unlike the ones the engine was tuned on (a bi-RNN with
-# `sequence_length`, dynamic image sizes), in `--before`'s default zoo.
-BEFORE_OTHERS = ("bilstm_crf", "unet")
-# Whole-pass (O(B^2)) in both trees: ~20 s a run at B=256 on this machine.
-BEFORE_SKIP = {("keras_batch_norm_training", 256)}
 
 # Relative wall time of each model's configurations in a full run (measured
 # 2026-12-03), used to deal the costliest models out first with --jobs.
@@ -117,9 +107,6 @@ def parse_args(argv=None):
             ("zoo", "the model zoo (benchmarks/zoo_models.py) at full size"),
             ("tf1-models", "issue 24's TF1 models (issue 34's by --models): the clipped sum")):
         p.add_argument("--" + flag, action="store_true", help=text + " (PRESETS)")
-    p.add_argument("--before", metavar="DIR",
-                   help="DIR's custagg (a checkout) against --after's in one run, interleaved; "
-                        "out /tmp/before_after")
     p.add_argument("--models", type=_csv, help="comma list (default: the mode's; --models "
                    "without a mode: of %s)" % ",".join(models.MODELS))
     p.add_argument("--batch-sizes", type=_sizes, help="comma list (default: the mode's)")
@@ -153,56 +140,30 @@ def parse_args(argv=None):
     p.add_argument("--times", action="store_true",
                    help="--profile: also the traced steps' kernel time by op")
     p.add_argument("--plans", action="store_true", help="--tf1-models: print each model's plan")
-    p.add_argument("--after", default=REPO, help="--before: the after tree (default: this one)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="--before: rounds (each runs every configuration once per tree)")
-    p.add_argument("--zoo-models", default="all",
-                   help="--before: zoo or TF1 models; 'all': the zoo and %s; '' for none"
-                        % ",".join(BEFORE_OTHERS))
-    p.add_argument("--zoo-batches", type=_sizes, default=[64, 256],
-                   help="--before: the zoo models' batch sizes (default 64,256)")
-    p.add_argument("--note", default="", help="--before: a line for before_after.md")
     args = p.parse_args(argv)
-    chosen = [k for k in ("quick", "control_flow", "peers", "zoo", "tf1_models", "before")
+    chosen = [k for k in ("quick", "control_flow", "peers", "zoo", "tf1_models")
               if getattr(args, k)]
     if len(chosen) > 1:
-        p.error("--quick, --control-flow, --peers, --zoo, --tf1-models and --before are "
-                "presets; choose one")
+        p.error("--quick, --control-flow, --peers, --zoo and --tf1-models are presets; choose one")
     args.mode = chosen[0] if chosen else "full"
     for flag, mode in (("profile", "zoo"), ("times", "zoo"), ("plans", "tf1_models")):
         if getattr(args, flag) and args.mode != mode:
             p.error("--%s goes with --%s" % (flag, mode.replace("_", "-")))
-    if args.merge and args.mode in ("zoo", "tf1_models", "before"):
-        p.error("--merge merges into results.json's records; --zoo, --tf1-models and --before "
-                "write their own files whole")
-    if args.mode == "before" and args.batch_sizes is not None:
-        p.error("--before measures its own batch sizes (and --zoo-batches'); drop --batch-sizes")
+    if args.merge and args.mode in ZOO_PAGES:
+        p.error("--merge merges into results.json's records; --zoo and --tf1-models write "
+                "their own files whole")
     defaults = dict(PRESETS[args.mode])
     args.stem = defaults.pop("stem", "results")
     known = list(models.MODELS)
-    if args.mode in ("zoo", "tf1_models", "before"):
-        others = list(models.builders())                # imports TensorFlow
+    if args.mode in ZOO_PAGES:
+        models.builders()                   # Keras 2 set up, then TensorFlow imported
         from benchmarks import zoo_models
-        zoo = list(zoo_models.ZOO)
         if args.mode == "zoo":
-            known = zoo + list(models.HARNESS_ZOO)
-            defaults["models"] = ["mnist_deep", "cnn"] if args.profile else zoo
-        elif args.mode == "tf1_models":
+            known = list(zoo_models.ZOO) + list(models.HARNESS_ZOO)
+            defaults["models"] = ["mnist_deep", "cnn"] if args.profile else list(zoo_models.ZOO)
+        else:
             known = list(zoo_models.MODELS) + list(zoo_models.DYNAMIC_MODELS)
             defaults["models"] = list(zoo_models.MODELS)
-        else:
-            known = list(BEFORE_BATCHES)
-            try:
-                args.zoo_models = (zoo + list(BEFORE_OTHERS) if args.zoo_models == "all"
-                                   else _csv(args.zoo_models, others, kind="zoo model"))
-            except argparse.ArgumentTypeError as e:
-                p.error("--zoo-models: %s" % e)
-            args.trees = {"before": os.path.abspath(args.before),
-                          "after": os.path.abspath(args.after)}
-            for tree in args.trees.values():
-                if not os.path.isfile(os.path.join(tree, "custagg", "__init__.py")):
-                    p.error("%s holds no custagg/__init__.py: pass a checkout of the project"
-                            % tree)
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, list(value) if isinstance(value, list) else value)
@@ -210,8 +171,8 @@ def parse_args(argv=None):
     if bad:
         p.error("unknown model(s) %s; choose from %s" % (", ".join(bad), ", ".join(known)))
     args.tasks = args.tasks or list(TASKS)
-    if args.jobs < 1 or args.repeats < 1 or args.rounds < 1:
-        p.error("--jobs, --repeats and --rounds must be at least 1")
+    if args.jobs < 1 or args.repeats < 1:
+        p.error("--jobs and --repeats must be at least 1")
     if args.systems is None:
         args.systems = [s for s in SYSTEMS if not (
             args.no_peers and (SYSTEMS[s].framework in PEER_FRAMEWORKS or s == "tfp_vectorized"))]
@@ -238,25 +199,21 @@ def _worker_env(threads):
 
 
 class ForkServer:
-    """A warm `benchmarks.worker serve FRAMEWORK [TREE]` process, restarted if it dies."""
+    """A warm `benchmarks.worker serve FRAMEWORK` process, restarted if it dies."""
 
     START_TIMEOUT = 300.0
 
-    def __init__(self, key, python, log_dir, threads, job=0, tree=None):
-        """`key`: FRAMEWORK, or FRAMEWORK@TREE_NAME with `tree` the checkout
-        whose custagg the children use (`--before`)."""
+    def __init__(self, key, python, log_dir, threads, job=0):
         self.key, self.python, self.log_dir = key, python, log_dir
         self.threads, self.job = threads, job
         self.proc, self.versions, self.error = None, None, None
-        self.argv = ["-m", "benchmarks.worker", "serve", key.split("@")[0]] + (
-            [tree] if tree else [])
 
     def ensure(self):
         if self.proc is not None and self.proc.poll() is None:
             return True
         log = open(os.path.join(self.log_dir, "server_%s_job%d.log" % (self.key, self.job)), "a")
         self.proc = subprocess.Popen(
-            [self.python] + self.argv,
+            [self.python, "-m", "benchmarks.worker", "serve", self.key],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
             env=_worker_env(self.threads), text=True, bufsize=1)
         log.close()
@@ -299,13 +256,6 @@ class ForkServer:
 
 def plan(args):
     """The configurations, B ascending within each model (estimates need that)."""
-    if args.mode == "before":
-        base = [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf")
-                for m in args.models for b in BEFORE_BATCHES[m] for t in args.tasks]
-        base += _zoo_configs(args.zoo_models, args.zoo_batches, ["norms", "clip"])
-        return [dict(cfg, tree=tree, round=r, plan=True) for r in range(args.rounds)
-                for cfg in base if (cfg["model"], cfg["batch_size"]) not in BEFORE_SKIP
-                for tree in (("before", "after") if r % 2 == 0 else ("after", "before"))]
     if args.mode in ("zoo", "tf1_models"):
         return _zoo_configs(args.models, sorted(args.batch_sizes), args.tasks)
     configs = []
@@ -410,9 +360,8 @@ def execute(worker, cfg, dirs, tag):
 
 
 def _progress(i, n, rec, wall):
-    head = "[%3d/%d] %s%-11s B=%-4d %-6s %-22s" % (
-        i, n, "r%d %-6s " % (rec["round"], rec["tree"]) if "tree" in rec else "", rec["model"],
-        rec["batch_size"], rec["task"], rec["system"])
+    head = "[%3d/%d] %-11s B=%-4d %-6s %-22s" % (
+        i, n, rec["model"], rec["batch_size"], rec["task"], rec["system"])
     if rec["status"] == "ok":
         body = "ok      %9.2f ms  x%-7.2f %s build %6.2fs  check %s" % (
             rec["median_ms"], rec["ratio_to_floor"],
@@ -426,11 +375,6 @@ def _progress(i, n, rec, wall):
 
 def _terminate(signum, frame):
     raise KeyboardInterrupt("signal %d" % signum)   # so `finally` stops the workers
-
-
-def _worker_key(cfg, framework=None):
-    """The worker server of `cfg`: its framework's, its tree's under --before."""
-    return (framework or cfg["framework"]) + ("@" + cfg["tree"] if cfg.get("tree") else "")
 
 
 def main(argv=None):
@@ -448,12 +392,10 @@ def main(argv=None):
     for d in dirs.values():
         os.makedirs(d, exist_ok=True)
     configs = plan(args)
-    keys = sorted({_worker_key(c) for c in configs} | {_worker_key(c, "tf") for c in configs})
+    keys = sorted({c["framework"] for c in configs} | {"tf"})
     n_jobs = max(1, min(args.jobs, len({c["model"] for c in configs}) or 1))
-    trees = getattr(args, "trees", {})
-    job_workers = [{k: ForkServer(k, args.pythons.get(k.split("@")[0], sys.executable),
-                                  dirs["logs"], args.threads, job, trees.get(k.partition("@")[2]))
-                    for k in keys} for job in range(n_jobs)]
+    job_workers = [{k: ForkServer(k, args.pythons.get(k, sys.executable), dirs["logs"],
+                                  args.threads, job) for k in keys} for job in range(n_jobs)]
 
     started = time.time()
     machine = common.machine_info({"command": "python -m benchmarks " + " ".join(
@@ -461,14 +403,6 @@ def main(argv=None):
         timespec="seconds"), "threads": args.threads, "jobs": n_jobs, "settings": {
             k: getattr(args, k) for k in ("repeats", "budget", "timeout", "slow_limit", "threads",
                                           "jobs", "batch_sizes", "models", "tasks", "systems")}})
-    if args.mode == "before":
-        machine.update(rounds=args.rounds, note=args.note)
-        for name, tree in trees.items():
-            machine[name] = {"dir": tree, "commit": common.git(tree, "rev-parse", "--short",
-                                                               "HEAD"),
-                             "custagg_commit": common.git(tree, "log", "-1", "--format=%h", "--",
-                                                          "custagg"),
-                             "dirty": bool(common.git(tree, "status", "--porcelain", "custagg"))}
     print("benchmarks: %d configurations in %d job%s; %s, %d cores; out %s"
           % (len(configs), n_jobs, "" if n_jobs == 1 else "s", machine["cpu"], machine["cores"],
              os.path.relpath(args.out, REPO)), flush=True)
@@ -504,7 +438,7 @@ def main(argv=None):
                 print("  %s unavailable: %s" % (key, workers[key].error), flush=True)
 
     def run_config(cfg, workers):
-        key, tf_key = _worker_key(cfg), _worker_key(cfg, "tf")
+        key, tf_key = cfg["framework"], "tf"
         start(workers, tf_key)      # the reference and the machine line need TensorFlow
         start(workers, key)
         with lock:
@@ -531,14 +465,13 @@ def main(argv=None):
         else:
             if ref_key and ref_key not in references:
                 references[ref_key] = _reference(workers[tf_key], cfg, ref_path, args, dirs)
-            skip = None if "tree" in cfg else predict_skip(cfg, family, args)
+            skip = predict_skip(cfg, family, args)
             if ref_key and not references[ref_key]["ok"]:
                 rec.update(status="skipped", note="no reference: " + references[ref_key]["note"])
             elif skip:
                 rec.update(status="skipped", note=skip)
             else:
-                tag = "_".join(str(cfg[k]) for k in ("model", "batch_size", "task", "system",
-                                                      "round", "tree") if k in cfg)
+                tag = "_".join(str(cfg[k]) for k in ("model", "batch_size", "task", "system"))
                 result, reply = execute(workers[key], dict(
                     cfg, repeats=args.repeats, budget_s=args.budget, timeout=args.timeout,
                     threads=args.threads, ref_path=ref_path), dirs, tag)
@@ -547,9 +480,7 @@ def main(argv=None):
                     rec["peak_rss_mb"] = reply["maxrss_mb"]
                 rec["wall_s"] = reply.get("wall_s")
         rec["note"] = rec.get("note") or ""
-        plan_text = rec.pop("plan", None) if "tree" not in cfg else None
-        if "tree" not in cfg:
-            rec.pop("norms", None)
+        plan_text = rec.pop("plan", None)
         with lock:
             done.append(rec)
             counter[0] += 1
@@ -561,11 +492,10 @@ def main(argv=None):
 
     # Whole models are dealt to the jobs, costliest first (each job runs a
     # model's configurations in plan order: B ascending, so the skip
-    # estimates of a larger B see the smaller ones); --before's rounds in
-    # turn.
+    # estimates of a larger B see the smaller ones).
     by_model = {}
     for cfg in configs:
-        by_model.setdefault(cfg.get("round", cfg["model"]), []).append(cfg)
+        by_model.setdefault(cfg["model"], []).append(cfg)
     queue = sorted(by_model, key=lambda m: -_MODEL_COST.get(m, 1))
     failures = []
 
@@ -631,7 +561,7 @@ def _reference(worker, cfg, ref_path, args, dirs):
 
 def _merged(args, old, done):
     """The records of this run, and --merge's old ones it did not redo, in
-    the tables' order (--zoo, --tf1-models and --before: as run)."""
+    the tables' order (--zoo and --tf1-models: as run)."""
     if args.stem not in ("results", "peers"):
         return list(done)
 
@@ -647,30 +577,28 @@ def _merged(args, old, done):
         pos(SYSTEMS, r["system"]), r["system"]))
 
 
-def _layout(args):
-    """(the key of the records in <stem>.json, None: the file is their list;
-    the file of the run's description beside such a list)."""
-    if args.mode == "before":
-        return "samples", None
+def _meta_file(args):
+    """The file of the run's description beside <stem>.json's list of records
+    (--zoo, --tf1-models: None, their <stem>.json is {"meta", "records"})."""
     if args.mode in ZOO_PAGES:
-        return "records", None
-    return None, "peers_machine.json" if args.stem == "peers" else "machine.json"
+        return None
+    return "peers_machine.json" if args.stem == "peers" else "machine.json"
 
 
 def report_only(args):
     """--report-only: the mode's page again from --out's JSON files."""
-    key, meta_file = _layout(args)
+    meta_file = _meta_file(args)
     path = os.path.join(args.out, args.stem + ".json")
     if not os.path.exists(path):
         raise SystemExit("--report-only: no %s; run the mode first" % path)
     with open(path) as f:
         saved = json.load(f)
-    if key is None:
+    if meta_file:
         meta_path = os.path.join(args.out, meta_file)
         meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
         records = saved
-    elif key in saved:
-        records, meta = saved[key], saved["meta"]
+    elif "records" in saved:
+        records, meta = saved["records"], saved["meta"]
     else:
         raise SystemExit("--report-only: %s.json was written by the harness before its "
                          "zoo and TF1 models became its modes; run the mode again" % args.stem)
@@ -682,18 +610,16 @@ def _write_outputs(args, records, machine, versions, references, started, final)
     """--out/<stem>.json after every configuration; at the end (`final`) the
     run's description (machine.json, --merge: the first run's with this one
     under "merged_runs"; --peers: peers_machine.json) and the mode's page."""
-    key, meta_file = _layout(args)
+    meta_file = _meta_file(args)
     meta = dict(machine, versions=versions, wall_s=time.time() - started)
-    refs = {"%s B=%d" % k: v["note"] for k, v in references.items()}
-    if args.mode == "before":
-        meta.update(tf=(versions.get("tf@after") or {}).get("tensorflow"), references=refs)
     common.dump_json(os.path.join(args.out, args.stem + ".json"),
-                     {"meta": meta, key: records} if key else records)
+                     records if meta_file else {"meta": meta, "records": records})
     if not final:
         return
     meta_path = meta_file and os.path.join(args.out, meta_file)
     if meta_file == "machine.json":
-        meta.update(references=refs, tolerance=common.TOLERANCE)
+        meta.update(references={"%s B=%d" % k: v["note"] for k, v in references.items()},
+                    tolerance=common.TOLERANCE)
         if args.merge and os.path.exists(meta_path):
             with open(meta_path) as f:
                 base = json.load(f)
@@ -709,12 +635,9 @@ def _write_outputs(args, records, machine, versions, references, started, final)
 
 
 def _page(args, records, meta):
-    """The mode's page: before_after.{json,md}, <stem>.md (--zoo,
-    --tf1-models), peers.md, or results.md, the plots (unless --no-plot) and
-    --readme's tables."""
+    """The mode's page: <stem>.md (--zoo, --tf1-models), peers.md, or
+    results.md, the plots (unless --no-plot) and --readme's tables."""
     from benchmarks import report
-    if args.mode == "before":
-        return report.write_before_after(args.out, meta, records)
     if args.mode in ZOO_PAGES:
         return report.write_markdown(os.path.join(args.out, args.stem + ".md"), records, meta,
                                      *ZOO_PAGES[args.mode])

@@ -1,11 +1,10 @@
-"""A warm worker server: `python -m benchmarks.worker serve FRAMEWORK [TREE]`.
+"""A warm worker server: `python -m benchmarks.worker serve FRAMEWORK`.
 
 It imports FRAMEWORK once (tf, jax, torch, or keras: TF 2.15 with TF
 Privacy), then forks one child per configuration it is sent; the child runs
 it and exits, the server kills it at the timeout and reports its peak RSS
 from wait4(). The server makes no session or thread pool, so forking is
 safe, and a configuration that hangs or crashes takes only its own process.
-With TREE, custagg comes from that checkout (`python -m benchmarks --before`).
 
 Protocol: one JSON request a line on stdin, `{"cfg", "timeout",
 "result_path", "log_path"}`; one JSON reply a line on stdout, `{"status":
@@ -22,7 +21,7 @@ import time
 import traceback
 
 
-def import_framework(framework, tree=None):
+def import_framework(framework):
     """Import what `framework`'s children need; returns {package: version}."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if framework == "tf":
@@ -31,30 +30,17 @@ def import_framework(framework, tree=None):
         import tensorflow as tf
         tf.compat.v1.disable_eager_execution()
         versions = {"tensorflow": tf.__version__}
-        if tree:
-            sys.path.insert(0, os.path.abspath(tree))
         try:
             import custagg
-            if tree and not custagg.__file__.startswith(os.path.abspath(tree) + os.sep):
-                raise RuntimeError("custagg came from %s, not from %s" % (custagg.__file__, tree))
-            versions["custagg"] = getattr(custagg, "__version__", "?")
+            from custagg.rules import registry
+            versions["custagg"] = custagg.__version__
             # The rule registry loads on first use: pay that here, not in every
             # configuration's build time (pure Python: still safe to fork).
             t0 = time.perf_counter()
-            for sub in ("custagg.rules.registry", "custagg.registry"):   # older trees
-                try:
-                    importlib.import_module(sub).default_registry()
-                    break
-                except (ImportError, AttributeError):
-                    continue
+            registry.default_registry()
             versions["custagg_rules_first_load_s"] = round(time.perf_counter() - t0, 2)
-        except Exception as e:  # mid-edit: children retry the import (a tree must import)
-            if tree:
-                raise
+        except Exception as e:  # mid-edit: the children retry the import
             versions["custagg"] = "import failed: %s" % e
-        finally:
-            if tree:
-                del sys.path[0]
         from benchmarks.systems import tf_systems
         path, version = tf_systems.tfp_location()
         versions["tensorflow-privacy"] = version if path else "not installed"
@@ -90,8 +76,6 @@ def execute(cfg):
     import resource
     result.setdefault("status", "ok")
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    if cfg.get("tree"):     # --before: which custagg ran
-        result["custagg_file"] = sys.modules["custagg"].__file__
     return result
 
 
@@ -144,13 +128,13 @@ def _wait(pid, timeout, parent):
             "wall_s": time.monotonic() - start}
 
 
-def serve(framework, tree=None):
+def serve(framework):
     parent = os.getppid()
     # The protocol keeps the original stdout; whatever libraries print goes to stderr.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     try:
-        versions = import_framework(framework, tree)
+        versions = import_framework(framework)
     except Exception as e:  # reported to the orchestrator, which records it
         proto.write(json.dumps({"ready": False, "error": "%s: %s" % (type(e).__name__, e)}) + "\n")
         return 1
@@ -172,6 +156,6 @@ def serve(framework, tree=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["serve"] or len(sys.argv) not in (3, 4):
-        sys.exit("usage: python -m benchmarks.worker serve FRAMEWORK [TREE]")
-    sys.exit(serve(*sys.argv[2:]))
+    if sys.argv[1:2] != ["serve"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m benchmarks.worker serve FRAMEWORK")
+    sys.exit(serve(sys.argv[2]))

@@ -325,7 +325,7 @@ def run(cfg):
         init = tf.group(tf.compat.v1.global_variables_initializer(),
                         tf.compat.v1.tables_initializer())
         extra = {}
-        if cfg.get("plan"):   # what a regression comes from (--before, --tf1-models --plans)
+        if cfg.get("plan"):   # the plan's forms (zoo.md, tf1_models.md; --plans prints it)
             import custagg
             plan = custagg.plan_per_example(loss, var_list)
             extra = dict(forms=dict(collections.Counter(f or "unconnected" for f in plan.forms())),
@@ -346,8 +346,6 @@ def run(cfg):
         var_shapes = {n: v.shape.as_list() for n, v in zip(ctx.names, var_list)}
         values = {k: common.dense_value(v, var_shapes.get(k.split("/", 1)[-1]))
                   for k, v in values.items()}
-        if cfg.get("plan") and "norms" in values:   # --before's trees compare them
-            extra["norms"] = [float(v) for v in values["norms"]]
         return common.measured(
             sig, values, lambda: sess.run(built.fetch, feed), lambda: sess.run(floor, feed),
             cfg, first_run_ms, lambda: common.tf_peaks(
