@@ -1,11 +1,10 @@
 """Framework-free helpers shared by the orchestrator, the workers and the benchmarks.
 
-Checks: every system is compared with one reference, TensorFlow's own
-gradient of ONE example looped over the batch, kept as a "signature" each
-task is checked against without B full gradients: `norms` [B], `proj/<v>`
-[B] (<g_i[v], r_v>, r_v a fixed random vector), `sum/<v>`, `wsum/<v>`
-(sum_i f_i g_i[v], fixed factors f) and `csum/<v>` (sum_i min(1, C/||g_i||)
-g_i[v], C the median norm, so about half the examples are clipped).
+Checks: every system is compared with TensorFlow's gradient of ONE example
+looped over the batch, kept as a "signature": `norms` [B], `proj/<v>` [B]
+(<g_i[v], r_v>, r_v a fixed random vector), `sum/<v>`, `wsum/<v>` (sum_i
+f_i g_i[v], fixed factors f) and `csum/<v>` (sum_i min(1, C/||g_i||)
+g_i[v], C the median norm: about half the examples clipped).
 """
 import json
 import os
@@ -35,12 +34,9 @@ def factors(batch_size):
 
 
 class SignatureBuilder:
-    """Accumulates the reference signature from per-example gradients.
-
-    Two passes: pass 1 feeds every example's gradients to `add` (norms,
-    projections, sums); `finish_pass1` picks C; pass 2 feeds them again to
-    `add_clipped`.
-    """
+    """The reference signature from per-example gradients, in two passes:
+    `add` each example's (norms, projections, sums), `finish_pass1` (picks
+    C), then `add_clipped` each again."""
 
     def __init__(self, names, shapes, batch_size):
         self.names, self.shapes, self.batch_size = list(names), list(shapes), batch_size
@@ -93,18 +89,13 @@ def rel_err(value, ref):
 
 
 def compare(values, sig):
-    """Compare {signature key: array} with the reference signature.
-
-    Returns (check string "pass"/"fail", worst relative error, worst key).
-    """
-    worst, worst_key = 0.0, None
-    for key, value in values.items():
-        err = rel_err(value, sig[key])
-        if not np.isfinite(err):
-            err = float("inf")
-        if worst_key is None or err > worst:
-            worst, worst_key = err, key
-    ok = worst_key is not None and np.isfinite(worst) and worst <= TOLERANCE
+    """("pass" or "fail", worst relative error, its key) of {signature key:
+    array} against the reference signature."""
+    errs = {key: rel_err(value, sig[key]) for key, value in values.items()}
+    errs = {k: e if np.isfinite(e) else float("inf") for k, e in errs.items()}
+    worst_key = max(errs, key=errs.get, default=None)
+    worst = errs.get(worst_key, 0.0)
+    ok = worst_key is not None and worst <= TOLERANCE
     return ("pass" if ok else "fail"), worst, worst_key
 
 
@@ -138,13 +129,10 @@ def timed_ms(fn):
 
 
 def time_against_floor(system_fn, floor_fn, repeats, budget_s, first_ms):
-    """Median ms of system and floor, run alternately so load drifts hit both.
-
-    `first_ms` is the system's first (already done) run. A fast system gets one
-    more warm-up run and at least min(3, repeats) timed pairs; a system whose
-    first run alone exceeds `budget_s` is timed once (its first run warmed it).
-    Stops after `repeats` pairs, or once `budget_s` of wall time has gone.
-    """
+    """(median ms of system, of floor, timed pairs), run alternately so load
+    drifts hit both, after one more warm-up run: `repeats` pairs, fewer once
+    `budget_s` has gone (min(3, repeats)). `first_ms`: the system's first run;
+    above `budget_s` it is the only warm-up and one pair is timed."""
     slow = first_ms / 1e3 > budget_s
     if not slow:
         system_fn()
@@ -269,10 +257,9 @@ def _json_default(o):
 
 
 def legacy_keras():
-    """Keras 2 layers in graph mode: on TF >= 2.16 the tf-keras package, asked
-    for by TF_USE_LEGACY_KERAS=1, set here where tf-keras is installed; on TF
-    2.12-2.15 tf.keras is Keras 2 already and the variable would make TF look
-    for tf-keras, so it is left alone there. Call before importing TF."""
+    """Keras 2 layers in graph mode: TF_USE_LEGACY_KERAS=1 where tf-keras is
+    installed (TF >= 2.16; on 2.12-2.15 tf.keras is Keras 2 and the variable
+    would make TF look for tf-keras). Call before importing TF."""
     import importlib.util
     if importlib.util.find_spec("tf_keras") is not None:
         os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")

@@ -66,7 +66,6 @@ def systems():
     return dict({"tf_privacy": tfp[0]} if tfp else {}, custagg=dp_optimizer)
 
 
-# --------------------------------------------------------------------------
 # Data, models and graphs.
 
 
@@ -203,7 +202,6 @@ def _logged(log, mode, row):
     return row
 
 
-# --------------------------------------------------------------------------
 # The modes: each returns rows, one per step of each configuration.
 
 
@@ -378,7 +376,6 @@ def input_pipelines(batch=256, repeats=9, models=("mlp", "tutorial_cnn"),
     return rows
 
 
-# --------------------------------------------------------------------------
 # tf_privacy_compare's parts.
 
 
@@ -556,7 +553,6 @@ def tf_privacy_markdown(result):
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------
 # Tables: (header, key or fn(row), format) per column.
 
 _COLUMNS = {

@@ -1,15 +1,10 @@
 """Peak memory of one TensorFlow step, from TF's own allocator records.
 
-A step run with `RunOptions(trace_level=FULL_TRACE)` returns in its
-`RunMetadata.step_stats` every kernel's allocations and frees (a negative
-`alloc_bytes`) through TF's allocators, time-stamped; their running sum in
-time order is the bytes of tensors live during the step, its maximum the
-step's peak. Unlike a process's max RSS it belongs to one fetch (floor and
-system measured in one process without mixing), leaves out variables and
-fed arrays, and does not depend on load; it misses scratch memory kernels
-take outside TF's allocators. Why, and the check of the figure
-(tests/test_benchmarks_memory.py): docs/benchmarks.md. A traced step runs
-once, apart from the timed runs (tracing slows a step).
+A step run with FULL_TRACE returns every kernel's allocations and frees
+(negative `alloc_bytes`) in its `RunMetadata.step_stats`, time-stamped:
+their running sum in time order is the bytes of tensors live during the
+step, its maximum the step's peak. Why this figure, and its check
+(tests/test_benchmarks_memory.py): docs/benchmarks.md, "Peak memory".
 """
 
 import collections
@@ -84,15 +79,6 @@ def step_peak_bytes(sess, fetches, feed_dict=None):
 def mb(nbytes):
     """Bytes as MB (10**6), rounded for tables; None stays None."""
     return None if nbytes is None else round(nbytes / 1e6, 3)
-
-
-def largest_allocations(step_stats, count=8):
-    """The ops that allocated the most bytes in a traced step, to say where a
-    peak comes from: a list of (bytes, op name, op type) for the `count` ops
-    with the largest `total_bytes`, largest first."""
-    rows = [(sum(mem.total_bytes for mem in node.memory), node.node_name, op_type)
-            for node, op_type in _nodes(step_stats)]
-    return sorted((r for r in rows if r[0]), reverse=True)[:count]
 
 
 def op_times(step_stats):

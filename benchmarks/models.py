@@ -136,9 +136,7 @@ def make_batch(model, batch_size, seed=0):
     return x, y
 
 
-# --------------------------------------------------------------------------
 # The models, once: `o` is a framework's Ops (parameters by name).
-# --------------------------------------------------------------------------
 
 def forward(o, model, x):
     """The logits [B, NUM_CLASSES] of `model` on x [B, ...]."""
@@ -322,11 +320,9 @@ def tf_variables(model, seed=0):
     return variables, list(variables.values())
 
 
-# --------------------------------------------------------------------------
 # The other model sets (benchmarks/zoo_models.py): graphs as users write them
 # (`--zoo`) and other people's TF1 models (`--tf1-models`), each a builder
 # `(dtype, rng, full)`.
-# --------------------------------------------------------------------------
 
 HARNESS_ZOO = ("cnn", "mlp", "text")   # the harness's models `build` builds too (--profile)
 

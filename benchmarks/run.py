@@ -101,7 +101,7 @@ def parse_args(argv=None):
         description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
     for flag, text in (
             ("quick", "MLP and text at B=32, 3 repeats (< 3 min)"),
-            ("control-flow", "issue 11's table: the loop models against tf_vmap and the vmap peers"),
+            ("control-flow", "issue 11's table: the loop models, tf_vmap and the vmap peers"),
             ("peers", "issue 37's table: custagg beside the DP peers (pass --python torch=, jax=, "
              "keras=)"),
             ("zoo", "the model zoo (benchmarks/zoo_models.py) at full size"),

@@ -1,21 +1,18 @@
 """Models written the way their authors write them, each with a dynamic batch.
 
-`ZOO`: graphs as users write them (the TF1 tutorials as written, v1 layers,
-Keras layers on placeholders, hand-written graphs; `python -m benchmarks
---zoo`, tests/test_zoo.py). `MODELS`: issue 24's other people's TF1 models,
-re-typed in their authors' style; `DYNAMIC_MODELS`: issue 34's, whose shapes
-are known only at run time (`python -m benchmarks --tf1-models`,
-tests/per_example/). Synthetic data, dynamic batch (and sequence length
-where a model has one); each docstring names the code it comes from.
+`ZOO`: graphs as users write them (`--zoo`, tests/test_zoo.py); `MODELS`:
+issue 24's other people's TF1 models, re-typed in their authors' style;
+`DYNAMIC_MODELS`: issue 34's, shapes known only at run time (`--tf1-models`,
+tests/per_example/). Synthetic data; each docstring names the code it
+comes from.
 
-A builder takes `(dtype, rng, full=False)` (`full`: the benchmark's sizes;
-the tests use the small default), makes its variables and `[None, ...]`
-placeholders in the default graph and returns a `Model`: `loss` `[B]` (what
-the author averages), `xs`, `feed(rng, batch)` (`dynamic_steps`: `feed(rng,
-batch, t)` takes a sequence length too) and `coupled`, the variables whose
-examples truly interact ("auto" must not use rules for them, "rules" must
-refuse them). `FLOAT32_ONLY`: models TF cannot build in float64, and why.
-Run `initializer()` (variables and lookup tables) before use.
+A builder takes `(dtype, rng, full=False)` (`full`: the benchmark's sizes),
+makes its variables and `[None, ...]` placeholders in the default graph and
+returns a `Model`: `loss` `[B]` (what the author averages), `xs`,
+`feed(rng, batch)` (`dynamic_steps`: `feed(rng, batch, t)`, t a sequence
+length) and `coupled`, the variables whose examples truly interact ("auto"
+must not use rules for them, "rules" must refuse them). Run `initializer()`
+before use.
 """
 
 import collections
@@ -53,7 +50,6 @@ def _keras_floatx(dtype):
         keras.backend.set_floatx(saved)
 
 
-# --------------------------------------------------------------------------
 # TensorFlow's TF1 tutorials, as written
 
 
@@ -119,7 +115,6 @@ def mnist_deep(dtype, rng, full=False):
     return Model(loss, [W_conv1, b_conv1, W_conv2, b_conv2, W_fc1, b_fc1, W_fc2, b_fc2], feed)
 
 
-# --------------------------------------------------------------------------
 # tf.compat.v1.layers
 
 
@@ -175,7 +170,6 @@ def layers_text_cnn(dtype, rng, full=False):
     return Model(loss, xs, feed)
 
 
-# --------------------------------------------------------------------------
 # tf.keras layers called on placeholders (graph mode)
 
 
@@ -291,7 +285,6 @@ def keras_transformer(dtype, rng, full=False):
     return Model(loss, xs, feed)
 
 
-# --------------------------------------------------------------------------
 # Hand-written graphs users write
 
 
@@ -332,7 +325,6 @@ def weight_decay_loss(dtype, rng, full=False):
     return Model(loss, [w1, b1, w2], feed)
 
 
-# --------------------------------------------------------------------------
 # tensorflow/models official/r1/resnet/resnet_model.py's CIFAR-10 ResNet
 
 
@@ -448,7 +440,6 @@ def dcgan_generator(dtype, rng, full=False):
     return Model(loss, xs, feed)
 
 
-# --------------------------------------------------------------------------
 # Other people's TF1 models (issue 24) and issue 34's dynamic-shape ones
 
 
@@ -803,31 +794,26 @@ def unet(dtype, rng, full=False):
         offsets = [0, (s1[1] - s2[1]) // 2, (s1[2] - s2[2]) // 2, 0]
         return tf.concat([tf.slice(x1, offsets, [-1, s2[1], s2[2], -1]), x2], 3)
 
+    def bias_variable(width):
+        return tf.Variable(tf.constant(0.1, dtype, [width]))
+
+    def two_convs(h, c_in, c_out):
+        """The author's layer: two 3x3 VALID convolutions, each with its ReLU."""
+        w1 = _weight([3, 3, c_in, c_out], dtype, rng)
+        w2 = _weight([3, 3, c_out, c_out], dtype, rng)
+        b1, b2 = bias_variable(c_out), bias_variable(c_out)
+        return tf.nn.relu(conv2d(tf.nn.relu(conv2d(h, w1, b1)), w2, b2))
+
     def build():
         features = root
-        w1 = _weight([3, 3, channels, features], dtype, rng)
-        w2 = _weight([3, 3, features, features], dtype, rng)
-        b1 = tf.Variable(tf.constant(0.1, dtype, [features]))
-        b2 = tf.Variable(tf.constant(0.1, dtype, [features]))
-        down = tf.nn.relu(conv2d(tf.nn.relu(conv2d(x, w1, b1)), w2, b2))
+        down = two_convs(x, channels, features)
         pool = tf.nn.max_pool2d(down, [1, 2, 2, 1], [1, 2, 2, 1], "VALID")
-        w3 = _weight([3, 3, features, 2 * features], dtype, rng)
-        w4 = _weight([3, 3, 2 * features, 2 * features], dtype, rng)
-        b3 = tf.Variable(tf.constant(0.1, dtype, [2 * features]))
-        b4 = tf.Variable(tf.constant(0.1, dtype, [2 * features]))
-        bottom = tf.nn.relu(conv2d(tf.nn.relu(conv2d(pool, w3, b3)), w4, b4))
-        wd = _weight([2, 2, features, 2 * features], dtype, rng)
-        bd = tf.Variable(tf.constant(0.1, dtype, [features]))
+        bottom = two_convs(pool, features, 2 * features)
+        wd, bd = _weight([2, 2, features, 2 * features], dtype, rng), bias_variable(features)
         up = tf.nn.relu(deconv2d(bottom, wd, 2) + bd)
-        concat = crop_and_concat(down, up)
-        w5 = _weight([3, 3, 2 * features, features], dtype, rng)
-        w6 = _weight([3, 3, features, features], dtype, rng)
-        b5 = tf.Variable(tf.constant(0.1, dtype, [features]))
-        b6 = tf.Variable(tf.constant(0.1, dtype, [features]))
-        h = tf.nn.relu(conv2d(tf.nn.relu(conv2d(concat, w5, b5)), w6, b6))
+        h = two_convs(crop_and_concat(down, up), 2 * features, features)
         weight = _weight([1, 1, features, n_class], dtype, rng)
-        bias = tf.Variable(tf.constant(0.1, dtype, [n_class]))
-        return conv2d(h, weight, bias)
+        return conv2d(h, weight, bias_variable(n_class))
     logits, xs = _new_variables(build)
     # The cropped labels, as the author's `crop_to_shape`.
     offset = (tf.shape(y)[1] - tf.shape(logits)[1]) // 2

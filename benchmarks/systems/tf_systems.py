@@ -33,9 +33,7 @@ def _dense_list(tf, grads):
     return [None if g is None else tf.convert_to_tensor(g) for g in grads]
 
 
-# --------------------------------------------------------------------------
 # Reference (B=1 graph, looped over examples): writes the signature file.
-# --------------------------------------------------------------------------
 
 def run_reference(cfg):
     tf = _tf()
@@ -68,9 +66,7 @@ def run_reference(cfg):
             "check": "n/a"}
 
 
-# --------------------------------------------------------------------------
 # Per-example gradient providers: ctx -> list of [B, *v.shape] tensors.
-# --------------------------------------------------------------------------
 
 def _pe_tf_loop(ctx):
     tf = ctx.tf
@@ -108,9 +104,7 @@ def _pe_custagg(strategy):
     return provider
 
 
-# --------------------------------------------------------------------------
 # Tasks on top of materialized per-example gradients.
-# --------------------------------------------------------------------------
 
 def _sumsq_per_example(tf, per_example):
     return tf.add_n([tf.reduce_sum(tf.square(g), axis=list(range(1, g.shape.ndims)))
@@ -207,10 +201,8 @@ def _custom_form(form):
     return build
 
 
-# --------------------------------------------------------------------------
 # TF Privacy: load only its vectorized optimizer module (the package pins
 # TF <= 2.15 and its __init__ fails on 2.21; the module itself is plain TF).
-# --------------------------------------------------------------------------
 
 _TFP_REL = os.path.join("tensorflow_privacy", "privacy", "optimizers",
                         "dp_optimizer_vectorized.py")
@@ -265,9 +257,7 @@ BUILDERS = {
 }
 
 
-# --------------------------------------------------------------------------
 # One configuration.
-# --------------------------------------------------------------------------
 
 # Systems that index the batch in Python (loss[i] for i in range(B)) or take
 # it from static shapes: they keep static placeholders on every model.
