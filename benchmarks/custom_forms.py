@@ -3,12 +3,10 @@
     python -m benchmarks.custom_forms [--batches 32,64,...] [--repeats N]
 
 `custagg.gradients(ys, params, aggregation_method=CUSTOM, gradient_factors=f)`
-on a dense net's per-example loss `[B]` with `ys = loss` (vector),
-`[loss[i] for i in range(B)]` (list) or `tf.unstack(loss)`: the call's build
-time (median of 5 fresh graphs per form, the forms alternating), its op
-count and the run time (median of `--repeats` interleaved runs). Issue 2's
-acceptance at B=512: the list form builds in at most 2x the vector form's
-time and runs within 1.3x. Results: benchmarks/results/custom_forms.*.
+on a dense net's per-example loss `[B]`, `ys` the loss (vector), its slices
+(list) or `tf.unstack(loss)`: the call's build time and ops, the run time.
+Issue 2's acceptance at B=512: the list form builds in at most 2x the vector
+form's time and runs within 1.3x. Results: benchmarks/results/custom_forms.*.
 """
 
 import argparse
@@ -34,6 +32,11 @@ MODELS = {"softmax_784_10": [10], "mlp_784_256_256_10": [256, 256, 10]}
 FORMS = {"vector": lambda loss, batch: loss,
          "list": lambda loss, batch: [loss[i] for i in range(batch)],
          "unstack": lambda loss, batch: tf.unstack(loss)}
+# A ratio: (the form's figure, the vector form's figure it is over).
+RATIOS = {"build_call": ("call_s", "call_s"), "build_call_cpu": ("call_cpu_s", "call_cpu_s"),
+          "build_graph": ("graph_s", "graph_s"), "build_with_slices": ("with_slices_s", "call_s"),
+          "ops_call": ("call_ops", "call_ops"), "ops_with_slices": ("with_slices_ops", "call_ops"),
+          "run": ("run_s", "run_s")}
 ACCEPT_B = 512
 ACCEPT_BUILD, ACCEPT_RUN = 2.0, 1.3
 
@@ -110,16 +113,9 @@ def measure(layers, batch, build_repeats, repeats, warmup=3):
                      for k in ("call_s", "call_cpu_s", "graph_s", "with_slices_s")}
         row[form].update(call_ops=bs[0]["call_ops"], with_slices_ops=bs[0]["with_slices_ops"],
                          run_s=run_s[form])
-    v, l, u = row["vector"], row["list"], row["unstack"]
-    row["ratio"] = {
-        "build_call": l["call_s"] / v["call_s"], "build_call_cpu": l["call_cpu_s"] / v["call_cpu_s"],
-        "build_graph": l["graph_s"] / v["graph_s"],
-        "build_with_slices": l["with_slices_s"] / v["call_s"],
-        "ops_call": l["call_ops"] / v["call_ops"],
-        "ops_with_slices": l["with_slices_ops"] / v["call_ops"], "run": l["run_s"] / v["run_s"]}
-    row["ratio_unstack"] = {"build_call": u["call_s"] / v["call_s"],
-                            "build_with_slices": u["with_slices_s"] / v["call_s"],
-                            "run": u["run_s"] / v["run_s"]}
+    for key, form, names in (("ratio", "list", RATIOS),
+                             ("ratio_unstack", "unstack", ("build_call", "build_with_slices", "run"))):
+        row[key] = {k: row[form][RATIOS[k][0]] / row["vector"][RATIOS[k][1]] for k in names}
     return row
 
 

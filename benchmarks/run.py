@@ -181,16 +181,14 @@ def parse_args(argv=None):
 
 
 def _worker_env(threads):
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["PYTHONUNBUFFERED"] = "1"
     # Same thread count for every framework (TF sessions and torch also set it
     # in code). PASSIVE: OpenMP threads sleep instead of spinning, which
     # otherwise costs PyTorch 10-100x on a machine shared with other jobs.
     if threads > 0:
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[var] = str(threads)
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"),
+                                 str(threads)))
     if threads == 1:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
                             "intra_op_parallelism_threads=1").strip()
@@ -253,29 +251,18 @@ class ForkServer:
         self.proc = None
 
 
-
 def plan(args):
-    """The configurations, B ascending within each model (estimates need that)."""
-    if args.mode in ("zoo", "tf1_models"):
-        return _zoo_configs(args.models, sorted(args.batch_sizes), args.tasks)
-    configs = []
-    for model in args.models:
-        for batch_size in sorted(args.batch_sizes):
-            for task in args.tasks:
-                for name in args.systems:
-                    if task in SYSTEMS[name].tasks:
-                        configs.append({"model": model, "batch_size": batch_size, "task": task,
-                                        "system": name, "framework": SYSTEMS[name].framework})
-    return configs
-
-
-def _zoo_configs(names, batch_sizes, tasks):
-    """custagg_auto on a builder's models (`models.build`) with the plan's
-    forms; mnist_deep also the DP step over its Adam step (task "step")."""
-    return [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf", plan=True,
-                 builder=True)
-            for m in names for b in batch_sizes
-            for t in list(tasks) + ["step"] * (m == "mnist_deep")]
+    """The configurations, B ascending within each model (estimates need that).
+    --zoo, --tf1-models: custagg_auto on a builder's models (`models.build`)
+    with the plan's forms; mnist_deep also the DP step over its Adam step."""
+    if args.mode in ZOO_PAGES:
+        return [dict(model=m, batch_size=b, task=t, system="custagg_auto", framework="tf",
+                     plan=True, builder=True)
+                for m in args.models for b in sorted(args.batch_sizes)
+                for t in list(args.tasks) + ["step"] * (m == "mnist_deep")]
+    return [dict(model=m, batch_size=b, task=t, system=s, framework=SYSTEMS[s].framework)
+            for m in args.models for b in sorted(args.batch_sizes) for t in args.tasks
+            for s in args.systems if t in SYSTEMS[s].tasks]
 
 
 def _same_family(rec, cfg):
@@ -299,21 +286,17 @@ def predict_skip(cfg, done, args):
         return None
     r = max(ok, key=lambda r: r["batch_size"])
     scale = cfg["batch_size"] / float(r["batch_size"])
-    # Runs: the first, ~3 timed ones and the traced one of the peak-memory
-    # figure (benchmarks/memory.py), which is slower than an untraced run.
+    # Runs: the first, ~3 timed ones and the (slower) traced one of the peak.
     build_s, runs_s = r["build_s"] or 0.0, (r["first_run_ms"] + 5 * r["median_ms"]) / 1e3
     if SYSTEMS[cfg["system"]].quadratic:
-        # Graph size grows ~B^1.6 for per-example loops (measured 6.1 s -> 51 s
-        # for B 128 -> 512 on the MLP); each run grows ~B^2.
+        # Per-example loops: the graph grows ~B^1.6 (MLP: 6.1 s -> 51 s for B
+        # 128 -> 512), each run ~B^2.
         est, limit = build_s * scale ** 1.6 + runs_s * scale ** 2 + 3.0, args.slow_limit
         what = "limit"
     else:
-        # O(B) systems: building the graph and the first run's one-off setup
-        # (graph optimization, function instantiation: first_run_ms - median_ms)
-        # do not grow with B, since pfor converts one example's ops once
-        # whatever B (measured on the while-loop LSTM: build 4.6 s at B=32 and
-        # 512); only the runs do. Scaling the build too skipped every B=512 row
-        # of builds that took 35-58 s on a loaded machine.
+        # O(B) systems: the build and the first run's one-off setup do not grow
+        # with B (pfor converts one example's ops whatever B: the while-loop
+        # LSTM builds in 4.6 s at B=32 and 512); only the runs do.
         setup_s = build_s + max(0.0, r["first_run_ms"] - r["median_ms"]) / 1e3
         est = setup_s + 5 * r["median_ms"] / 1e3 * scale + 3.0
         limit, what = args.timeout, "timeout"
@@ -417,8 +400,7 @@ def main(argv=None):
     machine_info = {"short": None}
     code_hash = _code_hash()
     unavailable = {}
-    lock = threading.Lock()      # guards versions, unavailable, done, the counter, outputs
-    counter = [0]
+    lock = threading.Lock()      # guards versions, unavailable, done, outputs
 
     def start(workers, key):
         with lock:
@@ -483,8 +465,7 @@ def main(argv=None):
         plan_text = rec.pop("plan", None)
         with lock:
             done.append(rec)
-            counter[0] += 1
-            _progress(counter[0], len(configs), rec, time.monotonic() - t0)
+            _progress(len(done), len(configs), rec, time.monotonic() - t0)
             if plan_text and args.plans:
                 print(plan_text, flush=True)
             _write_outputs(args, _merged(args, old, done), machine, versions, references,

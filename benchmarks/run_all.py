@@ -3,15 +3,13 @@
     python -m benchmarks.run_all [--peers PREFIX] [--tfp PYTHON] [--jobs 2]
                                  [--only NAME,...] [--skip NAME,...] [--dry-run] [--merge]
 
-Runs each benchmark with the command its docs quote (`benchmarks()`: the
-one list) and records in benchmarks/results/run_all.{md,json} each run's
-command, start, seconds, load before and after, exit code and the results
-files it wrote, with the tree's commit: every figure the docs quote traces
-to one run. The runs that use both cores themselves (the harness's full
-run, --control-flow, --peers) run alone, the others `--jobs` at a time.
-`--peers PREFIX`: the venvs of `benchmarks/peers_env.sh PREFIX` (without it
-no peers' table); `--tfp PYTHON`: the TF 2.15 interpreter of dp_step's
-tf_privacy_compare (default PREFIX-tf215's; without either it is skipped).
+Runs each benchmark with the command its docs quote (`benchmarks()`) and
+records in benchmarks/results/run_all.{md,json} each run's command, times,
+load, exit code and the results files it wrote, with the tree's commit:
+every figure the docs quote traces to one run. The runs that use both cores
+themselves run alone, the others `--jobs` at a time. `--peers PREFIX`: the
+venvs of `benchmarks/peers_env.sh PREFIX`; `--tfp PYTHON`: the TF 2.15
+interpreter of tf_privacy_compare (default PREFIX-tf215's, else skipped).
 """
 
 import argparse

@@ -105,8 +105,7 @@ def _child(request):
 
 
 def _wait(pid, timeout, parent):
-    """The reply for child `pid`, killed after `timeout` s or if `parent`
-    (the orchestrator) has died."""
+    """The reply for child `pid`, killed after `timeout` s or once `parent` died."""
     start, delay = time.monotonic(), 0.005
     while True:
         done, status, usage = os.wait4(pid, os.WNOHANG)

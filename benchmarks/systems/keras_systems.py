@@ -1,20 +1,13 @@
 """TF Privacy's Keras fast gradient clipping (TF Privacy 0.9, TF 2.15).
 
 Runs in a TF 2.15 interpreter of its own (benchmarks/peers_env.sh; `--python
-keras=PATH`). The harness's models are rebuilt as functional Keras 2 models
-on the same weights (`models.init_params`), and the clipped sum is computed
-as TF Privacy's `DPModel.train_step` does
-(`clip_grads.compute_clipped_gradients_and_outputs`: per-example norms from
-its layer registry, with the registry functions it ships for
-LayerNormalization, EinsumDense and MultiHeadAttention added, then one
-backward pass of the clip-weighted loss); the DP step adds
-`gradient_clipping_utils.add_aggregate_noise`. A layer outside the registry
-(Conv2D, LSTM, GRU) makes TF Privacy raise; the record keeps its error. A
-tf.compat.v1 graph in a Session, so the peak comes from TF's allocation
-records as for the TF systems; the floor: tf.compat.v1.gradients of the
-summed loss of the same model. The transformer's q, k, v are bias-free Dense
-layers (MultiHeadAttention would add biases), its positions an Embedding of a
-position-ids input.
+keras=PATH`), on the harness's models rebuilt as functional Keras 2 models
+with the same weights. The clipped sum as TF Privacy's `DPModel.train_step`
+computes it (`clip_grads.compute_clipped_gradients_and_outputs`, with the
+registry functions it ships added, `_registry`); the DP step adds
+`add_aggregate_noise`. A layer outside the registry (Conv2D, LSTM, GRU)
+makes TF Privacy raise; the record keeps its error. The floor:
+tf.compat.v1.gradients of the same model's summed loss, in one Session.
 """
 import time
 from importlib import metadata
@@ -35,10 +28,9 @@ def _build(tf, model):
 
 
 class Layers(models.Ops):
-    """`models.forward` on Keras tensors: a Keras layer per weight (Dense,
-    Conv2D, Embedding, LayerNormalization; the positional embedding an
-    Embedding of a position-ids input; lstm and gru: Keras's LSTM and GRU,
-    which TF Privacy refuses), TF ops between them; `variables`: {TF name:
+    """`models.forward` on Keras tensors: a Keras layer per weight (the
+    transformer's q, k, v bias-free Dense layers, its positions an Embedding
+    of a position-ids input), TF ops between them; `variables`: {TF name:
     variable}."""
 
     def __init__(self, tf, p, x):

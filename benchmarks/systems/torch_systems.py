@@ -191,12 +191,10 @@ def run(cfg):
 
 
 def _profiled_peak_bytes(torch, fn):
-    """Peak bytes allocated during one call of `fn`, from PyTorch's profiler:
-    with `profile_memory=True` every CPU allocation and free is a "[memory]"
-    event (bytes, negative for a free, time stamp); the peak of their running
-    sum in time order is the step's peak above what was live before it (as
-    TF's figure from its allocation records). None if the profiler's events
-    are not available in this torch build."""
+    """Peak bytes allocated during one call of `fn`: the running sum, in time
+    order, of the profiler's "[memory]" events (`profile_memory=True`; a free
+    negative), as TF's figure from its allocation records. None if this
+    torch build has no such events."""
     try:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
