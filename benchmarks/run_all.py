@@ -52,8 +52,7 @@ def benchmarks(peers=None, tfp=None):
                  ("input_pipelines", []), ("microbatches", []),
                  ("adaptive_clipping", ["--batch", "256"]),
                  ("user_level_clipping", ["--batch", "256"]))]
-    out += [("custom_forms", [py, "-m", "benchmarks.custom_forms"], False, files("custom_forms")),
-            ("distributed", [py, "benchmarks/distributed.py", "--epochs", "20", "--repeats", "2"],
+    out += [("distributed", [py, "benchmarks/distributed.py", "--epochs", "20", "--repeats", "2"],
              False, files("distributed"))]
     if tfp:
         out.append(("tf_privacy_compare", [
