@@ -191,6 +191,7 @@ def _run(args, out):
             say("graph built in %.1f s" % (time.time() - t_start))
             if dp_std is not None:
                 say("noise std on the clipped sum: %.4g" % sess.run(dp_std))
+            train_s, trained = 0.0, 0
             for epoch in range(1, args.epochs + 1):
                 t0 = time.time()
                 losses, correct, seen, all_norms = [], 0.0, 0, []
@@ -209,6 +210,7 @@ def _run(args, out):
                     correct += c
                     seen += len(yb)
                     all_norms.append(n)
+                train_s, trained = train_s + time.time() - t0, trained + seen
                 test_acc = evaluate(sess, eval_correct, x_eval, y_eval,
                                      data.x_test, data.y_test)
                 say("epoch %2d  loss %.4f  train acc %.4f  test acc %.4f  "
@@ -219,6 +221,10 @@ def _run(args, out):
                 if args.aggregation == "dpsgd":
                     say("          " + describe_epsilon(
                         args, len(data.x_train), bsz, epoch))
+            # As a cluster's workers report theirs: the training steps
+            # alone, the evaluation after each epoch left out.
+            say("training: %.0f examples/s (%d examples in %.1f s)" % (
+                trained / max(train_s, 1e-9), trained, train_s))
             if args.aggregation == "dpsgd":
                 say("privacy after %d epochs: %s" % (
                     args.epochs, describe_epsilon(

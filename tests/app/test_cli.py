@@ -45,6 +45,9 @@ def test_happy_path(capsys, aggregation):
     assert "per-example plan" in out
     assert "epoch  1  loss " in out and "test acc" in out
     assert "per-example grad norms: min" in out and "median" in out
+    # 1 epoch of the 128 images: the training steps' throughput.
+    assert re.search(r"^training: \d+ examples/s \(128 examples in [\d.]+ s\)$",
+                     out, re.M), out
     assert "check: max abs err" in out and ": PASS" in out
     assert "softmax/W" in out
 
