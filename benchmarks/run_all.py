@@ -52,8 +52,6 @@ def benchmarks(peers=None, tfp=None):
                  ("input_pipelines", []), ("microbatches", []),
                  ("adaptive_clipping", ["--batch", "256"]),
                  ("user_level_clipping", ["--batch", "256"]))]
-    out += [("distributed", [py, "benchmarks/distributed.py", "--epochs", "20", "--repeats", "2"],
-             False, files("distributed"))]
     if tfp:
         out.append(("tf_privacy_compare", [
             tfp, "-m", "benchmarks.dp_step", "tf_privacy_compare", "--parity", "--epsilon",

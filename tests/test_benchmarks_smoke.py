@@ -474,11 +474,3 @@ def test_run_all_merge_replaces_only_the_rerun(tmp_path, monkeypatch):
     assert len(data["meta"]["reruns"]) == 1
     assert "Re-run:" in (tmp_path / "run_all.md").read_text()
 
-
-def test_distributed_benchmarks_single_process_job_runs():
-    """The one-process reference of benchmarks/distributed.py builds the
-    main job's graph through custagg.app's functions: a renamed one broke
-    it unnoticed (found by `python -m benchmarks.run_all`)."""
-    from benchmarks import distributed
-    r = distributed._single(64, 1)  # pylint: disable=protected-access
-    assert r["total"] > 0 and 0.0 <= r["accuracy"] <= 1.0
