@@ -171,13 +171,9 @@ def tf_peaks(graph, init, feed, fetches, threads=1, sessions=PEAK_SESSIONS):
     """Each of `fetches` ({name: fetch}) its median peak bytes over
     `sessions` new sessions on `graph` (each runs `init`, then one traced
     step per fetch): {name: bytes, "range_mb": {name: [lowest, highest] MB},
-    "sessions": sessions}.
-
-    The order in which TF's executor runs ready ops differs between
-    sessions (thread timing, its running cost estimate of each kernel) and
-    then holds within one, and a plain gradient's peak follows that order: the harness CNN's at B=512 was 66.7, 78.8 or 81.9 MB by session,
-    the transformer's 39.9-46.5 MB, while custagg's CNN clipped sum took
-    82.0 MB in every one. One session's peak is one draw of that."""
+    "sessions": sessions}. Why the median of new sessions (the executor's op
+    order, which a plain gradient's peak follows, differs between sessions
+    and holds within one): docs/benchmarks.md, "One figure from five sessions"."""
     samples = {name: [] for name in fetches}
     for _ in range(sessions):
         with session(graph, threads) as sess:

@@ -64,10 +64,3 @@ SYSTEMS = collections.OrderedDict((s.name, s) for s in [
 ])
 
 PEER_FRAMEWORKS = ("jax", "torch", "keras")
-
-
-def system(name):
-    try:
-        return SYSTEMS[name]
-    except KeyError:
-        raise ValueError("unknown system %r; choose from %s" % (name, ", ".join(SYSTEMS)))
