@@ -206,7 +206,8 @@ def update_readme(path, records, meta, tasks=("grads", "norms", "clip", "dpsgd")
 
 _MEMORY_NOTE = ("Peak memory: the step's peak bytes of live tensors over the floor's, then "
                 "(peak MB / floor peak MB), one traced step each after the timed runs (TF: "
-                "allocation records, benchmarks/memory.py; JAX: XLA's buffer assignment; "
+                "allocation records, benchmarks/memory.py, the median over new sessions where "
+                "a record has `peak_sessions`; JAX: XLA's buffer assignment; "
                 "PyTorch: the profiler's memory events); variables and fed inputs are not in "
                 "it, nor does the machine's load move it.")
 
