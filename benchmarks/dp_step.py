@@ -8,7 +8,7 @@ thread; a configuration's steps timed interleaved (`common.interleaved`)
 over the mode's base step (`_COLUMNS` has each mode's table). MODE
 `tf_privacy_compare` puts custagg.privacy beside TF Privacy's own TF1
 optimizers (TF <= 2.15: benchmarks/peers_env.sh's PREFIX-tf215, custagg on
-the path); its parts `--parity --epsilon --timing --tutorial` (all without
+the path); its parts `--parity --epsilon --timing` (all without
 flags). docs/benchmarks.md says what each mode measures. --write:
 benchmarks/results/MODE.{json,md} (tf_privacy_compare: the parts not run keep
 their last figures).
@@ -47,7 +47,7 @@ KINDS = ("aggregated", "per_example", "users_64", "users_8")
 SOURCES = ("placeholder", "tf_data", "shuffle_batch_queue", "variables")
 EPSILON_SETTINGS = [(60000, 256, 1.1, 60, 1e-5), (60000, 150, 1.3, 15, 1e-5),
                     (100000, 100, 1.0, 30, 1e-7), (100000000, 1024, 0.1, 10, 1e-7)]
-PARTS = ("parity", "epsilon", "timing", "tutorial")
+PARTS = ("parity", "epsilon", "timing")
 
 
 def tf_privacy():
@@ -461,49 +461,6 @@ def timing(slow_limit=30.0, repeats=5, log=print):
     return rows
 
 
-def tutorial(epochs=3, dp_module=dp_optimizer, accounting=custagg_accounting,
-             batch_size=256, microbatches=256, log=print):
-    """TF Privacy's mnist_dpsgd_tutorial.py main loop with `dp_module`."""
-    from tensorflow import estimator as tf_estimator  # pylint: disable=g-import-not-at-top
-    x, y, xt, yt = digits28()
-    n = len(x)
-
-    def model_fn(features, labels, mode, params):  # pylint: disable=unused-argument
-        logits = tutorial_cnn(features)
-        vector_loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-        scalar_loss = tf.reduce_mean(input_tensor=vector_loss)
-        if mode == tf_estimator.ModeKeys.TRAIN:
-            optimizer = dp_module.DPGradientDescentGaussianOptimizer(
-                l2_norm_clip=1.0, noise_multiplier=1.1,
-                num_microbatches=microbatches, learning_rate=0.15)
-            global_step = tf.compat.v1.train.get_global_step()
-            train_op = optimizer.minimize(loss=vector_loss, global_step=global_step)
-            return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss, train_op=train_op)
-        acc = tf.compat.v1.metrics.accuracy(
-            labels=labels, predictions=tf.argmax(input=logits, axis=1))
-        return tf_estimator.EstimatorSpec(mode=mode, loss=scalar_loss,
-                                          eval_metric_ops={"accuracy": acc})
-
-    def input_fn(images, labels, repetitions):
-        def fn(params=None):  # pylint: disable=unused-argument
-            ds = tf.data.Dataset.from_tensor_slices((images, labels))
-            ds = ds.shuffle(len(images), seed=0).repeat(repetitions)
-            return ds.batch(batch_size, drop_remainder=True)
-        return fn
-
-    clf = tf_estimator.Estimator(model_fn=model_fn)
-    steps_per_epoch = n // batch_size
-    rows = []
-    for epoch in range(1, epochs + 1):
-        clf.train(input_fn=input_fn(x, y, -1), steps=steps_per_epoch)
-        acc = float(clf.evaluate(input_fn=input_fn(xt, yt, 1))["accuracy"])
-        eps, _ = accounting.compute_dp_sgd_privacy(n, batch_size, 1.1, epoch, 1e-5)
-        log("Test accuracy after %d epochs is: %.3f" % (epoch, acc))
-        log("For delta=1e-5, the current epsilon is: %.2f" % eps)
-        rows.append(dict(epoch=epoch, accuracy=acc, epsilon=eps))
-    return rows
-
-
 def tf_privacy_markdown(result):
     def noise(r):
         std = r["noise_std"]
@@ -545,11 +502,6 @@ def tf_privacy_markdown(result):
                       "other on a shared machine; `python -m benchmarks.dp_step microbatches` "
                       "times them interleaved: benchmarks/results/microbatches.md)."
                       % (mlp[128] / mlp[512]), ""]
-    if result.get("tutorial"):
-        lines += ["## The tutorial's Estimator loop with custagg (digits)", ""] + [
-            "- epoch %d: test accuracy %.3f, epsilon %.2f" % (r["epoch"], r["accuracy"],
-                                                              r["epsilon"])
-            for r in result["tutorial"]] + [""]
     return "\n".join(lines)
 
 
