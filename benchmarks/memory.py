@@ -79,12 +79,3 @@ def step_peak_bytes(sess, fetches, feed_dict=None):
 def mb(nbytes):
     """Bytes as MB (10**6), rounded for tables; None stays None."""
     return None if nbytes is None else round(nbytes / 1e6, 3)
-
-
-def op_times(step_stats):
-    """Milliseconds per op of a traced step: each kernel's own time
-    (`op_end_rel_micros`), a Counter of (name, type)."""
-    times = collections.Counter()
-    for node, op_type in _nodes(step_stats):
-        times[(node.node_name, op_type)] += node.op_end_rel_micros / 1e3
-    return times

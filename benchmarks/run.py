@@ -137,8 +137,6 @@ def parse_args(argv=None):
                    help="only rewrite the mode's page from --out's JSON files")
     p.add_argument("--profile", action="store_true",
                    help="--zoo: print where each step's peak memory comes from; writes nothing")
-    p.add_argument("--times", action="store_true",
-                   help="--profile: also the traced steps' kernel time by op")
     p.add_argument("--plans", action="store_true", help="--tf1-models: print each model's plan")
     args = p.parse_args(argv)
     chosen = [k for k in ("quick", "control_flow", "peers", "zoo", "tf1_models")
@@ -146,7 +144,7 @@ def parse_args(argv=None):
     if len(chosen) > 1:
         p.error("--quick, --control-flow, --peers, --zoo and --tf1-models are presets; choose one")
     args.mode = chosen[0] if chosen else "full"
-    for flag, mode in (("profile", "zoo"), ("times", "zoo"), ("plans", "tf1_models")):
+    for flag, mode in (("profile", "zoo"), ("plans", "tf1_models")):
         if getattr(args, flag) and args.mode != mode:
             p.error("--%s goes with --%s" % (flag, mode.replace("_", "-")))
     if args.merge and args.mode in ZOO_PAGES:
@@ -367,7 +365,7 @@ def main(argv=None):
     if args.profile:
         from benchmarks.systems import tf_systems
         for name in args.models:
-            tf_systems.profile(name, args.batch_sizes, times=args.times)
+            tf_systems.profile(name, args.batch_sizes)
         return 0
     signal.signal(signal.SIGTERM, _terminate)
     dirs = {"logs": os.path.join(args.out, "logs"), "tmp": os.path.join(args.out, "logs", "tmp"),

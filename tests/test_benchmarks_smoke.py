@@ -252,7 +252,7 @@ def test_tf1_models_run_the_builders_model_under_a_harness_models_name():
 
 
 @pytest.mark.parametrize("argv", [
-    ["--profile"], ["--peers", "--times"], ["--zoo", "--plans"], ["--zoo", "--merge"],
+    ["--profile"], ["--peers", "--plans"], ["--zoo", "--plans"], ["--zoo", "--merge"],
     ["--tf1-models", "--merge"], ["--zoo", "--tf1-models"]])
 def test_a_flag_outside_its_mode_is_a_usage_error(argv, capsys):
     from benchmarks import run

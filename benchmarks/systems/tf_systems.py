@@ -371,11 +371,9 @@ def _first_line(message):
     return lines[-1][:300] if lines else ""
 
 
-def profile(name, batch_sizes, top=8, times=False):
+def profile(name, batch_sizes, top=8):
     """`--zoo --profile`: prints, per batch size and fetch, the traced step's
-    peak and the tensors live at it (with `times`, also where its kernel time
-    goes: a profile for ratios inside one process, not a benchmark).
-    Returns {(batch, fetch name): peak bytes}."""
+    peak and the tensors live at it. Returns {(batch, fetch name): peak bytes}."""
     tf = _tf()
     import custagg
     found = {}
@@ -402,17 +400,4 @@ def profile(name, batch_sizes, top=8, times=False):
                         base), flush=True)
                     for nbytes, node, op_type in memory.live_at_peak(stats)[:top]:
                         print("    %8.2f MB  %-16s %s" % (nbytes / 1e6, op_type, node))
-                    if times:
-                        total = memory.op_times(stats)
-                        for _ in range(2):
-                            total.update(memory.op_times(
-                                memory.traced_step_stats(sess, fetch, fd)))
-                        by_type = collections.Counter()
-                        for (_, op_type), ms in total.items():
-                            by_type[op_type] += ms / 3
-                        print("%s B=%d %-9s kernel time %.1f ms (traced, mean of 3): by type %s"
-                              % (name, batch, key, sum(by_type.values()), ", ".join(
-                                  "%s %.1f" % kv for kv in by_type.most_common(top))))
-                        for (node, op_type), ms in total.most_common(top):
-                            print("    %8.2f ms  %-16s %s" % (ms / 3, op_type, node))
     return found
