@@ -36,6 +36,20 @@ def _one_hot(rng, batch, classes):
     return np.eye(classes)[rng.integers(0, classes, batch)]
 
 
+def _classifier_inputs(dtype, shape, classes, vocab=None):
+    """A `[None, *shape]` input placeholder (`vocab`: int32 ids), `[None]`
+    int32 labels and their `feed(rng, batch)`: normal values (ids in [0,
+    vocab)) and labels in [0, classes)."""
+    x = tf1.placeholder(tf.int32 if vocab else dtype, [None] + list(shape))
+    labels = tf1.placeholder(tf.int32, [None])
+
+    def feed(rng, batch):
+        data = (rng.integers(0, vocab, [batch] + list(shape)) if vocab
+                else rng.normal(size=[batch] + list(shape)))
+        return {x: data, labels: rng.integers(0, classes, batch)}
+    return x, labels, feed
+
+
 @contextlib.contextmanager
 def _keras_floatx(dtype):
     """Keras' default float type is `dtype` within the block: Keras 2.12's
@@ -132,8 +146,7 @@ def _glorot(rng, dtype=tf.float32):
 
 def layers_mlp(dtype, rng, full=False):
     width, hidden = (784, 256) if full else (12, 16)
-    x = tf1.placeholder(dtype, [None, width])
-    labels = tf1.placeholder(tf.int32, [None])
+    x, labels, feed = _classifier_inputs(dtype, [width], 5)
     init = _glorot(rng)
 
     def build():
@@ -142,17 +155,13 @@ def layers_mlp(dtype, rng, full=False):
         return tf1.layers.dense(h, 5, kernel_initializer=init, name="dense2")
     logits, xs = _new_variables(build)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-
-    def feed(rng, batch):
-        return {x: rng.normal(size=[batch, width]), labels: rng.integers(0, 5, batch)}
     return Model(loss, xs, feed)
 
 
 def layers_text_cnn(dtype, rng, full=False):
     """Embedding lookup, tf.compat.v1.layers.conv1d, max over time, dense."""
     vocab, dim, steps, filters = (5000, 64, 32, 64) if full else (20, 6, 7, 5)
-    ids = tf1.placeholder(tf.int32, [None, steps])
-    labels = tf1.placeholder(tf.int32, [None])
+    ids, labels, feed = _classifier_inputs(dtype, [steps], 3, vocab=vocab)
     init = _glorot(rng)
 
     def build():
@@ -164,9 +173,6 @@ def layers_text_cnn(dtype, rng, full=False):
         return tf1.layers.dense(pooled, 3, kernel_initializer=init, name="out")
     logits, xs = _new_variables(build)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-
-    def feed(rng, batch):
-        return {ids: rng.integers(0, vocab, [batch, steps]), labels: rng.integers(0, 3, batch)}
     return Model(loss, xs, feed)
 
 
@@ -175,19 +181,14 @@ def layers_text_cnn(dtype, rng, full=False):
 
 def _keras_model(dtype, rng, input_shape, layers, labels_count, ids=False):
     """Applies `layers` (a list of Keras layers) to a `[None, *input_shape]`
-    placeholder; sparse softmax cross-entropy on `labels_count` classes."""
-    x = tf1.placeholder(tf.int32 if ids else dtype, [None] + list(input_shape))
-    labels = tf1.placeholder(tf.int32, [None])
+    placeholder (`ids`: int32 ids below 20); sparse softmax cross-entropy on
+    `labels_count` classes."""
+    x, labels, feed = _classifier_inputs(dtype, input_shape, labels_count, 20 if ids else None)
     h = x
     for layer in layers:
         h = layer(h)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=h)
     xs = [v for layer in layers for v in layer.trainable_weights]
-
-    def feed(rng, batch):
-        data = (rng.integers(0, 20, [batch] + list(input_shape)) if ids
-                else rng.normal(size=[batch] + list(input_shape)))
-        return {x: data, labels: rng.integers(0, labels_count, batch)}
     return loss, xs, feed
 
 
@@ -232,17 +233,13 @@ def _batch_norm_model(dtype, rng, training, full):
     bn = k.BatchNormalization(dtype=dtype, beta_initializer=_init(rng),
                               gamma_initializer=_init(rng))
     rest = [k.Flatten(dtype=dtype), k.Dense(3, dtype=dtype, kernel_initializer=_init(rng))]
-    x = tf1.placeholder(dtype, [None, side, side, 2])
-    labels = tf1.placeholder(tf.int32, [None])
+    x, labels, feed = _classifier_inputs(dtype, [side, side, 2], 3)
     h = bn(tf.nn.relu(conv(x)), training=training)
     for layer in rest:
         h = layer(h)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=h)
     xs = conv.trainable_weights + bn.trainable_weights + [
         v for layer in rest for v in layer.trainable_weights]
-
-    def feed(rng, batch):
-        return {x: rng.normal(size=[batch, side, side, 2]), labels: rng.integers(0, 3, batch)}
     coupled = ([v.name for v in conv.trainable_weights + bn.trainable_weights] if training else [])
     return Model(loss, xs, feed, coupled)
 
@@ -260,8 +257,7 @@ def keras_transformer(dtype, rng, full=False):
     """LayerNormalization + MultiHeadAttention block on `[None, steps, dim]`."""
     steps, dim, heads, ff = (16, 64, 4, 128) if full else (4, 8, 2, 16)
     k = tf.keras.layers
-    x = tf1.placeholder(dtype, [None, steps, dim])
-    labels = tf1.placeholder(tf.int32, [None])
+    x, labels, feed = _classifier_inputs(dtype, [steps, dim], 3)
     attention = k.MultiHeadAttention(num_heads=heads, key_dim=dim // heads, dtype=dtype,
                                      kernel_initializer=_init(rng))
     norm1 = k.LayerNormalization(dtype=dtype, gamma_initializer=_init(rng),
@@ -279,9 +275,6 @@ def keras_transformer(dtype, rng, full=False):
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     layers = [attention, norm1, ff1, ff2, norm2, head]
     xs = [v for layer in layers for v in layer.trainable_weights]
-
-    def feed(rng, batch):
-        return {x: rng.normal(size=[batch, steps, dim]), labels: rng.integers(0, 3, batch)}
     return Model(loss, xs, feed)
 
 
@@ -291,8 +284,7 @@ def keras_transformer(dtype, rng, full=False):
 def residual_mlp_shared_weight(dtype, rng, full=False):
     """A residual MLP whose hidden weight is used twice."""
     width, hidden = (784, 256) if full else (6, 5)
-    x = tf1.placeholder(dtype, [None, width])
-    labels = tf1.placeholder(tf.int32, [None])
+    x, labels, feed = _classifier_inputs(dtype, [width], 3)
     w_in = tf.Variable(0.4 * rng.normal(size=[width, hidden]), dtype=dtype)
     w = tf.Variable(0.4 * rng.normal(size=[hidden, hidden]), dtype=dtype)
     c = tf.Variable(0.1 * rng.normal(size=[hidden]), dtype=dtype)
@@ -302,26 +294,19 @@ def residual_mlp_shared_weight(dtype, rng, full=False):
     h = h + tf.nn.relu(tf.matmul(h, w) + c)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=labels, logits=tf.matmul(h, w_out))
-
-    def feed(rng, batch):
-        return {x: rng.normal(size=[batch, width]), labels: rng.integers(0, 3, batch)}
     return Model(loss, [w_in, w, c, w_out], feed)
 
 
 def weight_decay_loss(dtype, rng, full=False):
     """Cross-entropy plus an `l2_loss` weight-decay term on each example."""
     width, hidden = (784, 256) if full else (6, 5)
-    x = tf1.placeholder(dtype, [None, width])
-    labels = tf1.placeholder(tf.int32, [None])
+    x, labels, feed = _classifier_inputs(dtype, [width], 3)
     w1 = tf.Variable(0.4 * rng.normal(size=[width, hidden]), dtype=dtype)
     b1 = tf.Variable(tf.zeros([hidden], dtype))
     w2 = tf.Variable(0.4 * rng.normal(size=[hidden, 3]), dtype=dtype)
     logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1) + b1), w2)
     loss = (tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
             + 1e-2 * (tf.nn.l2_loss(w1) + tf.nn.l2_loss(w2)))
-
-    def feed(rng, batch):
-        return {x: rng.normal(size=[batch, width]), labels: rng.integers(0, 3, batch)}
     return Model(loss, [w1, b1, w2], feed)
 
 
