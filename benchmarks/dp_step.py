@@ -540,9 +540,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, help="default 9 (microbatches: 7)")
     p.add_argument("--models", default="mlp,tutorial_cnn")
-    p.add_argument("--sources", default=",".join(SOURCES), help="input_pipelines: comma list")
     p.add_argument("--write", action="store_true", help="write benchmarks/results/MODE.*")
-    p.add_argument("--note", default="", help="a line for the results file")
     for part in PARTS:
         p.add_argument("--" + part, action="store_true", help="tf_privacy_compare: this part")
     p.add_argument("--slow-limit", type=float, default=30.0, help="tf_privacy_compare --timing")
@@ -554,16 +552,13 @@ def main(argv=None):
         return compare_with_tf_privacy(args, argv)
     args.repeats = args.repeats or (7 if args.mode == "microbatches" else 9)
     rows = MODES[args.mode](batch=args.batch, repeats=args.repeats,
-                            models=tuple(args.models.split(",")),
-                            sources=tuple(args.sources.split(",")))
+                            models=tuple(args.models.split(",")))
     if args.write:
-        meta = dict(tf=tf.__version__, python=platform.python_version(),
-                    repeats=args.repeats, note=args.note)
-        common.write_outputs(args.mode, dict(meta=meta, rows=rows), "%s\n\nTF %s, %s. %s\n" % (
+        meta = dict(tf=tf.__version__, python=platform.python_version(), repeats=args.repeats)
+        common.write_outputs(args.mode, dict(meta=meta, rows=rows), "%s\n\nTF %s, %s.\n" % (
             markdown(args.mode, rows).rstrip("\n"), tf.__version__,
             "median of %d interleaved runs, one thread%s" % (
-                args.repeats, "; peak from one traced run" if "memory_ratio" in rows[0] else ""),
-            args.note))
+                args.repeats, "; peak from one traced run" if "memory_ratio" in rows[0] else "")))
     return 0
 
 
