@@ -104,11 +104,9 @@ def init_params(model, seed=0):
             fan_in, fan_out = shape[-2] * receptive, shape[-1] * receptive
             limit = np.sqrt(6.0 / (fan_in + fan_out))
             value = rng.uniform(-limit, limit, size=shape)
-        elif spec.init == "emb":
-            value = rng.normal(0.0, 0.1, size=shape)
         elif spec.init == "gamma":
             value = 1.0 + rng.normal(0.0, 0.1, size=shape)
-        else:  # "b", "beta": non-zero so bias gradients matter in the checks
+        else:  # "emb", "b", "beta": biases non-zero so their gradients matter in the checks
             value = rng.normal(0.0, 0.1, size=shape)
         params[spec.name] = value.astype(np.float32)
     return params
