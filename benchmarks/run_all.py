@@ -1,7 +1,7 @@
 """Every benchmark, one after another, in one sitting: `python -m benchmarks.run_all`.
 
     python -m benchmarks.run_all [--peers PREFIX] [--tfp PYTHON] [--jobs 2]
-                                 [--only NAME,...] [--skip NAME,...] [--dry-run] [--merge]
+                                 [--only NAME,...] [--dry-run] [--merge]
 
 Runs each benchmark with the command its docs quote (`benchmarks()`) and
 records in benchmarks/results/run_all.{md,json} each run's command, times,
@@ -109,21 +109,19 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=2 if (os.cpu_count() or 1) >= 2 else 1,
                    help="single-threaded benchmarks run at once (default 2 on 2+ cores)")
     p.add_argument("--only", help="comma list of benchmark names")
-    p.add_argument("--skip", help="comma list of benchmark names")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--merge", action="store_true", help="keep run_all.json's records of the "
                    "benchmarks not run this time (a re-run of one that failed)")
     args = p.parse_args(argv)
     todo = benchmarks(args.peers, args.tfp)
     names = [t[0] for t in todo]
-    for flag, keep in (("only", True), ("skip", False)):
-        if getattr(args, flag):
-            chosen = getattr(args, flag).split(",")
-            bad = [n for n in chosen if n not in names]
-            if bad:
-                p.error("--%s: unknown benchmark %s; choose from %s"
-                        % (flag, ", ".join(bad), ", ".join(names)))
-            todo = [t for t in todo if (t[0] in chosen) == keep]
+    if args.only:
+        chosen = args.only.split(",")
+        bad = [n for n in chosen if n not in names]
+        if bad:
+            p.error("--only: unknown benchmark %s; choose from %s"
+                    % (", ".join(bad), ", ".join(names)))
+        todo = [t for t in todo if t[0] in chosen]
     if args.dry_run:
         for name, argv_, alone, _ in todo:
             print("%-20s %s%s" % (name, " ".join(argv_), "  (alone)" if alone else ""))
