@@ -99,6 +99,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Per-example gradient benchmark: custagg vs TF baselines vs peers.")
+    presets = p.add_mutually_exclusive_group()
     for flag, text in (
             ("quick", "MLP and text at B=32, 3 repeats (< 3 min)"),
             ("control-flow", "issue 11's table: the loop models, tf_vmap and the vmap peers"),
@@ -106,7 +107,8 @@ def parse_args(argv=None):
              "keras=)"),
             ("zoo", "the model zoo (benchmarks/zoo_models.py) at full size"),
             ("tf1-models", "issue 24's TF1 models (issue 34's by --models): the clipped sum")):
-        p.add_argument("--" + flag, action="store_true", help=text + " (PRESETS)")
+        presets.add_argument("--" + flag, dest="mode", action="store_const",
+                             const=flag.replace("-", "_"), default="full", help=text + " (PRESETS)")
     p.add_argument("--models", type=_csv, help="comma list (default: the mode's; --models "
                    "without a mode: of %s)" % ",".join(models.MODELS))
     p.add_argument("--batch-sizes", type=_sizes, help="comma list (default: the mode's)")
@@ -139,11 +141,6 @@ def parse_args(argv=None):
                    help="--zoo: print where each step's peak memory comes from; writes nothing")
     p.add_argument("--plans", action="store_true", help="--tf1-models: print each model's plan")
     args = p.parse_args(argv)
-    chosen = [k for k in ("quick", "control_flow", "peers", "zoo", "tf1_models")
-              if getattr(args, k)]
-    if len(chosen) > 1:
-        p.error("--quick, --control-flow, --peers, --zoo and --tf1-models are presets; choose one")
-    args.mode = chosen[0] if chosen else "full"
     for flag, mode in (("profile", "zoo"), ("plans", "tf1_models")):
         if getattr(args, flag) and args.mode != mode:
             p.error("--%s goes with --%s" % (flag, mode.replace("_", "-")))
