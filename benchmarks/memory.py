@@ -10,19 +10,13 @@ step, its maximum the step's peak. Why this figure, and its check
 import collections
 
 
-def _nodes(step_stats):
-    """(node stats, op type) of every kernel the traced step ran."""
-    for dev in step_stats.dev_stats:
-        for node in dev.node_stats:
-            yield node, node.timeline_label.split(" = ")[-1].split("(")[0]
-
-
 def _events(step_stats):
     """The step's allocation records as (time, 0 for an allocation or 1 for a
     free, order, bytes, allocator, op name, op type), in time order; at equal
     times allocations count before frees, so a peak errs high, not low."""
     events = []
-    for node, op_type in _nodes(step_stats):
+    for node in (node for dev in step_stats.dev_stats for node in dev.node_stats):
+        op_type = node.timeline_label.split(" = ")[-1].split("(")[0]
         for mem in node.memory:
             for rec in mem.allocation_records:
                 events.append((rec.alloc_micros, 0 if rec.alloc_bytes > 0 else 1, len(events),
