@@ -129,8 +129,6 @@ def parse_args(argv=None):
                    help="keep records of --out/results.json that this run does not redo")
     p.add_argument("--python", action="append", default=[], metavar="FRAMEWORK=PATH",
                    help="interpreter for a framework's workers, e.g. torch=/opt/peers/bin/python")
-    p.add_argument("--threads", type=int, default=1,
-                   help="intra/inter-op threads for every framework (default 1)")
     p.add_argument("--jobs", type=int, help="configurations at once (default: the mode's)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--readme", metavar="PATH",
@@ -175,18 +173,15 @@ def parse_args(argv=None):
     return args
 
 
-def _worker_env(threads):
+def _worker_env():
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # Same thread count for every framework (TF sessions and torch also set it
-    # in code). PASSIVE: OpenMP threads sleep instead of spinning, which
+    # One thread for every framework (TF sessions and torch also set it in
+    # code). PASSIVE: OpenMP threads sleep instead of spinning, which
     # otherwise costs PyTorch 10-100x on a machine shared with other jobs.
-    if threads > 0:
-        env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"),
-                                 str(threads)))
-    if threads == 1:
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
-                            "intra_op_parallelism_threads=1").strip()
+    env.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), "1"))
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false "
+                        "intra_op_parallelism_threads=1").strip()
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -196,9 +191,8 @@ class ForkServer:
 
     START_TIMEOUT = 300.0
 
-    def __init__(self, key, python, log_dir, threads, job=0):
-        self.key, self.python, self.log_dir = key, python, log_dir
-        self.threads, self.job = threads, job
+    def __init__(self, key, python, log_dir, job=0):
+        self.key, self.python, self.log_dir, self.job = key, python, log_dir, job
         self.proc, self.versions, self.error = None, None, None
 
     def ensure(self):
@@ -208,7 +202,7 @@ class ForkServer:
         self.proc = subprocess.Popen(
             [self.python, "-m", "benchmarks.worker", "serve", self.key],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO,
-            env=_worker_env(self.threads), text=True, bufsize=1)
+            env=_worker_env(), text=True, bufsize=1)
         log.close()
         reply = self._read(self.START_TIMEOUT)
         if reply is None or not reply.get("ready"):
@@ -372,15 +366,15 @@ def main(argv=None):
     configs = plan(args)
     keys = sorted({c["framework"] for c in configs} | {"tf"})
     n_jobs = max(1, min(args.jobs, len({c["model"] for c in configs}) or 1))
-    job_workers = [{k: ForkServer(k, args.pythons.get(k, sys.executable), dirs["logs"],
-                                  args.threads, job) for k in keys} for job in range(n_jobs)]
+    job_workers = [{k: ForkServer(k, args.pythons.get(k, sys.executable), dirs["logs"], job)
+                    for k in keys} for job in range(n_jobs)]
 
     started = time.time()
     machine = common.machine_info({"command": "python -m benchmarks " + " ".join(
         sys.argv[1:] if argv is None else argv), "started": datetime.datetime.now().isoformat(
-        timespec="seconds"), "threads": args.threads, "jobs": n_jobs, "settings": {
-            k: getattr(args, k) for k in ("repeats", "budget", "timeout", "slow_limit", "threads",
-                                          "jobs", "batch_sizes", "models", "tasks", "systems")}})
+        timespec="seconds"), "threads": 1, "jobs": n_jobs, "settings": {
+            k: getattr(args, k) for k in ("repeats", "budget", "timeout", "slow_limit", "jobs",
+                                          "batch_sizes", "models", "tasks", "systems")}})
     print("benchmarks: %d configurations in %d job%s; %s, %d cores; out %s"
           % (len(configs), n_jobs, "" if n_jobs == 1 else "s", machine["cpu"], machine["cores"],
              os.path.relpath(args.out, REPO)), flush=True)
@@ -451,7 +445,7 @@ def main(argv=None):
                 tag = "_".join(str(cfg[k]) for k in ("model", "batch_size", "task", "system"))
                 result, reply = execute(workers[key], dict(
                     cfg, repeats=args.repeats, budget_s=args.budget, timeout=args.timeout,
-                    threads=args.threads, ref_path=ref_path), dirs, tag)
+                    threads=1, ref_path=ref_path), dirs, tag)
                 rec.update(result)
                 if rec.get("peak_rss_mb") is None and reply.get("maxrss_mb"):
                     rec["peak_rss_mb"] = reply["maxrss_mb"]
