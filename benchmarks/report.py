@@ -71,14 +71,11 @@ def noisy_records(records):
     medians = {k: statistics.median(v) for k, v in groups.items()}
     noisy = set()
     for r in records:
-        if r.get("status") != "ok":
-            continue
-        if r.get("repeats") is not None and r["repeats"] < 3:
-            noisy.add(id(r))
-            continue
         med = medians.get(key(r))
-        if med and r.get("floor_ms") and not (
-                med / NOISE_FACTOR <= r["floor_ms"] <= med * NOISE_FACTOR):
+        few = r.get("repeats") is not None and r["repeats"] < 3
+        moved = med and r.get("floor_ms") and not (
+            med / NOISE_FACTOR <= r["floor_ms"] <= med * NOISE_FACTOR)
+        if r.get("status") == "ok" and (few or moved):
             noisy.add(id(r))
     return noisy
 
