@@ -22,7 +22,7 @@ import threading
 import time
 
 from benchmarks import common, models
-from benchmarks.systems import PEER_FRAMEWORKS, SYSTEMS, TASK_ALIASES, TASKS
+from benchmarks.systems import SYSTEMS, TASK_ALIASES, TASKS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -116,8 +116,6 @@ def parse_args(argv=None):
                    help="comma list of %s (or a,b,b2,c,d)" % ",".join(TASKS))
     p.add_argument("--systems", type=lambda s: _csv(s, list(SYSTEMS), kind="system"),
                    help="comma list of %s" % ",".join(SYSTEMS))
-    p.add_argument("--no-peers", action="store_true",
-                   help="leave out JAX, PyTorch/Opacus and TF Privacy")
     p.add_argument("--repeats", type=int, help="timed runs per configuration (default: the mode's)")
     p.add_argument("--budget", type=float,
                    help="stop repeating after this many seconds of timing (min 3 runs)")
@@ -167,8 +165,7 @@ def parse_args(argv=None):
     if args.jobs < 1 or args.repeats < 1:
         p.error("--jobs and --repeats must be at least 1")
     if args.systems is None:
-        args.systems = [s for s in SYSTEMS if not (
-            args.no_peers and (SYSTEMS[s].framework in PEER_FRAMEWORKS or s == "tfp_vectorized"))]
+        args.systems = list(SYSTEMS)
     args.pythons = dict(item.partition("=")[::2] for item in args.python)
     return args
 

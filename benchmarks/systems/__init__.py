@@ -62,5 +62,3 @@ SYSTEMS = collections.OrderedDict((s.name, s) for s in [
     System("jax_privacy", "jax", _CD, False, "JAX Privacy clipping.clipped_grad under jit"),
     System("tfp_fast", "keras", _CD, False, "TF Privacy 0.9 Keras fast gradient clipping, TF 2.15"),
 ])
-
-PEER_FRAMEWORKS = ("jax", "torch", "keras")
