@@ -24,7 +24,7 @@ example), B in {1, 7} (`-m slow`: {32, 33}):
   check forced to fail: the exact form alone gives every value;
 * the structure: the nodes the executor ran in one traced step (the
   `LoopCond` of each lowered While) hold no original loop, and one forward
-  loop rebuilt with its taps per original loop (and one of its counter),
+  loop rebuilt with its taps per original loop (no loop of its counter),
   on a certified step and on a failing one (whose exact form's pfor runs
   loops of its own in the cond's else branch); ptb_lm's check after the
   loop is copied, not read.
@@ -101,8 +101,8 @@ def _clipped(loss, xs):
 
 
 def _assert_one_forward_per_loop(graph, originals, loops):
-    """No original loop ran; per original loop, one rebuilt forward loop
-    carrying floats (the tapped one) and one of the counter only."""
+    """No original loop ran; per original loop, one rebuilt forward loop,
+    the tapped one (carrying floats)."""
     names = {op.name for op in originals}
     assert not names & loops, sorted(names & loops)
     # (On a failing step the exact form's pfor runs loops of its own in
@@ -111,7 +111,7 @@ def _assert_one_forward_per_loop(graph, originals, loops):
     assert all("loop_rules_one_pass" in n for n in forward), forward
     with_floats = [n for n in forward if _carries_floats(n, graph)]
     assert len(with_floats) == len(originals), forward
-    assert len(forward) == 2 * len(originals), forward
+    assert len(forward) == len(originals), forward
 
 
 @pytest.mark.parametrize("batches", [

@@ -5,10 +5,10 @@ The per-example graph rebuilds each v2 loop once on the whole batch with
 its taps and computes the loss again from the rebuilt loops; the rules'
 one backward pass differentiates that loss. So when only per-example
 quantities are fetched the original loop never runs: the graph behind the
-fetches holds, per loop, the tapped rebuild, its gradient loop and a loop
-of the iteration counter only (no float state). What cannot be copied
-after the loop (a random op drawing by more than shapes, a side effect), a
-condition on the loop's float state and v1 frames keep the two-pass build,
+fetches holds, per loop, the tapped rebuild and its gradient loop only (the eps
+lists start empty, so no loop counts the iterations first). What cannot be
+copied after the loop (a random op drawing by more than shapes, a side
+effect) and v1 frames keep the two-pass build,
 whose values are checked here too; dropout after the loop (drawn by the
 output's shape) keeps its mask: the copy reads the original draw; certified xs next to the loop rules (bilstm_tagger's
 projection on folded rows) take the one pass, checked on its graph. Values: the loop reference (one tf.gradients per
@@ -63,10 +63,9 @@ def test_clipped_sums_run_one_forward_and_one_backward_loop(graph, name):
     before = set(_loops(graph))
     originals, new = _reached(_clipped_fetches(loss, xs), before)
     assert not originals, [op.name for op in originals]
-    # Per original loop: the tapped rebuild and its gradient carry floats;
-    # the loop that counts the iterations (needed before the tapped loop
-    # starts) carries none.
-    assert len(new) == 3 * len(before), [op.name for op in new]
+    # Per original loop: the tapped rebuild and its gradient, both on the
+    # float state.
+    assert len(new) == 2 * len(before), [op.name for op in new]
     with_floats = [op for op in new if _carries_floats(op)]
     assert len(with_floats) == 2 * len(before), [op.name for op in new]
 
@@ -83,8 +82,12 @@ def test_pushed_rows_take_no_zeros_in_the_backward_pass(graph, name):
         if op.type != "ZerosLike" or op.inputs[0].dtype != tf.variant:
             continue
         loop, k = op.inputs[0].op, op.inputs[0].value_index
+        start = loop.inputs[k].op
+        # The eps lists start empty too; their gradient is the one list
+        # the backward loop pushes dz onto (ZerosLike of the empty list).
         if loop.type in op_kinds.V2_LOOPS and \
-                loop.inputs[k].op.type == "EmptyTensorList":
+                start.type == "EmptyTensorList" and \
+                not start.get_attr("element_dtype").is_floating:
             zeros.append(op.name)
     assert not zeros, zeros
 
@@ -109,7 +112,8 @@ def test_the_executed_step_runs_no_original_loop(graph):
              if "/LoopCond" in name}
     assert len(before) == 1
     assert before[0].name not in loops, loops
-    assert len(loops) == 3, loops
+    # The tapped loop and its gradient loop.
+    assert len(loops) == 2, loops
 
 
 @pytest.mark.parametrize("name,batches", [
@@ -161,7 +165,8 @@ def test_rules_below_the_loop_take_the_rebuilt_loops_gradient(graph,
                built["per_example_gradients"] if t is not None]
     originals, new = _reached(fetches, before)
     assert not originals
-    assert len(new) == 3, [op.name for op in new]
+    # The tapped rebuild and its gradient.
+    assert len(new) == 2, [op.name for op in new]
 
 
 def _dropout_after_loop():
@@ -208,9 +213,9 @@ def test_dropout_after_the_loop_keeps_its_mask_in_one_pass(graph, batches):
     per_example = custagg.per_example_gradients(loss, xs)
     fetches = [norms] + [tf.convert_to_tensor(t) for t in sums]
     originals, new = _reached(fetches, before)
-    # The tapped rebuild, its gradient and the iteration counter: the
-    # two-pass build would add a second rebuild and its gradient.
-    assert len(new) == 3, [op.name for op in new]
+    # The tapped rebuild and its gradient: the two-pass build would add a
+    # second rebuild and its gradient.
+    assert len(new) == 2, [op.name for op in new]
     assert len([op for op in new if _carries_floats(op)]) == 2
     assert originals == list(before), "no forward of the original loop?"
     assert set(_random_ops(fetches)) == randoms, "the dropout was copied"
@@ -249,7 +254,8 @@ def test_fetching_the_loss_too(graph):
 
 def _float_condition():
     """A loop whose condition reads a float loop variable (a step count kept
-    as a float): counting its iterations would need the loop itself."""
+    as a float): its iterations cannot be counted without the loop itself,
+    and need not be (the eps lists start empty)."""
     x, y = test_loops._inputs()  # pylint: disable=protected-access
     rng = np.random.default_rng(4)
     w = tf.compat.v1.Variable(
@@ -268,7 +274,7 @@ def _float_condition():
     return loss, [w] + head, test_loops._feed(x, y)  # pylint: disable=W0212
 
 
-def test_a_condition_on_float_state_keeps_two_passes(graph):
+def test_a_condition_on_float_state_takes_one_pass(graph):
     loss, xs, feed = _float_condition()
     plan = custagg.plan_per_example(loss, xs)
     assert plan.forms()[0] == "loop-rules", str(plan)
@@ -277,7 +283,8 @@ def test_a_condition_on_float_state_keeps_two_passes(graph):
         loss, xs, feed, batches=BATCHES)
     fetches = [tf.convert_to_tensor(t) for t in
                built["per_example_gradients"] if t is not None]
-    assert _reached(fetches, before)[0]
+    originals, new = _reached(fetches, before)
+    assert not originals and len(new) == 2, [op.name for op in new]
 
 
 @pytest.mark.skipif(not tf1_models.has_tf1_layers(),

@@ -9,24 +9,23 @@ pushed to an extra TensorList (`[T, R, ...]` after the loop).
 
 Where `dz` comes from (issue 26):
 
-* `rebuild_once` (v2 loops, `loop_rules.one_pass`): `eps` is a TensorList
-  reserved for T items, none set; the tap's output goes through
-  `IdentityN(z_t, eps, t)`, whose gradient (`_eps_tap_grad`) passes dz_t on
-  and sets item t of eps to it (no zeros read and added per step); the ops
-  between the loops and the loss are copied onto the rebuilt loops'
-  outputs, and the rules' one backward pass (`shared_pass.SharedPass`)
-  differentiates that recomputed loss to the taps' lists and to the rule
-  ops' outputs (their copies after the loops). The original loop then
-  never runs unless the user fetches the loss: one forward and one
-  backward pass of the loop. T, needed before the tapped loop starts,
-  comes from a copy of the loop that runs only the variables its condition
-  reads (no float state).
+* `rebuild_once` (v2 loops, `loop_rules.one_pass`): `eps` is an empty
+  TensorList carried through the loop; the tap's output goes through
+  `IdentityN(z_t, eps)`, whose gradient (`_eps_tap_grad`) passes dz_t on
+  and pushes it onto eps's gradient (no zeros read and added per step, no
+  step index kept for the backward loop, and T is not needed before the
+  loop runs, whatever its condition reads); the ops between the loops and
+  the loss are copied onto the rebuilt loops' outputs, and the rules' one
+  backward pass (`shared_pass.SharedPass`) differentiates that recomputed
+  loss to the taps' lists and to the rule ops' outputs (their copies after
+  the loops). The original loop then never runs unless the user fetches
+  the loss: one forward and one backward pass of the loop.
 * `tapped_dz` (the fallback: v1 frames, stateful ops or random ops
-  drawing by more than shapes after the
-  loop, a condition on the loop's state): T from the original loop's
-  counter, and one backward pass of the rebuilt loop seeded with the loss's
-  gradient at the original loop's outputs (from the rules' shared backward
-  pass): the loop runs twice.
+  drawing by more than shapes after the loop): one backward pass of the
+  rebuilt loop seeded with the loss's gradient at the original loop's
+  outputs (from the rules' shared backward pass): the loop runs twice. A
+  v1 frame's eps is `[T, B, ...]` zeros (T from the original loop's
+  counter), row t added at step t.
 """
 
 from __future__ import annotations
@@ -102,15 +101,20 @@ def _gradient_owner(tap, taps, tap_of_op):
 _EPS_TAP = "CustaggLoopEpsTap"
 
 
-def _eps_tap_grad(op, dz, *unused):
-    """The gradient of `IdentityN(z, eps list, step)` (a one-pass tap):
-    dz for z, and for the list (none of whose items is set) the list with
-    item `step` set to dz: what `TensorListGetItem(eps, step)` added to z
-    would give, without reading and adding zeros at every step."""
-    del unused
+def _eps_tap_grad(op, dz, dlist):
+    """The gradient of `IdentityN(z, eps)` (a lazy tap; eps an empty
+    TensorList carried through the loop and through this IdentityN): dz
+    for z, and for the list the gradient list of the later steps with dz
+    pushed onto it. The backward loop runs the steps last to first, so the
+    list ends with step 0's dz (`stacked_dz` reads it back in step order).
+    Nothing of the forward step is read: while_v2 pushes and pops no step
+    index or list for this gradient."""
+    del op
+    if dlist is None:
+        raise ValueError("custagg: no gradient reached a loop rule's eps "
+                         "list; use strategy='pfor' and report this graph.")
     dz = tf.convert_to_tensor(dz)
-    return [dz, tf.raw_ops.TensorListSetItem(
-        input_handle=op.inputs[1], index=op.inputs[2], item=dz), None]
+    return [dz, tf.raw_ops.TensorListPushBack(input_handle=dlist, tensor=dz)]
 
 
 try:
@@ -120,15 +124,18 @@ except KeyError:        # registered already: this module imported again
 
 
 class Hook(object):
-    """Taps one rebuilt While body (`Copier.hooks`): adds
-    `eps[t]` to each tap's output and pushes the tap's other inputs."""
+    """Taps one rebuilt While body (`Copier.hooks`): passes each tap's
+    output through the eps list of its dtype (its gradient pushes dz_t) and
+    pushes the tap's other inputs."""
 
-    def __init__(self, taps, steps, batch, v1=False):
-        """`batch` None: the eps lists are reserved for `steps` items of
-        unknown rows, each read as zeros of its tap's output shape (the
-        one-pass build, `OnePass`, which must not read B from the loss:
-        that would run the original loop); else `[T, B, ...]` zeros."""
-        self.v1 = v1
+    def __init__(self, taps, steps=None, batch=None):
+        """`batch` None: a v2 loop (the one-pass build `OnePass`, and
+        `tapped_dz`): the eps lists start empty and the backward pass fills
+        them, so neither the iteration count nor B is read before the loop
+        runs (B from the loss would run the original loop), and the loop
+        carries no step (while_v2 pushed it at every step for the backward
+        loop to pop) and no row counts. Else a v1 frame: `[steps, batch,
+        ...]` zeros, row t read at step t."""
         self.lazy = batch is None
         self.taps = list(taps)
         self.ops = {tap.op: i for i, tap in enumerate(self.taps)}
@@ -146,49 +153,47 @@ class Hook(object):
         roots = [root(i) for i in range(len(self.taps))]
         self.owners = sorted(set(roots))   # the taps that add their own eps
         self.slot = [self.owners.index(r) for r in roots]
+        # One extra loop variable per (tap, other input): the pushed rows.
+        # (One list for all of them, or one eps list for all owners, would
+        # hold every item until the last is read out after the loop: the
+        # GRU's peak grew by a third.)
+        self.pushed = [(i, k) for i, tap in enumerate(self.taps)
+                       for k in tap.others]
         if self.lazy:
-            # The lists themselves are what the gradient is taken to.
-            self.eps = [tf.raw_ops.TensorListReserve(
+            self.eps = [tf.raw_ops.EmptyTensorList(
                 element_shape=_element_shape(self.taps[i].op.outputs[0]),
-                num_elements=steps,
+                max_num_elements=-1,
                 element_dtype=self.taps[i].op.outputs[0].dtype)
                 for i in self.owners]
-            self._lists = list(self.eps)
         else:
             self.eps = [tf.zeros(tf.stack([steps, batch] +
                                           self.taps[i].rest),
                                  self.taps[i].op.outputs[0].dtype)
                         for i in self.owners]
-            self._lists = [] if v1 else [tf.raw_ops.TensorListFromTensor(
-                tensor=e, element_shape=_element_shape(e[0]))
-                for e in self.eps]
-        # One extra loop variable per (tap, other input): the pushed rows.
-        self.pushed = [(i, k) for i, tap in enumerate(self.taps)
-                       for k in tap.others]
         self.inputs = {}        # (tap, input) -> [T, B, ...]
         self.fired = set()      # the taps the rebuilt body copied
 
     def initial(self):
-        """Extra loop variables: the step, the rows of each eps owner's
-        output (lazy eps lists: `rows`), one list per pushed input (in a
-        v1 loop, a TensorArray's flow: a v1 gradient makes zeros for every
-        exit, which a variant list cannot have)."""
+        """Extra loop variables. Lazy: the eps lists, then one list per
+        pushed input. A v1 frame: the step, then one TensorArray's flow per
+        pushed input (a v1 gradient makes zeros for every exit, which a
+        variant list cannot have)."""
+        if self.lazy:
+            return list(self.eps) + [tf.raw_ops.EmptyTensorList(
+                element_shape=_element_shape(self.taps[i].op.inputs[k]),
+                max_num_elements=-1,
+                element_dtype=_as_bits(self.taps[i].op.inputs[k].dtype))
+                for i, k in self.pushed]
         out = [tf.constant(0, tf.int32)]
-        out += [tf.constant(0, tf.int32) for _ in self._row_slots()]
         self._arrays = {}
         for i, k in self.pushed:
             t = self.taps[i].op.inputs[k]
-            if self.v1:
-                ta = tf.TensorArray(
-                    t.dtype, size=0, dynamic_size=True,
-                    element_shape=tf.TensorShape([None]).concatenate(
-                        t.shape[1:]))
-                self._arrays[(i, k)] = ta
-                out.append(ta.flow)
-            else:
-                out.append(tf.raw_ops.EmptyTensorList(
-                    element_shape=_element_shape(t), max_num_elements=-1,
-                    element_dtype=_as_bits(t.dtype)))
+            ta = tf.TensorArray(
+                t.dtype, size=0, dynamic_size=True,
+                element_shape=tf.TensorShape([None]).concatenate(
+                    t.shape[1:]))
+            self._arrays[(i, k)] = ta
+            out.append(ta.flow)
         return out
 
     def _array(self, key, flow):
@@ -199,14 +204,13 @@ class Hook(object):
         del t
         return tf.TensorShape([])     # a scalar step, or a TensorList
 
-    def _row_slots(self):
-        return self.owners if self.lazy else []
-
     def enter(self, values):
-        n = len(self._row_slots())
-        self.step = values[0]
-        self.row_vars = list(values[1:1 + n])
-        self.lists = dict(zip(self.pushed, values[1 + n:]))
+        if self.lazy:
+            self.carried = list(values[:len(self.eps)])
+            values = values[len(self.eps):]
+        else:
+            self.step, values = values[0], values[1:]
+        self.lists = dict(zip(self.pushed, values))
 
     def tap(self, op, outs, mapping):
         del mapping
@@ -220,44 +224,33 @@ class Hook(object):
             # not at every step: a check in the body is ~8 nodes per step
             # and input (issue 26).
             a = copied.inputs[k]
-            if self.v1:
+            if not self.lazy:
                 self.lists[(i, k)] = self._array(
                     (i, k), self.lists[(i, k)]).write(self.step, a).flow
-            else:
-                bits = _as_bits(a.dtype)
-                self.lists[(i, k)] = tf.raw_ops.TensorListPushBack(
-                    input_handle=self.lists[(i, k)],
-                    tensor=a if bits == a.dtype else tf.bitcast(a, bits))
+                continue
+            bits = _as_bits(a.dtype)
+            self.lists[(i, k)] = tf.raw_ops.TensorListPushBack(
+                input_handle=self.lists[(i, k)],
+                tensor=a if bits == a.dtype else tf.bitcast(a, bits))
         if i not in self.owners:
             # Its dz is read at the tap it feeds (`slot`): no eps of its
             # own, nothing read.
             return list(outs)
         if self.lazy:
-            # Its rows R, for the stack of dz after the loop: R may be
-            # B, or B*T where the loop runs on a fold of the batch (a
-            # char-level RNN on `[B*T, L, D]`), whose rows the rules read
-            # example-major (`loop_rules.LoopRule`).
-            self.row_vars[s] = tf.shape(outs[0])[0]
-            # The output as it is, through an IdentityN that also takes
-            # the (unset) eps list and the step: its gradient passes dz on
-            # and sets item `step` of the list to it (`_eps_tap_grad`).
-            # `z + GetItem(eps, step)` read and added zeros of z's shape at
-            # every step, and while_v2 pushed the list's element shape and
-            # length per step for TensorListGetItem's gradient (issue 26).
+            # The output as it is, through an IdentityN that also passes
+            # the eps list on: its gradient passes dz on and pushes it
+            # onto the list's gradient (`_eps_tap_grad`). `z + eps[t]`
+            # read and added zeros of z's shape at every step (issue 26),
+            # and setting item t needed t in the backward loop (pushed at
+            # every step forward, popped backward).
             with tf.compat.v1.get_default_graph().gradient_override_map(
                     {"IdentityN": _EPS_TAP}):
-                tapped = tf.raw_ops.IdentityN(
-                    input=[outs[0], self._lists[s], self.step])[0]
+                tapped, self.carried[s] = tf.raw_ops.IdentityN(
+                    input=[outs[0], self.carried[s]])
             return [tapped] + list(outs[1:])
-        if self.v1:
-            # A v1 loop accumulates a captured tensor's gradient (here
-            # IndexedSlices) itself; a variant list's it does not.
-            item = tf.gather(self.eps[s], self.step)
-        else:
-            item = tf.raw_ops.TensorListGetItem(
-                input_handle=self._lists[s], index=self.step,
-                element_shape=_element_shape(self.eps[s][0]),
-                element_dtype=self.eps[s].dtype)
+        # A v1 loop accumulates a captured tensor's gradient (here
+        # IndexedSlices) itself.
+        item = tf.gather(self.eps[s], self.step)
         # eps has the loss's B rows: a tapped output with other rows (one
         # row broadcast later) would make them up; fail instead.
         checks = [tf.debugging.assert_equal(
@@ -272,18 +265,14 @@ class Hook(object):
             return [tf.math.add_n([outs[0], item])] + list(outs[1:])
 
     def leave(self):
-        return [self.step + 1] + self.row_vars + [self.lists[key]
-                                                  for key in self.pushed]
+        extra = self.carried if self.lazy else [self.step + 1]
+        return extra + [self.lists[key] for key in self.pushed]
 
     def done(self, values):
-        n = len(self._row_slots())
-        # rows[s]: the rows of eps owner s's output (0 if the loop ran no
-        # step: its stack is empty then).
-        self.rows = list(values[1:1 + n])
-        for key, lst in zip(self.pushed, values[1 + n:]):
-            i, k = key
-            t = self.taps[i].op.inputs[k]
-            if self.v1:
+        lists = values[len(self.eps) if self.lazy else 1:]
+        for key, lst in zip(self.pushed, lists):
+            t = self.taps[key[0]].op.inputs[key[1]]
+            if not self.lazy:
                 stacked = self._array(key, lst).stack()
             else:
                 bits = _as_bits(t.dtype)
@@ -322,9 +311,8 @@ def rebuild_once(uses, loss):
     """`((loss, mapping, hooks, by_loop), None)` (what `loop_rules.OnePass`
     holds), or `(None, reason)` when the loops of `uses` are read the way of
     `tapped_dz` instead (their original loops run, and the
-    rebuilt ones once more): a v1 frame; a loop whose condition depends on
-    its floating state (its iteration count, needed before the tapped loop
-    runs, would cost a forward pass); between the loops and the loss an op
+    rebuilt ones once more): a v1 frame, a loop the copier cannot copy;
+    between the loops and the loss an op
     that has side effects or draws random numbers from more than shapes
     (its copy would draw or act again), another loop, a cond or a function
     call. A random op drawing by shapes only (dropout after an RNN,
@@ -367,13 +355,9 @@ def rebuild_once(uses, loss):
                           "would run again in a copy" % (op.name, op.type))
     for loop in by_loop:
         try:
-            counted = copier.live_loop_variables(loop, [0])
+            copier.live_loop_variables(loop, [0])
         except copier.CannotCopy as e:
             return None, str(e)
-        if any(loop.inputs[k].dtype.is_floating or
-               loop.inputs[k].dtype.is_complex for k in counted):
-            return None, ("the condition of loop '%s' depends on its state"
-                          % loop.name)
     mapping, hooks = {}, {}
     copies = copier.Copier(one_row=False, checks=True)
     with tf.name_scope("loop_rules_one_pass"):
@@ -382,12 +366,7 @@ def rebuild_once(uses, loss):
                 continue
             if op in by_loop:
                 taps = [tap for use in by_loop[op] for tap in use.taps]
-                # The iteration count first, from a loop of the variables
-                # the condition reads (no float state: checked above).
-                counts = copier.Copier(one_row=False).rebuild_while(
-                    op, dict(mapping), [0])
-                steps = counts[0] - copies.input(op.inputs[0], mapping)
-                hooks[op] = copies.hooks[op] = Hook(taps, steps, None)
+                hooks[op] = copies.hooks[op] = Hook(taps)
                 used = [k for k, o in enumerate(op.outputs)
                         if any(c in ancestors for c in o.consumers())]
                 outs = copies.rebuild_while(op, mapping, used)
@@ -419,12 +398,14 @@ def tapped_dz(loop, group, cotangent_of, batch):
     seeded with `cotangent_of` (see `loop_rules.build`) to the taps' eps,
     aligned with `Hook.eps`."""
     taps = [tap for use in group for tap in use.taps]
-    final, start = group[0].counter
-    # The number of iterations the original loop ran.
     v2 = isinstance(loop, tf.Operation)
-    # v2: lazy eps lists (their rows are the tapped outputs', read after
-    # the loop: `stacked_dz`); a v1 frame: `[T, B, ...]` zeros.
-    hook = Hook(taps, final - start, None if v2 else batch, v1=not v2)
+    if v2:
+        # Lazy eps lists (filled by the backward pass: `stacked_dz`).
+        hook = Hook(taps)
+    else:
+        # `[T, B, ...]` zeros, T the iterations the original loop ran.
+        final, start = group[0].counter
+        hook = Hook(taps, final - start, batch)
     outputs = [t for t in loop_taps.cotangent_targets(group)
                if cotangent_of.get(t.ref()) is not None]
     # The loop rebuilt on the whole batch, its body tapped by the hook.
@@ -452,23 +433,32 @@ def tapped_dz(loop, group, cotangent_of, batch):
 def stacked_dz(hook, grads):
     """dz `[T, R, ...]` per eps list of a lazy `hook` (`Hook.eps`), from
     the gradients at those lists (aligned with them; a variant list or
-    None). R is the rows of the tap's output in the rebuilt loop
-    (`Hook.rows`): B, or B*T where the loop runs on a fold of the batch."""
+    None). The backward loop pushed dz step by step from the last: read
+    back last item first. R is the rows of the tap's output in the rebuilt
+    loop: B, or B*T where the loop runs on a fold of the batch."""
     dz = []
-    for s, (lst, g) in enumerate(zip(hook.eps, grads)):
+    for s, g in enumerate(grads):
         tap = hook.taps[hook.owners[s]]
         dtype = tap.op.outputs[0].dtype
-        # Fully defined at run time: unset items (no gradient at a step)
-        # and an empty loop stack as zeros.
-        shape = tf.concat([[hook.rows[s]], tf.constant(tap.rest, tf.int32)],
-                          0)
         if g is None:
-            d = tf.zeros(tf.concat([
-                [tf.raw_ops.TensorListLength(input_handle=lst)], shape], 0),
-                dtype)
+            # No gradient reached the list: every dz is zero. The steps and
+            # rows from an input the tap (or one sharing its dz) pushed.
+            pushed = [hook.inputs[key] for key in hook.pushed
+                      if hook.slot[key[0]] == s]
+            if not pushed:
+                raise ValueError(
+                    "custagg: no gradient reached the loop rule's op '%s'; "
+                    "use strategy='pfor' and report this graph."
+                    % tap.op.name)
+            d = tf.zeros(tf.concat([tf.shape(pushed[0])[:2],
+                                    tf.constant(tap.rest, tf.int32)], 0),
+                         dtype)
         else:
-            d = tf.raw_ops.TensorListStack(
-                input_handle=g, element_shape=shape, element_dtype=dtype)
+            steps = tf.raw_ops.TensorListLength(input_handle=g)
+            d = tf.raw_ops.TensorListGather(
+                input_handle=g, indices=tf.range(steps - 1, -1, -1),
+                element_shape=_element_shape(tap.op.outputs[0]),
+                element_dtype=dtype)
         d.set_shape(tf.TensorShape([None, None]).concatenate(tap.rest))
         dz.append(d)
     return dz
