@@ -343,3 +343,64 @@ def test_a_folded_projection_after_the_rebuilt_loop(graph, batches):
     test_loop_rules._check_all(  # pylint: disable=protected-access
         loss, xs, feed, batches=batches)
     assert not _reached(_clipped_fetches(loss, xs), before)[0]
+
+
+@pytest.mark.parametrize("steps", [0, 1, test_loops.T])
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one", "two"])
+def test_a_loop_that_runs_no_step(graph, steps, two_pass):
+    """The steps fed at run time, 0 included: the loop rules' lists are
+    then empty and the weights' per-example gradients zero (TF's own
+    gradient too). In one pass and in the two-pass fallback (a random draw
+    by the loop's output after it, whose mask both the loss and the
+    reference read in one run)."""
+    x, y = test_loops._inputs()  # pylint: disable=protected-access
+    n = tf.compat.v1.placeholder_with_default(steps, [], name="steps")
+    rng = np.random.default_rng(6)
+    w = tf.compat.v1.Variable(
+        0.5 * rng.normal(size=(test_loops.D + test_loops.H, test_loops.H)),
+        use_resource=True, name="cell_w")
+    b = tf.compat.v1.Variable(0.1 * rng.normal(size=(test_loops.H,)),
+                              use_resource=True, name="cell_b")
+    h0 = tf.fill(tf.stack([tf.shape(x)[0], test_loops.H]),
+                 tf.constant(0.3, tf.float64))
+
+    def body(t, h):
+        z = tf.matmul(tf.concat([x[:, t, :], h], axis=1), w)
+        return t + 1, tf.tanh(tf.nn.bias_add(z, b))
+
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < n, body, [0, h0])
+    if two_pass:
+        h = h * tf.random.uniform(tf.shape(h) + tf.cast(h[0, 0] * 0, tf.int32),
+                                  0.5, 1.5, tf.float64, seed=3)
+    loss, head = test_loops._head(h, y)  # pylint: disable=protected-access
+    xs = [w, b] + head
+    plan = custagg.plan_per_example(loss, xs)
+    assert plan.forms()[:2] == ["loop-rules"] * 2, str(plan)
+    before = set(_loops(graph))
+    sums, norms = custagg.clipped_gradients(loss, xs, 0.4, return_norms=True)
+    per_example = custagg.per_example_gradients(loss, xs)
+    # Two passes run the original loop, one pass does not.
+    originals, _ = _reached([norms], before)
+    assert bool(originals) == two_pass, originals
+    ref = test_loops.loop_reference(loss, xs, 7)
+    feed = test_loops._feed(x, y)  # pylint: disable=protected-access
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for batch in (1, 7):
+            ref_b = ref if batch == 7 else test_loops.loop_reference(
+                loss, xs, batch)
+            got, got_norms, got_sums, want = sess.run(
+                [per_example, norms, sums, ref_b],
+                feed(batch, np.random.default_rng(batch)))
+            for g, r in zip(got, want):
+                np.testing.assert_allclose(g, r, rtol=1e-7, atol=1e-12)
+            if steps == 0:
+                assert not np.any(got[0]) and not np.any(got[1])
+            want_norms = np.sqrt(sum(np.sum(np.square(r.reshape(batch, -1)),
+                                            1) for r in want))
+            np.testing.assert_allclose(got_norms, want_norms, rtol=1e-7)
+            factors = 0.4 / np.maximum(want_norms, 0.4)
+            for g, r in zip(got_sums, want):
+                np.testing.assert_allclose(
+                    g, np.tensordot(factors, r, axes=1), rtol=1e-7,
+                    atol=1e-12)

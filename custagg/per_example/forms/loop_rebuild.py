@@ -270,17 +270,14 @@ class Hook(object):
 
     def done(self, values):
         lists = values[len(self.eps) if self.lazy else 1:]
+        if self.lazy:
+            # Stacked by `stacked_dz`, which knows B for a loop that ran no
+            # step (an empty list has no rows to read).
+            self.lists = dict(zip(self.pushed, lists))
+            return
         for key, lst in zip(self.pushed, lists):
             t = self.taps[key[0]].op.inputs[key[1]]
-            if not self.lazy:
-                stacked = self._array(key, lst).stack()
-            else:
-                bits = _as_bits(t.dtype)
-                stacked = tf.raw_ops.TensorListStack(
-                    input_handle=lst, element_shape=_element_shape(t),
-                    element_dtype=bits)
-                if bits != t.dtype:
-                    stacked = tf.bitcast(stacked, t.dtype.base_dtype)
+            stacked = self._array(key, lst).stack()
             stacked.set_shape(tf.TensorShape([None, None]).concatenate(
                 t.shape[1:]))
             self.inputs[key] = stacked
@@ -427,15 +424,41 @@ def tapped_dz(loop, group, cotangent_of, batch):
             ys, hook.eps, grad_ys=seeds,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return hook, stacked_dz(hook, tf.compat.v1.gradients(
-        ys, hook.eps, grad_ys=seeds))
+        ys, hook.eps, grad_ys=seeds), batch)
 
 
-def stacked_dz(hook, grads):
+def _read(lst, like, dtype, batch, reverse=False):
+    """`[T, R, ...]`: the items of list `lst` of rows like `like`'s (last
+    first where `reverse`); a list the loop left empty (no step ran) as
+    `[0, B, ...]`, the rows its items would have had unknowable, B's
+    harmless: every sum over its steps is empty."""
+    n = tf.raw_ops.TensorListLength(input_handle=lst)
+    shape = _element_shape(like)
+    shape = tf.concat([[tf.where(n > 0, -1, tf.cast(batch, tf.int32))],
+                       shape[1:]], 0)
+    at = tf.range(n - 1, -1, -1) if reverse else tf.range(n)
+    return tf.raw_ops.TensorListGather(
+        input_handle=lst, indices=at, element_shape=shape,
+        element_dtype=dtype)
+
+
+def stacked_dz(hook, grads, batch):
     """dz `[T, R, ...]` per eps list of a lazy `hook` (`Hook.eps`), from
     the gradients at those lists (aligned with them; a variant list or
-    None). The backward loop pushed dz step by step from the last: read
-    back last item first. R is the rows of the tap's output in the rebuilt
-    loop: B, or B*T where the loop runs on a fold of the batch."""
+    None); also stacks the pushed inputs into `Hook.inputs`. The backward
+    loop pushed dz step by step from the last: read back last item first.
+    R is the rows of the tap's output in the rebuilt loop: B, or B*T where
+    the loop runs on a fold of the batch. `batch`: B (int or scalar
+    tensor), the rows of a loop that ran no step."""
+    for key, lst in hook.lists.items():
+        t = hook.taps[key[0]].op.inputs[key[1]]
+        bits = _as_bits(t.dtype)
+        stacked = _read(lst, t, bits, batch)
+        if bits != t.dtype:
+            stacked = tf.bitcast(stacked, t.dtype.base_dtype)
+        stacked.set_shape(tf.TensorShape([None, None]).concatenate(
+            t.shape[1:]))
+        hook.inputs[key] = stacked
     dz = []
     for s, g in enumerate(grads):
         tap = hook.taps[hook.owners[s]]
@@ -454,11 +477,7 @@ def stacked_dz(hook, grads):
                                     tf.constant(tap.rest, tf.int32)], 0),
                          dtype)
         else:
-            steps = tf.raw_ops.TensorListLength(input_handle=g)
-            d = tf.raw_ops.TensorListGather(
-                input_handle=g, indices=tf.range(steps - 1, -1, -1),
-                element_shape=_element_shape(tap.op.outputs[0]),
-                element_dtype=dtype)
+            d = _read(g, tap.op.outputs[0], dtype, batch, reverse=True)
         d.set_shape(tf.TensorShape([None, None]).concatenate(tap.rest))
         dz.append(d)
     return dz

@@ -84,15 +84,15 @@ class OnePass(object):
     def build(self, eps_grads, batch):
         """Each use's per-row gradients as `build` gives them, from the
         gradients at `eps` (aligned with it; a variant list or None).
-        `batch` is not read: the rows are the taps' own."""
-        del batch
+        `batch` is read only where a loop ran no step: the rows are the
+        taps' own."""
         grads = iter(eps_grads)
         result = {}
         with tf.name_scope("loop_rules_form"):
             for loop, group in self._by_loop.items():
                 hook = self._hooks[loop]
                 dz = loop_rebuild.stacked_dz(
-                    hook, [next(grads) for _ in hook.eps])
+                    hook, [next(grads) for _ in hook.eps], batch)
                 for use in group:
                     result[(use.op, use.index)] = _outer_of(use, hook, dz)
         return result
@@ -153,13 +153,14 @@ def _fold(t):
     return tf.reshape(t, shape)
 
 
-def _unfold(t, steps):
-    """`[T*B, S, N]` -> `[B, T*S, N]` (example b's rows of every step)."""
+def _unfold(t, steps, rows):
+    """`[T*B, S, N]` -> `[B, T*S, N]` (example b's rows of every step; B =
+    `rows`, given: with T = 0 there is nothing to infer it from)."""
     n = tf.compat.dimension_value(t.shape[2])
     n = n if n is not None else tf.shape(t)[2]
-    t = tf.reshape(t, tf.stack([steps, -1, tf.shape(t)[1], n]))
+    t = tf.reshape(t, tf.stack([steps, rows, tf.shape(t)[1], n]))
     t = tf.transpose(t, [1, 0, 2, 3])
-    return tf.reshape(t, tf.stack([tf.shape(t)[0], -1, n]))
+    return tf.reshape(t, tf.stack([rows, steps * tf.shape(t)[2], n]))
 
 
 def _tap_result(use, tap, hook, dz):
@@ -206,10 +207,11 @@ def _tap_result(use, tap, hook, dz):
     ctx = registry_lib.RuleContext(op, tap.index, _fold(g), rows, {})
     outer = tap.rule.outer(ctx)
     if outer is not None:
-        return ("outer", _unfold(outer.a, steps), _unfold(outer.g, steps),
-                outer.key)
+        return ("outer", _unfold(outer.a, steps, tf.shape(g)[1]),
+                _unfold(outer.g, steps, tf.shape(g)[1]), outer.key)
     per = tf.convert_to_tensor(tap.rule.per_example(ctx))      # [T*B, *p]
-    per = tf.reshape(per, tf.concat([[steps, -1], tf.shape(per)[1:]], 0))
+    per = tf.reshape(per, tf.concat([[steps, tf.shape(g)[1]],
+                                     tf.shape(per)[1:]], 0))
     return ("dense", tf.reduce_sum(per, axis=0))
 
 
