@@ -137,6 +137,7 @@ class Hook(object):
         loop to pop) and no row counts. Else a v1 frame: `[steps, batch,
         ...]` zeros, row t read at step t."""
         self.lazy = batch is None
+        self.batch = batch
         self.taps = list(taps)
         self.ops = {tap.op: i for i, tap in enumerate(self.taps)}
         # slot[i]: which eps (and dz) tap i reads: its own, or that of the
@@ -166,7 +167,11 @@ class Hook(object):
                 element_dtype=self.taps[i].op.outputs[0].dtype)
                 for i in self.owners]
         else:
-            self.eps = [tf.zeros(tf.stack([steps, batch] +
+            # At least one row: a v1 gradient of reads from an empty eps
+            # fails (its IndexedSlices accumulator starts at row 0). With
+            # no step the one row's dz is zero, and the pushed inputs get
+            # one row of zeros too (`done`).
+            self.eps = [tf.zeros(tf.stack([tf.maximum(steps, 1), batch] +
                                           self.taps[i].rest),
                                  self.taps[i].op.outputs[0].dtype)
                         for i in self.owners]
@@ -277,7 +282,17 @@ class Hook(object):
             return
         for key, lst in zip(self.pushed, lists):
             t = self.taps[key[0]].op.inputs[key[1]]
-            stacked = self._array(key, lst).stack()
+            array = self._array(key, lst)
+            rest = t.shape[1:]
+            if rest.is_fully_defined():
+                # A frame that ran no step: a zero-size TensorArray stacks
+                # only with a static element shape; one row of zeros with
+                # B rows, as eps has (`__init__`).
+                stacked = tf.cond(
+                    array.size() > 0, array.stack, lambda: tf.zeros(
+                        tf.stack([1, self.batch] + rest.as_list()), t.dtype))
+            else:
+                stacked = array.stack()
             stacked.set_shape(tf.TensorShape([None, None]).concatenate(
                 t.shape[1:]))
             self.inputs[key] = stacked
@@ -420,9 +435,15 @@ def tapped_dz(loop, group, cotangent_of, batch):
         ys = [_remap(t, mapping, {}, rebuild) for t in outputs]
     seeds = [cotangent_of[t.ref()] for t in outputs]
     if not v2:
-        return hook, tf.compat.v1.gradients(
+        grads = tf.compat.v1.gradients(
             ys, hook.eps, grad_ys=seeds,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # Dense by eps's own rows: the frame's accumulated dense_shape is
+        # the accumulator's start (zeros) when no step ran.
+        return hook, [tf.math.unsorted_segment_sum(
+            g.values, g.indices, tf.shape(e)[0])
+            if isinstance(g, tf.IndexedSlices) else g
+            for g, e in zip(grads, hook.eps)]
     return hook, stacked_dz(hook, tf.compat.v1.gradients(
         ys, hook.eps, grad_ys=seeds), batch)
 
