@@ -223,19 +223,24 @@ def test_dropout_after_the_loop_keeps_its_mask_in_one_pass(graph, batches):
     with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for b in batches:
-            got_sums, got_norms, got_pe, want = sess.run(
-                [sums, norms, per_example, refs[b]],
-                feed(b, np.random.default_rng(b)))
-            for g, w in zip(got_pe, want):
-                np.testing.assert_allclose(g, w, rtol=1e-7, atol=1e-12)
-            want_norms = np.sqrt(sum(np.sum(np.square(w.reshape(b, -1)), 1)
-                                     for w in want))
-            np.testing.assert_allclose(got_norms, want_norms, rtol=1e-7)
-            factors = 0.3 / np.maximum(want_norms, 0.3)
-            for g, w in zip(got_sums, want):
-                np.testing.assert_allclose(
-                    g, np.tensordot(factors, w, axes=1), rtol=1e-7,
-                    atol=1e-12)
+            _assert_matches(sess.run([per_example, norms, sums, refs[b]],
+                                     feed(b, np.random.default_rng(b))),
+                            0.3)
+
+
+def _assert_matches(got, clip):
+    """Per-example gradients, norms and clipped sums (at `clip`) against
+    the reference's per-example gradients, as one `sess.run` gave them."""
+    per_example, norms, sums, want = got
+    for g, w in zip(per_example, want):
+        np.testing.assert_allclose(g, w, rtol=1e-7, atol=1e-12)
+    want_norms = np.sqrt(sum(np.sum(np.square(w.reshape(len(w), -1)), 1)
+                             for w in want))
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-7)
+    factors = clip / np.maximum(want_norms, clip)
+    for g, w in zip(sums, want):
+        np.testing.assert_allclose(g, np.tensordot(factors, w, axes=1),
+                                   rtol=1e-7, atol=1e-12)
 
 
 def test_fetching_the_loss_too(graph):
@@ -402,18 +407,8 @@ def _check_fed_steps(graph, steps, two_pass, runs_original):
         for batch in (1, 7):
             ref_b = ref if batch == 7 else test_loops.loop_reference(
                 loss, xs, batch)
-            got, got_norms, got_sums, want = sess.run(
-                [per_example, norms, sums, ref_b],
-                feed(batch, np.random.default_rng(batch)))
-            for g, r in zip(got, want):
-                np.testing.assert_allclose(g, r, rtol=1e-7, atol=1e-12)
+            got = sess.run([per_example, norms, sums, ref_b],
+                           feed(batch, np.random.default_rng(batch)))
+            _assert_matches(got, 0.4)
             if steps == 0:
-                assert not np.any(got[0]) and not np.any(got[1])
-            want_norms = np.sqrt(sum(np.sum(np.square(r.reshape(batch, -1)),
-                                            1) for r in want))
-            np.testing.assert_allclose(got_norms, want_norms, rtol=1e-7)
-            factors = 0.4 / np.maximum(want_norms, 0.4)
-            for g, r in zip(got_sums, want):
-                np.testing.assert_allclose(
-                    g, np.tensordot(factors, r, axes=1), rtol=1e-7,
-                    atol=1e-12)
+                assert not np.any(got[0][0]) and not np.any(got[0][1])
