@@ -124,9 +124,9 @@ except KeyError:        # registered already: this module imported again
 
 
 class Hook(object):
-    """Taps one rebuilt While body (`Copier.hooks`): passes each tap's
-    output through the eps list of its dtype (its gradient pushes dz_t) and
-    pushes the tap's other inputs."""
+    """Taps one rebuilt While body (`Copier.hooks`): passes each eps
+    owner's output through its eps list (whose gradient gets dz_t) and
+    pushes the taps' other inputs."""
 
     def __init__(self, taps, steps=None, batch=None):
         """`batch` None: a v2 loop (the one-pass build `OnePass`, and
