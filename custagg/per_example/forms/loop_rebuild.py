@@ -278,7 +278,7 @@ class Hook(object):
         if self.lazy:
             # Stacked by `stacked_dz`, which knows B for a loop that ran no
             # step (an empty list has no rows to read).
-            self.lists = dict(zip(self.pushed, lists))
+            self.pushed_lists = dict(zip(self.pushed, lists))
             return
         for key, lst in zip(self.pushed, lists):
             t = self.taps[key[0]].op.inputs[key[1]]
@@ -366,6 +366,9 @@ def rebuild_once(uses, loss):
             return None, ("op '%s' (type %s) between a loop and the loss "
                           "would run again in a copy" % (op.name, op.type))
     for loop in by_loop:
+        # Only whether the copier can read the loop (its functions, its own
+        # loop variables), before any op is made: the rebuild below reads
+        # the same and would raise where this returns the fallback's reason.
         try:
             copier.live_loop_variables(loop, [0])
         except copier.CannotCopy as e:
@@ -471,7 +474,7 @@ def stacked_dz(hook, grads, batch):
     R is the rows of the tap's output in the rebuilt loop: B, or B*T where
     the loop runs on a fold of the batch. `batch`: B (int or scalar
     tensor), the rows of a loop that ran no step."""
-    for key, lst in hook.lists.items():
+    for key, lst in hook.pushed_lists.items():
         t = hook.taps[key[0]].op.inputs[key[1]]
         bits = _as_bits(t.dtype)
         stacked = _read(lst, t, bits, batch)
