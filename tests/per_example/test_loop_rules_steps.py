@@ -35,6 +35,7 @@ import pytest
 import tensorflow as tf
 
 import custagg
+from custagg import op_kinds
 
 import test_loop_rules
 import test_loops
@@ -69,20 +70,18 @@ def _pick(bodies, one_pass, grad):
 def _eps_taps(graph):
     """The eps taps in the tapped forward body: its IdentityN nodes whose
     gradient is the loop rules' (`loop_rebuild._eps_tap_grad`)."""
-    _, name = max((len(f.node_def), f.signature.name)
-                  for f in graph.as_graph_def().library.function
-                  if "loop_rules_one_pass" in f.signature.name and
-                  "_body_" in f.signature.name and
-                  "_grad_" not in f.signature.name)
-    body = [f for f in graph.as_graph_def().library.function
-            if f.signature.name == name][0]
+    body = max((f for f in graph.as_graph_def().library.function
+                if "loop_rules_one_pass" in f.signature.name and
+                "_body_" in f.signature.name and
+                "_grad_" not in f.signature.name),
+               key=lambda f: len(f.node_def))
     return [n.name for n in body.node_def if n.op == "IdentityN" and
             n.attr["_gradient_op_type"].s == b"CustaggLoopEpsTap"]
 
 
 def _forward_loops(graph):
     return [op for op in graph.get_operations()
-            if op.type in ("While", "StatelessWhile") and
+            if op.type in op_kinds.V2_LOOPS and
             "while_grad" not in op.name]
 
 
