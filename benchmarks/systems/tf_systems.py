@@ -121,22 +121,25 @@ def _projection_checks(ctx, per_example):
     return check
 
 
-def _noised(ctx, grads):
+def _noised(ctx, grads, own=False):
     """Each clipped sum plus its Gaussian noise, drawn once all sums exist (a
     control dependency): the draw needs nothing from the backward pass, and
     drawn when the step starts it would stay live through it (one more copy
-    of the parameters in the step's peak), which no training step needs."""
-    tf = ctx.tf
-    grads = [tf.convert_to_tensor(g) for g in grads]
+    of the parameters in the step's peak), which no training step needs.
+    `own`: custagg's draw, as its DP optimizers add it (a noise stream)."""
+    tf, grads = ctx.tf, [ctx.tf.convert_to_tensor(g) for g in grads]
+    if own:
+        from custagg.privacy import core, noise
+        return core.add_noise(grads, ctx.noise_scale * ctx.clip, noise.NoiseStream("noise"))
     with tf.control_dependencies(grads):
         return [g + tf.random.normal(tf.shape(g)) * (ctx.noise_scale * ctx.clip) for g in grads]
 
 
-def _built(ctx, task, norms=None, sums=None):
+def _built(ctx, task, norms=None, sums=None, own_noise=False):
     """Task "norms" from the norms `[B]`, "clip" and "dpsgd" from the clipped sums."""
     if task == "norms":
         return Built(norms, {"norms": norms}, "")
-    fetch = _noised(ctx, sums) if task == "dpsgd" else sums
+    fetch = _noised(ctx, sums, own_noise) if task == "dpsgd" else sums
     return Built(fetch, _keyed("csum/", ctx.names, sums), "")
 
 
@@ -172,7 +175,7 @@ def _custagg_system(strategy):
                     ctx.loss, ctx.var_list, strategy=strategy))
             if task in ("clip", "dpsgd"):
                 return _built(ctx, task, sums=custagg.clipped_gradients(
-                    ctx.loss, ctx.var_list, ctx.clip, strategy=strategy))
+                    ctx.loss, ctx.var_list, ctx.clip, strategy=strategy), own_noise=True)
         except ValueError as e:
             # A strategy that refuses a model by design (e.g. "rules" has no
             # rule for a While loop) is "skipped", not a failure of the run.

@@ -85,7 +85,7 @@ def add_noise(tensors, stddev, seed, wait_for=None, colocate_with=None):
         noise's buffer; with an int seed, one `[P]` draw of all the entries
         split in `tensors`' order, the stream `(seed, step)`
         `DPOptimizer(seed=...)` has always drawn. Or a `[2]` int64 tensor:
-        that one `tf.random.stateless_normal` draw of all the entries, split
+        that one `noise.stateless_gaussian` draw of all the entries, split
         in `tensors`' order, a function of `seed` only.
       wait_for: the tensors the draws wait for (default: `tensors`), e.g.
         a query's whole sample state when it noises one part at a time.
@@ -105,8 +105,8 @@ def add_noise(tensors, stddev, seed, wait_for=None, colocate_with=None):
         else:
             sizes = [tf.size(t) for t in present]
             total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
-            flat = tf.random.stateless_normal(
-                [total], seed=seed, stddev=stddev, dtype=present[0].dtype)
+            flat = noise_lib.stateless_gaussian(
+                [total], seed, stddev, present[0].dtype)
             pieces = iter(tf.split(flat, sizes))
             noise = [None if t is None else tf.reshape(next(pieces),
                                                        tf.shape(t))

@@ -209,9 +209,9 @@ class DistributedDPOptimizer(_Optimizer):
       replicas_to_aggregate: R for `SyncReplicasOptimizer` use (ignored
         under a strategy, where R is `num_replicas_in_sync`).
       seed: None: a checkpointed `custagg.privacy.noise` stream (a
-        restore never repeats a draw). An int: the noise of global step t is
-        `stateless_normal(seed=(seed, t))`, the same for any number of
-        replicas (needs a global step).
+        restore never repeats a draw). An int: the noise of global step t
+        is `noise.stateless_gaussian(seed=(seed, t))`, the same for any
+        number of replicas (needs a global step).
       name: the wrapper's name.
     """
 

@@ -22,6 +22,7 @@ from custagg.privacy.dp_query import gaussian_query
 from custagg.privacy.dp_query import nested_query
 from custagg.privacy.dp_query import tree_aggregation_query
 from custagg.privacy import distributed
+from custagg.privacy import noise
 from custagg.privacy import wrappers
 
 import checkpoint_runs
@@ -215,15 +216,16 @@ def test_monitored_session_killed_and_recovered(tmp_path, name):
 
 
 def test_seeded_dp_optimizer_keeps_its_stream(tmp_path):
-    """`DPOptimizer(seed=7)`: the stream `(7, step)` as before, restored."""
+    """`DPOptimizer(seed=7)`: the stream `(7, step)` as before, restored
+    (float32: `stateless_gaussian`, tested in test_noise_sampler)."""
     make = lambda: custagg_optimizers.DPOptimizer(
         tf.compat.v1.train.GradientDescentOptimizer(0.1), CLIP, Z, seed=7)
     ckpt = str(tmp_path / "ckpt")
     before = _steps(make, 5, 2, save=ckpt)
     after = _steps(make, 99, 2, restore=ckpt)   # the graph seed is unused
     with tf.Graph().as_default():
-        ref = [tf.random.stateless_normal([D], seed=[7, s], stddev=CLIP * Z)
-               / B for s in (1, 2, 3, 4)]
+        ref = [noise.stateless_gaussian([D], tf.constant([7, s], tf.int64),
+                                        CLIP * Z) / B for s in (1, 2, 3, 4)]
         with tf.compat.v1.Session() as sess:
             want = sess.run(ref)
     for got, w in zip(before + after, want):
