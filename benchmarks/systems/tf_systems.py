@@ -127,10 +127,10 @@ def _noised(ctx, grads, own=False):
     drawn when the step starts it would stay live through it (one more copy
     of the parameters in the step's peak), which no training step needs.
     `own`: custagg's draw, as its DP optimizers add it (a noise stream)."""
-    tf, grads = ctx.tf, [ctx.tf.convert_to_tensor(g) for g in grads]
     if own:
         from custagg.privacy import core, noise
         return core.add_noise(grads, ctx.noise_scale * ctx.clip, noise.NoiseStream("noise"))
+    tf, grads = ctx.tf, [ctx.tf.convert_to_tensor(g) for g in grads]
     with tf.control_dependencies(grads):
         return [g + tf.random.normal(tf.shape(g)) * (ctx.noise_scale * ctx.clip) for g in grads]
 

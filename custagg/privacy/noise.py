@@ -164,6 +164,14 @@ def _box_muller(v, draw_u, stddev):
     return tf.reshape(tf.cos(angles) * r, [-1])
 
 
+def dense_shape(t):
+    """The shape of `t` (a tensor, variable or `IndexedSlices`) as a 1-D
+    int tensor, without densifying an `IndexedSlices`."""
+    if isinstance(t, tf.IndexedSlices) and t.dense_shape is not None:
+        return t.dense_shape
+    return tf.shape(t)
+
+
 def stream_of(holder, name, seed=None, owner=None):
     """`holder`'s noise stream, made on first use: one stream per DP
     optimizer or query object, so every step of it continues one
@@ -413,8 +421,7 @@ class NoiseStream:
             if item is None:
                 entries.append(None)
             elif isinstance(item, (tf.Tensor, tf.Variable, tf.IndexedSlices)):
-                t = tf.convert_to_tensor(item)
-                entries.append((tf.shape(t), t.dtype.base_dtype))
+                entries.append((dense_shape(item), item.dtype.base_dtype))
             else:
                 if dtype is None:
                     raise TypeError("NoiseStream.normal: `dtype` must be given "

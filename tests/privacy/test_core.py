@@ -138,6 +138,44 @@ def test_add_noise_seeded_is_one_stateless_draw_split_in_order(sess):
     np.testing.assert_array_equal(got_b, 1.0 + want[6:])
 
 
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("table", [6, 40])
+def test_add_noise_adds_indexed_slices_into_the_noise(sess, dtype, stream,
+                                                      table):
+    """An `IndexedSlices` sum (repeated rows included) comes out dense, its
+    rows added into the noise drawn for its dense shape: the same noise a
+    dense tensor of that shape gets from the same seed. 5 rows of a table
+    of 40 are added into the noise (`TensorScatterAdd`), of 6 densified
+    first."""
+    rng = np.random.RandomState(0)
+    values = rng.randn(5, 3)
+    rows = np.array([4, 0, 4, 2, 4])
+    sparse = tf.IndexedSlices(tf.constant(values, dtype),
+                              tf.constant(rows, tf.int32),
+                              tf.constant([table, 3], tf.int32))
+    dense = np.zeros((table, 3))
+    np.add.at(dense, rows, values)
+    b = tf.constant(np.ones(4), dtype)
+
+    def seed():
+        return (noise.NoiseStream("n", seed=3) if stream
+                else tf.constant([5, 9], tf.int64))
+    noised = core.add_noise([sparse, None, b], 0.5, seed())
+    assert (noised[0].op.type == "TensorScatterAdd") == (table == 40)
+    zeros = core.add_noise([tf.zeros([table, 3], dtype), None, b * 0], 0.5,
+                           seed())
+    assert noised[1] is None and zeros[1] is None
+    sess.run(tf.compat.v1.global_variables_initializer())
+    (got, got_b), (pure, pure_b) = (sess.run([t[0], t[2]])
+                                    for t in (noised, zeros))
+    assert got.shape == (table, 3)
+    tol = 1e-6 if dtype == tf.float32 else 1e-12
+    np.testing.assert_allclose(got, dense + pure, rtol=tol, atol=tol)
+    np.testing.assert_allclose(got_b, 1.0 + pure_b, rtol=tol, atol=tol)
+    assert np.std(pure) > 0.1
+
+
 def test_add_noise_from_a_stream_has_the_std_asked_and_never_repeats(sess):
     a = tf.zeros([200, 100], tf.float64)
     (na,) = core.add_noise([a], 2.5, noise.NoiseStream("n"))
