@@ -96,8 +96,9 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
     v), r sin(2 pi v)])` in `shape`. TF's
     `stateless_normal` runs the same transform on the same kind of uniforms
     one pair at a time inside its kernel; as separate element-wise ops it
-    costs 6.8 ns per value against TF's 12.4 on one thread, 4.5 against 6.5
-    on two (`docs/privacy.md`, "The sampler"). `1 - u` lies in [2^-23, 1],
+    costs 6.8 ns per value against TF's 12.4 drawn alone on one thread, 4.5
+    against 6.5 on two, less inside a DP step (`docs/privacy.md`, "The
+    sampler"). `1 - u` lies in [2^-23, 1],
     so no log of zero: |noise| <= 5.65 stddev, as with TF's kernel
     (which clamps u at 1e-7: 5.68).
 
