@@ -151,9 +151,10 @@ def test_add_noise_adds_indexed_slices_into_the_noise(sess, dtype, stream,
     rng = np.random.RandomState(0)
     values = rng.randn(5, 3)
     rows = np.array([4, 0, 4, 2, 4])
+    # An int64 dense_shape beside the dense b's int32 shape.
     sparse = tf.IndexedSlices(tf.constant(values, dtype),
-                              tf.constant(rows, tf.int32),
-                              tf.constant([table, 3], tf.int32))
+                              tf.constant(rows, tf.int64),
+                              tf.constant([table, 3], tf.int64))
     dense = np.zeros((table, 3))
     np.add.at(dense, rows, values)
     b = tf.constant(np.ones(4), dtype)
