@@ -107,17 +107,10 @@ def add_noise(tensors, stddev, seed, wait_for=None, colocate_with=None):
             noise = seed.normal(tensors, stddev, joint=seed.seed is not None,
                                 colocate_with=colocate_with)
         else:
-            # One int dtype: an IndexedSlices' dense_shape may be int64
-            # where a tensor's shape is int32 (add_n and split mix none).
-            shapes = [tf.cast(noise_lib.dense_shape(t), tf.int64)
-                      for t in present]
-            sizes = [tf.reduce_prod(s) for s in shapes]
-            total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
-            flat = noise_lib.stateless_gaussian(
-                [total], seed, stddev, present[0].dtype)
-            pieces = iter(zip(tf.split(flat, sizes), shapes))
-            noise = [None if t is None else tf.reshape(*next(pieces))
-                     for t in tensors]
+            pieces = iter(noise_lib.joint_gaussian(
+                [noise_lib.dense_shape(t) for t in present], seed, stddev,
+                present[0].dtype))
+            noise = [None if t is None else next(pieces) for t in tensors]
     return [None if t is None else _plus(t, n) for t, n in zip(tensors, noise)]
 
 

@@ -56,8 +56,8 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 
-__all__ = ["NoiseStream", "NOISE_STATE_COLLECTION", "noise_state_variables",
-           "stateless_gaussian", "stream_of"]
+__all__ = ["NoiseStream", "NOISE_STATE_COLLECTION", "joint_gaussian",
+           "noise_state_variables", "stateless_gaussian", "stream_of"]
 
 # The graph collection holding every stream's key and counter variables.
 NOISE_STATE_COLLECTION = "custagg_noise_state"
@@ -93,14 +93,13 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
     [0, 1)), h = ceil(n/2), n the number of values, from the two seeds
     `tf.random.experimental.stateless_split(seed, 2)`: with `r = stddev
     sqrt(-2 log(1 - u))`, the noise is the first n of `concat([r cos(2 pi
-    v), r sin(2 pi v)])` in `shape`. TF's
-    `stateless_normal` runs the same transform on the same kind of uniforms
-    one pair at a time inside its kernel; as separate element-wise ops it
-    costs 6.8 ns per value against TF's 12.4 drawn alone on one thread, 4.5
-    against 6.5 on two, less inside a DP step (`docs/privacy.md`, "The
-    sampler"). `1 - u` lies in [2^-23, 1],
-    so no log of zero: |noise| <= 5.65 stddev, as with TF's kernel
-    (which clamps u at 1e-7: 5.68).
+    v), r sin(2 pi v)])` in `shape`. TF's `stateless_normal` runs the same
+    transform on the same kind of uniforms one pair at a time inside its
+    kernel; as separate element-wise ops it costs 6.8 ns per value against
+    TF's 12.4 drawn alone on one thread, 4.5 against 6.5 on two, less
+    inside a DP step (`docs/privacy.md`, "The sampler"). `1 - u` lies in
+    [2^-23, 1], so no log of zero: |noise| <= 5.65 stddev, as with TF's
+    kernel (which clamps u at 1e-7: 5.68).
 
     float64: `tf.random.stateless_normal` itself (a Box-Muller in float64
     ops measured 30 ns per value against its 25).
@@ -125,16 +124,15 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
     except (TypeError, ValueError):   # a dynamic shape (or dims)
         dims = None
     if dims is not None:
-        n = int(np.prod(dims, dtype=np.int64))
-        half = (n + 1) // 2
         out_shape = dims
+        n = int(np.prod(dims, dtype=np.int64))
+        half = [(n + 1) // 2]
     else:
         out_shape = tf.cast(tf.convert_to_tensor(shape), tf.int64)
         n = tf.reduce_prod(out_shape)
-        half = (n + 1) // 2
+        half = tf.reshape((n + 1) // 2, [1])
     # Two seeds split from one: the radii's uniforms and the angles'.
     seeds = tf.random.experimental.stateless_split(seed, 2)
-    half = [half] if dims is not None else tf.reshape(half, [1])
     z = _box_muller(
         tf.random.stateless_uniform(half, seed=seeds[1], dtype=tf.float32),
         lambda: tf.random.stateless_uniform(half, seed=seeds[0],
@@ -144,6 +142,24 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
         z = z[:n]
     z = tf.reshape(z, out_shape)
     return z if dtype == tf.float32 else tf.cast(z, dtype)
+
+
+def joint_gaussian(shapes, seed, stddev, dtype):
+    """One `stateless_gaussian` draw of `[P]` values (P the shapes' total
+    size) split into pieces of `shapes`, in order.
+
+    Args:
+      shapes: 1-D int tensors or lists of ints.
+      seed, stddev, dtype: as for `stateless_gaussian`.
+    """
+    # One int dtype: an IndexedSlices' dense_shape may be int64 where a
+    # tensor's shape is int32 (add_n and split mix none).
+    shapes = [tf.cast(s, tf.int64) for s in shapes]
+    sizes = [tf.reduce_prod(s) for s in shapes]
+    total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
+    flat = stateless_gaussian([total], seed, stddev, dtype)
+    return [tf.reshape(piece, s)
+            for piece, s in zip(tf.split(flat, sizes), shapes)]
 
 
 def _box_muller(v, draw_u, stddev):
@@ -443,14 +459,11 @@ class NoiseStream:
                 key.read_value())
         out = []
         if joint:
-            sizes = [tf.reduce_prod(tf.cast(s, tf.int32)) for s, _ in present]
-            total = tf.add_n(sizes) if len(sizes) > 1 else sizes[0]
-            flat = stateless_gaussian(
-                [total], self._seed_pair(key, step, 0, replica), stddev,
-                present[0][1])
-            pieces = iter(tf.split(flat, sizes))
-            return [None if e is None else tf.reshape(next(pieces), e[0])
-                    for e in entries]
+            pieces = iter(joint_gaussian(
+                [shape for shape, _ in present],
+                self._seed_pair(key, step, 0, replica), stddev,
+                present[0][1]))
+            return [None if e is None else next(pieces) for e in entries]
         index = 0
         for e in entries:
             if e is None:
