@@ -169,7 +169,7 @@ def _tap_result(use, tap, hook, dz):
     i = hook.taps.index(tap)
     inputs = list(tap.op.inputs)
     g = tf.convert_to_tensor(dz[hook.slot[i]])                 # [T, B, ...]
-    steps = tf.shape(g)[0]
+    steps, examples = tf.shape(g)[0], tf.shape(g)[1]
     for k in tap.others:
         stacked = hook.inputs[(i, k)]                           # [T, R, ...]
         # The rows become examples: other rows than the batch's (one row
@@ -177,7 +177,7 @@ def _tap_result(use, tap, hook, dz):
         # here on the stacked rows rather than at every step in the body.
         check = tf.debugging.assert_equal(
             tf.logical_or(tf.equal(tf.shape(stacked)[0], 0), tf.equal(
-                tf.shape(stacked)[1], tf.shape(g)[1])), True,
+                tf.shape(stacked)[1], examples)), True,
             message="custagg: input %d of a loop rule's op '%s' has other "
                     "rows than the batch's examples; use strategy='pfor'"
                     % (k, tap.op.name))
@@ -191,7 +191,7 @@ def _tap_result(use, tap, hook, dz):
         # that reads no other input, BiasAdd's, has its value shaped so).
         rest = tap.op.inputs[k].shape[1:]
         inputs[k] = tf.zeros(
-            tf.concat([[steps * tf.shape(g)[1]],
+            tf.concat([[steps * examples],
                        rest.as_list() if rest.is_fully_defined() else
                        tf.shape(g)[2:]], 0), tap.op.inputs[k].dtype)
         inputs[k].set_shape(tf.TensorShape([None]).concatenate(rest))
@@ -203,14 +203,14 @@ def _tap_result(use, tap, hook, dz):
         name="loop_rule_" + tap.op.type,
         attrs={key: value for key, value in tap.op.node_def.attr.items()})
     rows = tf.shape(inputs[tap.others[0]])[0] if tap.others else \
-        steps * tf.shape(g)[1]
+        steps * examples
     ctx = registry_lib.RuleContext(op, tap.index, _fold(g), rows, {})
     outer = tap.rule.outer(ctx)
     if outer is not None:
-        return ("outer", _unfold(outer.a, steps, tf.shape(g)[1]),
-                _unfold(outer.g, steps, tf.shape(g)[1]), outer.key)
+        return ("outer", _unfold(outer.a, steps, examples),
+                _unfold(outer.g, steps, examples), outer.key)
     per = tf.convert_to_tensor(tap.rule.per_example(ctx))      # [T*B, *p]
-    per = tf.reshape(per, tf.concat([[steps, tf.shape(g)[1]],
+    per = tf.reshape(per, tf.concat([[steps, examples],
                                      tf.shape(per)[1:]], 0))
     return ("dense", tf.reduce_sum(per, axis=0))
 
