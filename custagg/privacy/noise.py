@@ -116,8 +116,12 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
     """
     dtype = tf.as_dtype(dtype)
     if dtype not in _BOX_MULLER_DTYPES:
+        # A Python number straight to dtype: tf.cast would round it via
+        # float32.
+        stddev = (tf.cast(stddev, dtype) if tf.is_tensor(stddev) else
+                  tf.constant(stddev, dtype))
         return tf.random.stateless_normal(
-            shape, seed=seed, stddev=tf.cast(stddev, dtype), dtype=dtype)
+            shape, seed=seed, stddev=stddev, dtype=dtype)
     static = tf.get_static_value(shape) if tf.is_tensor(shape) else shape
     try:
         dims = [int(d) for d in static]

@@ -84,6 +84,17 @@ def test_float64_is_tfs_stateless_normal(sess):
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_python_stddev_keeps_float64_precision(sess):
+    # 0.1 is not a float32 number: cast through float32 it would be off by
+    # 1.5e-9 relative.
+    seed = tf.constant([4, 1], tf.int64)
+    got = noise.stateless_gaussian([6], seed, 0.1, tf.float64)
+    want = tf.random.stateless_normal(
+        [6], seed=seed, stddev=tf.constant(0.1, tf.float64), dtype=tf.float64)
+    a, b = sess.run([got, want])
+    np.testing.assert_array_equal(a, b)
+
+
 def test_extreme_uniforms_stay_finite_and_bounded(sess):
     # u = 0 gives radius 0; the largest float32 uniform below 1 gives the
     # largest radius, sqrt(-2 log 2^-23) = 5.65.
