@@ -177,6 +177,44 @@ def test_add_noise_adds_indexed_slices_into_the_noise(sess, dtype, stream,
     assert np.std(pure) > 0.1
 
 
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("batch", [1, 7, 32])
+@pytest.mark.parametrize("static", [True, False])
+def test_dp_optimizer_noises_an_embedding_sum(sess, rng, dtype, batch,
+                                              static):
+    """`DPOptimizer(seed=4)` on a bag-of-ids model: the step is the loop
+    reference's clipped mean plus the stream's first joint draw over the
+    table and the dense weight, / B. With a static batch the table's sparse
+    sum (few rows) goes into its noise in place (`TensorScatterAdd`); with
+    a fed batch its row count is unknown and it is made dense first."""
+    vocab, dim, lookups, clip, z = 400, 3, 2, 0.5, 1.3
+    ids = tf.compat.v1.placeholder(tf.int32, [batch if static else None,
+                                              lookups])
+    y = tf.compat.v1.placeholder(tf.int32, [batch if static else None])
+    table = tf.Variable(rng.normal(size=(vocab, dim)), dtype=dtype)
+    w = tf.Variable(rng.normal(size=(dim, K)), dtype=dtype)
+    pooled = tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(pooled, w))
+    opt = optimizers.DPOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), clip, z, seed=4)
+    grads = [g for g, _ in opt.compute_gradients(loss, var_list=[table, w])]
+    scattered = any(op.type == "TensorScatterAdd"
+                    for op in tf.compat.v1.get_default_graph()
+                    .get_operations())
+    assert scattered == static
+    per_example = testing.loop_per_example(loss, [table, w], batch=batch)
+    draw = noise.joint_gaussian([[vocab, dim], [dim, K]],
+                                tf.constant([4, 1], tf.int64), clip * z, dtype)
+    feed = {ids: rng.integers(0, vocab, size=(batch, lookups)),
+            y: rng.integers(0, K, size=batch)}
+    sess.run(tf.compat.v1.global_variables_initializer())
+    got, pe, drawn = sess.run((grads, per_example, draw), feed)
+    tol = 2e-5 if dtype == tf.float32 else 1e-10
+    for g, r, n in zip(got, _reference(pe, batch, clip, 1.0), drawn):
+        np.testing.assert_allclose(g, r + n / batch, rtol=tol, atol=tol)
+
+
 def test_add_noise_from_a_stream_has_the_std_asked_and_never_repeats(sess):
     a = tf.zeros([200, 100], tf.float64)
     (na,) = core.add_noise([a], 2.5, noise.NoiseStream("n"))
