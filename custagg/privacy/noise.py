@@ -113,8 +113,26 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
 
     Returns:
       A `shape` tensor of `dtype`.
+
+    Raises:
+      TypeError: `dtype` not floating.
+      ValueError: `shape` a `TensorShape` with unknown dims, or `seed` not
+        of shape `[2]`.
     """
     dtype = tf.as_dtype(dtype)
+    if not dtype.is_floating:
+        raise TypeError("stateless_gaussian: `dtype` must be a floating dtype "
+                        "(float16, bfloat16, float32 or float64), got %s."
+                        % dtype.name)
+    if isinstance(shape, tf.TensorShape) and not shape.is_fully_defined():
+        raise ValueError("stateless_gaussian: `shape` %s has unknown dims; "
+                         "pass a 1-D int tensor (tf.shape(t)) for a shape "
+                         "known at run time." % shape)
+    seed = tf.convert_to_tensor(seed)
+    if not seed.shape.is_compatible_with([2]):
+        raise ValueError("stateless_gaussian: `seed` must be a [2] int "
+                         "tensor, as tf.random.stateless_normal's, got shape "
+                         "%s." % seed.shape)
     if dtype not in _BOX_MULLER_DTYPES:
         # A Python number straight to dtype: tf.cast would round it via
         # float32.

@@ -16,6 +16,7 @@ draw (Box-Muller over TF's stateless uniforms in float32).
 """
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -93,6 +94,16 @@ def test_a_python_stddev_keeps_float64_precision(sess):
         [6], seed=seed, stddev=tf.constant(0.1, tf.float64), dtype=tf.float64)
     a, b = sess.run([got, want])
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("args, error, says", [
+    (([3], [1, 2], 1.0, tf.int32), TypeError, "`dtype` must be a floating"),
+    ((tf.TensorShape([None, 3]), [1, 2]), ValueError, "`shape`"),
+    (([3], [1, 2, 3]), ValueError, "`seed` must be a [2]"),
+])
+def test_bad_arguments_are_named(args, error, says):
+    with pytest.raises(error, match=re.escape(says)):
+        noise.stateless_gaussian(*args)
 
 
 def test_extreme_uniforms_stay_finite_and_bounded(sess):
