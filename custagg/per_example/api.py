@@ -55,6 +55,7 @@ from custagg.per_example import engine as engine_lib
 from custagg.per_example import planning
 from custagg.per_example.planning import Plan  # noqa: F401  (public name)
 from custagg.per_example.planning import warn_slow
+from custagg.rules import conv as conv_rules
 from custagg.rules import registry as registry_lib
 from custagg.rules import segments as segments_lib
 
@@ -505,6 +506,8 @@ def _clipped_from_chunks(plan, engine, live, clip, groups):
             chunk = min(chunk, size)
         else:
             chunk = tf.minimum(chunk, size)
+    chunk = conv_rules.even_chunks(chunk, tf.compat.dimension_value(
+        plan.loss.shape[0]) or batch)
 
     def body(start, sq_acc, *sums):
         stop = tf.minimum(start + chunk, batch)

@@ -221,6 +221,25 @@ def test_chunk_size_static_and_dynamic_agree(sess, monkeypatch):
     assert sess.run(rule._chunk_size(ctx), feed) == 1
 
 
+def test_even_chunks_fewest_chunks_of_the_smallest_size(sess):
+    """As many chunks as `most` needs, each of the smallest size covering
+    the batch in that many; the tensor form (run-time batch) agrees."""
+    cases = [(b, m) for b in range(1, 130) for m in range(1, 70)]
+    for batch, most in cases:
+        size = conv.even_chunks(most, batch)
+        chunks = -(-batch // most)
+        assert isinstance(size, int) and 1 <= size <= most, (batch, most)
+        assert -(-batch // size) == chunks, (batch, most, size)
+        assert (size - 1) * chunks < batch, (batch, most, size)
+    assert (conv.even_chunks(29, 32), conv.even_chunks(29, 512)) == (16, 29)
+    b, m = tf1.placeholder(tf.int32, []), tf1.placeholder(tf.int32, [])
+    size = conv.even_chunks(m, b)
+    assert not isinstance(size, int)
+    for batch, most in cases[::37] + [(0, 5), (5, 0)]:
+        want = conv.even_chunks(max(most, 1), max(batch, 1)) if batch else 1
+        assert sess.run(size, {b: batch, m: most}) == want, (batch, most)
+
+
 def test_weighted_sum_is_one_backprop_filter_call(graph):
     """No per-example gradients for an undilated filter's weighted sum: one
     Conv2DBackpropFilter (on the scaled image here: it is smaller than dz)
