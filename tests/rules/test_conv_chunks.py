@@ -240,6 +240,39 @@ def test_even_chunks_fewest_chunks_of_the_smallest_size(sess):
         assert sess.run(size, {b: batch, m: most}) == want, (batch, most)
 
 
+def _loop_body_consts(graph, scope):
+    """The int32 scalar constants in the bodies of the `While` ops under
+    `scope` (v2 loops: the body is a function of the graph's library)."""
+    library = {f.signature.name: f
+               for f in graph.as_graph_def().library.function}
+    values = set()
+    for op in graph.get_operations():
+        if op.type in ("While", "StatelessWhile") and \
+                op.name.startswith(scope):
+            body = library[op.get_attr("body").name]
+            for node in body.node_def:
+                t = node.attr["value"].tensor
+                if node.op == "Const" and t.dtype == tf.int32.as_datatype_enum \
+                        and not t.tensor_shape.dim and t.int_val:
+                    values.add(int(t.int_val[0]))
+    return values
+
+
+def test_both_chunk_loops_cut_the_batch_evenly(graph, monkeypatch):
+    """B = 32 under a rule chunk of at most 29: the norms' loop and the
+    clipped sums' loop both step by 16 examples (two chunks), not 29 (29
+    and a remainder of 3, whose full chunk set the peak)."""
+    _chunk_of(29, monkeypatch)
+    monkeypatch.setattr(conv.ConvBase, "_CHUNK_CLIP_MIN_POSITIONS", 0)
+    x = tf1.placeholder(tf.float32, [32, 16, 16, 1])
+    loss, xs = _two_conv_net(x, tf.float32, np.random.RandomState(3))
+    custagg.per_example_norms(loss, xs[:1], name="norms_only")
+    custagg.clipped_gradients(loss, xs, 1.0, name="clipped_only")
+    for scope in ("norms_only/", "clipped_only/"):
+        steps = _loop_body_consts(graph, scope)
+        assert 16 in steps and 29 not in steps, (scope, sorted(steps))
+
+
 def test_weighted_sum_is_one_backprop_filter_call(graph):
     """No per-example gradients for an undilated filter's weighted sum: one
     Conv2DBackpropFilter (on the scaled image here: it is smaller than dz)
