@@ -241,27 +241,37 @@ def test_even_chunks_fewest_chunks_of_the_smallest_size(sess):
 
 
 def _loop_body_consts(graph, scope):
-    """The int32 scalar constants in the bodies of the `While` ops under
-    `scope` (v2 loops: the body is a function of the graph's library)."""
+    """The int32 scalar constants in the chunk loops under `scope`: in the
+    bodies of its `While` ops (v2 loops: functions of the graph's
+    library), or in the graph under its `..._chunks/` frames (v1 loops)."""
+    def scalar(t):
+        return (t.dtype == tf.int32.as_datatype_enum and
+                not t.tensor_shape.dim and t.int_val)
     library = {f.signature.name: f
                for f in graph.as_graph_def().library.function}
     values = set()
     for op in graph.get_operations():
-        if op.type in ("While", "StatelessWhile") and \
-                op.name.startswith(scope):
-            body = library[op.get_attr("body").name]
-            for node in body.node_def:
+        if not op.name.startswith(scope):
+            continue
+        if op.type in ("While", "StatelessWhile"):
+            for node in library[op.get_attr("body").name].node_def:
                 t = node.attr["value"].tensor
-                if node.op == "Const" and t.dtype == tf.int32.as_datatype_enum \
-                        and not t.tensor_shape.dim and t.int_val:
+                if node.op == "Const" and scalar(t):
                     values.add(int(t.int_val[0]))
+        elif op.type == "Const" and "_chunks/" in op.name and scalar(
+                op.node_def.attr["value"].tensor):
+            values.add(int(op.node_def.attr["value"].tensor.int_val[0]))
     return values
 
 
-def test_both_chunk_loops_cut_the_batch_evenly(graph, monkeypatch):
+@pytest.mark.parametrize("v1", [False, True], ids=["v2_loops", "v1_loops"])
+def test_both_chunk_loops_cut_the_batch_evenly(graph, monkeypatch, request,
+                                               v1):
     """B = 32 under a rule chunk of at most 29: the norms' loop and the
     clipped sums' loop both step by 16 examples (two chunks), not 29 (29
     and a remainder of 3, whose full chunk set the peak)."""
+    if v1:
+        request.getfixturevalue("control_flow_v1")
     _chunk_of(29, monkeypatch)
     monkeypatch.setattr(conv.ConvBase, "_CHUNK_CLIP_MIN_POSITIONS", 0)
     x = tf1.placeholder(tf.float32, [32, 16, 16, 1])
