@@ -81,8 +81,10 @@ def add_noise(tensors, stddev, seed, wait_for=None, colocate_with=None):
       stddev: a scalar (tensor or number) of the tensors' dtype.
       seed: a `noise.NoiseStream` (the optimizer's or query's checkpointed
         `(key, counter)` stream): one draw of it. Unseeded (`seed=None`
-        given to the stream), each tensor its own draw, added in the
-        noise's buffer; with an int seed, one `[P]` draw of all the entries
+        given to the stream), each tensor its own draw, a dense float32
+        one added into its own buffer piece by piece
+        (`noise.add_stateless_gaussian`: the draw's peak is the tensor and
+        one piece); with an int seed, one `[P]` draw of all the entries
         split in `tensors`' order, the stream `(seed, step)`
         `DPOptimizer(seed=...)` has always drawn. Or a `[2]` int64 tensor:
         that one `noise.stateless_gaussian` draw of all the entries, split
@@ -104,14 +106,14 @@ def add_noise(tensors, stddev, seed, wait_for=None, colocate_with=None):
              for t in (present if wait_for is None else wait_for)]
     with tf.control_dependencies(waits):
         if isinstance(seed, noise_lib.NoiseStream):
-            noise = seed.normal(tensors, stddev, joint=seed.seed is not None,
-                                colocate_with=colocate_with)
-        else:
-            pieces = iter(noise_lib.joint_gaussian(
-                [noise_lib.dense_shape(t) for t in present], seed, stddev,
-                present[0].dtype))
-            noise = [None if t is None else next(pieces) for t in tensors]
-    return [None if t is None else _plus(t, n) for t, n in zip(tensors, noise)]
+            return seed.noised(tensors, stddev, joint=seed.seed is not None,
+                               colocate_with=colocate_with)
+        pieces = iter(noise_lib.joint_gaussian(
+            [noise_lib.dense_shape(t) for t in present], seed, stddev,
+            present[0].dtype))
+        noise = [None if t is None else next(pieces) for t in tensors]
+    return [None if t is None else noise_lib.plus(t, n)
+            for t, n in zip(tensors, noise)]
 
 
 def _dense_unless_fewer(t):
@@ -132,15 +134,6 @@ def _dense_unless_fewer(t):
             4 * rows <= dense.num_elements():
         return t
     return tf.convert_to_tensor(t)
-
-
-def _plus(t, noise):
-    """`t + noise`; an `IndexedSlices` t is added into the dense noise in
-    place (no dense copy of t, no zeros to add it to)."""
-    if isinstance(t, tf.IndexedSlices):
-        return tf.tensor_scatter_nd_add(noise, tf.expand_dims(t.indices, 1),
-                                        t.values)
-    return t + noise
 
 
 def user_mean_loss(loss, group_ids, owner):

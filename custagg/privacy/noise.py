@@ -56,8 +56,9 @@ import tensorflow as tf
 
 from custagg import _tf_compat
 
-__all__ = ["NoiseStream", "NOISE_STATE_COLLECTION", "joint_gaussian",
-           "noise_state_variables", "stateless_gaussian", "stream_of"]
+__all__ = ["NoiseStream", "NOISE_STATE_COLLECTION", "add_stateless_gaussian",
+           "joint_gaussian", "noise_state_variables", "plus",
+           "stateless_gaussian", "stream_of"]
 
 # The graph collection holding every stream's key and counter variables.
 NOISE_STATE_COLLECTION = "custagg_noise_state"
@@ -201,6 +202,137 @@ def _box_muller(v, draw_u, stddev):
     # 1 - u lies in [2^-23, 1]: no log of zero.
     r = tf.sqrt(-2.0 * tf.math.log(1.0 - u)) * tf.cast(stddev, tf.float32)
     return tf.reshape(tf.cos(angles) * r, [-1])
+
+
+def add_stateless_gaussian(t, seed, stddev=1.0):
+    """`t + stateless_gaussian(tf.shape(t), seed, stddev, t.dtype)`, the same
+    values bit for bit, added into `t`'s buffer piece by piece where it can.
+
+    The whole draw holds its angles and radii beside `t` (2.5 values per
+    value of `t` at its peak: the MLP's DP step at B = 32 peaked at twice
+    its plain step). For a float32 graph tensor whose size has a suitable
+    row length (`_pieces`), each piece of the draw is computed and added
+    before the next is drawn, so the peak holds `t` and one piece's
+    temporaries.
+
+    In place, safely: the first piece is written by a
+    `TensorStridedSliceUpdate`, which takes `t`'s buffer when nothing else
+    holds it and copies it otherwise; the `InplaceAdd`s of the others then
+    write to a buffer no other op reads. Bit for bit: each piece computes
+    its uniforms, angles and radii as the whole draw does, on ranges that
+    start on a 64-value boundary and end on one or at the array's end, so
+    every element takes the same kernel path (SIMD packets or the scalar
+    tail) as in the whole draw; a range's uniforms come from Philox's
+    counter advanced to its start (`_counters`). Any other tensor (or
+    eagerly): the whole draw, added.
+
+    Args:
+      t: a tensor.
+      seed, stddev: as for `stateless_gaussian`.
+
+    Returns:
+      A tensor of `t`'s shape and dtype.
+    """
+    t = tf.convert_to_tensor(t)
+    pieces = None if tf.executing_eagerly() or t.dtype != tf.float32 \
+        else _pieces(t.shape.num_elements())
+    if pieces is None:
+        return t + stateless_gaussian(tf.shape(t), seed, stddev, t.dtype)
+    row, bounds = pieces
+    half = t.shape.num_elements() // 2
+    starts = [start for start, _ in bounds]
+    seeds = tf.random.experimental.stateless_split(seed, 2)
+    radii, angles = _counters(seeds[0], starts), _counters(seeds[1], starts)
+    out = tf.reshape(t, [2, half // row, row])
+    for k, (start, stop) in enumerate(bounds):
+        # Each piece is drawn once the one before it is in: one piece's
+        # temporaries live at a time.
+        with tf.control_dependencies([out]):
+            v = _uniform(angles, k, stop - start)
+        z = tf.reshape(_box_muller(v, lambda: _uniform(radii, k, stop - start),
+                                   stddev), [2, -1, row])
+        if k == 0:
+            out = tf.raw_ops.TensorStridedSliceUpdate(
+                input=out, begin=[0, 0, 0], end=[2, stop // row, row],
+                strides=[1, 1, 1], value=out[:, :stop // row] + z)
+            out = tf.reshape(out, [-1, row])
+            continue
+        first = np.arange(start // row, stop // row, dtype=np.int32)
+        out = tf.raw_ops.InplaceAdd(
+            x=out, i=np.concatenate([first, first + half // row]),
+            v=tf.reshape(z, [-1, row]))
+    return tf.reshape(out, t.shape)
+
+
+# The pieces of `add_stateless_gaussian` cover at least this many values
+# each (both halves), or a sixteenth of the tensor: their temporaries, about
+# 1.5 times as many values, stay small beside it, and a large tensor is not
+# cut into more than about 16 pieces (each one ~15 ops).
+_PIECE_VALUES = 1 << 16
+# Piece bounds are multiples of this many values (every SIMD packet size).
+_ALIGN = 64
+# The row length of the `InplaceAdd`s lies in this range: rows of fewer
+# values cost a kernel call each for little; the first piece (a strided
+# slice update, 2-3 ns per value against 0.9 for `InplaceAdd`) spans one
+# row, or the least multiple of `_ALIGN` it divides.
+_ROWS = (256, 1024)
+_INT64_MIN = np.int64(-(1 << 63))
+
+
+def _pieces(n):
+    """`(row, [(start, stop), ...])`: the half-index ranges of
+    `add_stateless_gaussian`'s pieces over `[n]` values (piece `[start,
+    stop)` covers those indices of both halves of the whole draw's `[2,
+    n/2]` array), all multiples of `row`, which divides n/2; or None: n
+    None or odd, n/2 with no divisor in `_ROWS` whose least common multiple
+    with `_ALIGN` (the first piece) is at most `2 * _ROWS[1]`, or too few
+    values for two pieces after the first."""
+    if n is None or n % 2:
+        return None
+    half = n // 2
+    row = next((c for c in range(_ROWS[1], _ROWS[0] - 1, -1)
+                if half % c == 0 and np.lcm(c, _ALIGN) <= 2 * _ROWS[1]),
+               None)
+    if row is None:
+        return None
+    first = int(np.lcm(row, _ALIGN))
+    # After the first piece, as few pieces as the size allows, of even
+    # sizes (multiples of `first`): no remainder piece of a few rows.
+    units, most = (half - first) // first, max(_PIECE_VALUES, n // 16) // 2
+    count = -(-units // max(1, most // first))
+    if count < 2:
+        return None
+    starts = [0] + [first + first * (units * j // count) for j in range(count)]
+    return row, list(zip(starts, starts[1:] + [half]))
+
+
+def _counters(seed, starts):
+    """`(key, [P, 2] counters, alg)`: Philox's key and algorithm as
+    `tf.random.stateless_uniform(shape, seed)` derives them, and its
+    counter advanced to each value index of `starts` (`_advanced`)."""
+    key, counter, alg = tf.raw_ops.StatelessRandomGetKeyCounterAlg(seed=seed)
+    return key, _advanced(counter, starts), alg
+
+
+def _advanced(counter, starts):
+    """`[P, 2]` uint64: the 128-bit `[2]` uint64 counter (low word first)
+    advanced by `starts[i] / 4` steps (Philox gives 4 values per step;
+    starts are multiples of 4), the carry into the high word taken as
+    unsigned."""
+    counter = tf.bitcast(counter, tf.int64)
+    low = counter[0] + np.asarray(starts, np.int64) // 4
+    carry = tf.cast(tf.bitwise.bitwise_xor(low, _INT64_MIN) <
+                    tf.bitwise.bitwise_xor(counter[0], _INT64_MIN), tf.int64)
+    return tf.bitcast(tf.stack([low, counter[1] + carry], 1), tf.uint64)
+
+
+def _uniform(state, k, size):
+    """`size` float32 uniforms of `tf.random.stateless_uniform` from value
+    index `starts[k]` of `_counters(seed, starts)` (`state`) on."""
+    key, counters, alg = state
+    return tf.raw_ops.StatelessRandomUniformV2(
+        shape=[size], key=key, counter=counters[k], alg=alg,
+        dtype=tf.float32)
 
 
 def dense_shape(t):
@@ -454,6 +586,32 @@ class NoiseStream:
           A list aligned with `like`: noise tensors, None where `like` has
           None.
         """
+        return self._draw(like, stddev, dtype, joint, colocate_with,
+                          add=False)
+
+    def noised(self, tensors, stddev, joint=False, colocate_with=None):
+        """One draw added: `t + N(0, stddev^2)` for each tensor of `tensors`
+        (None stays None), the same values as `t + normal(...)`.
+
+        Each dense float32 tensor gets its noise added in its own buffer,
+        piece by piece (`add_stateless_gaussian`): the draw's peak is `t`
+        and one piece, not `t` beside the whole noise and its temporaries.
+        An `IndexedSlices` is added into its noise (`plus`). `joint`: one
+        `[P]` draw split, as `normal(joint=True)`, then added.
+
+        Args:
+          tensors: a list of tensors, `IndexedSlices` or None.
+          stddev, joint, colocate_with: as for `normal`.
+
+        Returns:
+          A list aligned with `tensors`: dense tensors, None where None.
+        """
+        return self._draw(tensors, stddev, None, joint, colocate_with,
+                          add=True)
+
+    def _draw(self, like, stddev, dtype, joint, colocate_with, add):
+        """`normal`'s draw; with `add`, each entry of `like` (tensors) plus
+        its noise."""
         like = list(like)
         entries = []
         for item in like:
@@ -479,22 +637,35 @@ class NoiseStream:
             # The key is read after its initial value is in place.
             key = key if isinstance(key, int) else tf.identity(
                 key.read_value())
-        out = []
         if joint:
             pieces = iter(joint_gaussian(
                 [shape for shape, _ in present],
                 self._seed_pair(key, step, 0, replica), stddev,
                 present[0][1]))
-            return [None if e is None else next(pieces) for e in entries]
+            noise = [None if e is None else next(pieces) for e in entries]
+            return [plus(t, n) if add and n is not None else n
+                    for t, n in zip(like, noise)]
+        out = []
         index = 0
-        for e in entries:
+        for item, e in zip(like, entries):
             if e is None:
                 out.append(None)
                 continue
             shape, dt = e
-            out.append(stateless_gaussian(
-                shape, self._seed_pair(key, step, index, replica), stddev,
-                dt))
+            seed = self._seed_pair(key, step, index, replica)
             index += 1
+            if add and not isinstance(item, tf.IndexedSlices):
+                out.append(add_stateless_gaussian(item, seed, stddev))
+                continue
+            noise = stateless_gaussian(shape, seed, stddev, dt)
+            out.append(plus(item, noise) if add else noise)
         return out
 
+
+def plus(t, noise):
+    """`t + noise`; an `IndexedSlices` t is added into the dense noise in
+    place (no dense copy of t, no zeros to add it to)."""
+    if isinstance(t, tf.IndexedSlices):
+        return tf.tensor_scatter_nd_add(noise, tf.expand_dims(t.indices, 1),
+                                        t.values)
+    return t + noise
