@@ -218,7 +218,10 @@ def add_stateless_gaussian(t, seed, stddev=1.0):
     In place, safely: the first piece is written by a
     `TensorStridedSliceUpdate`, which takes `t`'s buffer when nothing else
     holds it and copies it otherwise; the `InplaceAdd`s of the others then
-    write to a buffer no other op reads. Bit for bit: each piece computes
+    write to a buffer no other op reads (the seed goes through a stateful
+    `DeepCopy`, so Grappler never folds that update into a constant).
+    Not under XLA (`jit_compile`): `InplaceAdd` has no XLA kernel, and no
+    gradient. Bit for bit: each piece computes
     its uniforms, angles and radii as the whole draw does, on ranges that
     start on a 64-value boundary and end on one or at the array's end, so
     every element takes the same kernel path (SIMD packets or the scalar
@@ -241,6 +244,10 @@ def add_stateless_gaussian(t, seed, stddev=1.0):
     row, bounds = pieces
     half = t.shape.num_elements() // 2
     starts = [start for start, _ in bounds]
+    # A stateful copy of the seed: no graph rewrite folds the first piece's
+    # update into a constant (whose buffer the InplaceAdds would then write
+    # into at every run: a constant t and seed did) or merges two calls.
+    seed = tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(seed))
     seeds = tf.random.experimental.stateless_split(seed, 2)
     radii, angles = _counters(seeds[0], starts), _counters(seeds[1], starts)
     out = tf.reshape(t, [2, half // row, row])
@@ -264,10 +271,11 @@ def add_stateless_gaussian(t, seed, stddev=1.0):
     return tf.reshape(out, t.shape)
 
 
-# The pieces of `add_stateless_gaussian` cover at least this many values
-# each (both halves), or a sixteenth of the tensor: their temporaries, about
-# 1.5 times as many values, stay small beside it, and a large tensor is not
-# cut into more than about 16 pieces (each one ~15 ops).
+# The pieces of `add_stateless_gaussian` after the first cover at most
+# about this many values each (both halves), or a sixteenth of the tensor
+# where that is more: their temporaries, about 1.5 times as many values,
+# stay small beside it, and a large tensor is not cut into more than about
+# 16 pieces (each one ~15 ops).
 _PIECE_VALUES = 1 << 16
 # Piece bounds are multiples of this many values (every SIMD packet size).
 _ALIGN = 64
