@@ -129,11 +129,7 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
         raise ValueError("stateless_gaussian: `shape` %s has unknown dims; "
                          "pass a 1-D int tensor (tf.shape(t)) for a shape "
                          "known at run time." % shape)
-    seed = tf.convert_to_tensor(seed)
-    if not seed.shape.is_compatible_with([2]):
-        raise ValueError("stateless_gaussian: `seed` must be a [2] int "
-                         "tensor, as tf.random.stateless_normal's, got shape "
-                         "%s." % seed.shape)
+    seed = _checked_seed(seed, "stateless_gaussian")
     if dtype not in _BOX_MULLER_DTYPES:
         # A Python number straight to dtype: tf.cast would round it via
         # float32.
@@ -165,6 +161,17 @@ def stateless_gaussian(shape, seed, stddev=1.0, dtype=tf.float32):
         z = z[:n]
     z = tf.reshape(z, out_shape)
     return z if dtype == tf.float32 else tf.cast(z, dtype)
+
+
+def _checked_seed(seed, fn):
+    """`seed` as a tensor; a ValueError naming `fn` unless its shape fits
+    `[2]`."""
+    seed = tf.convert_to_tensor(seed)
+    if not seed.shape.is_compatible_with([2]):
+        raise ValueError("%s: `seed` must be a [2] int tensor, as "
+                         "tf.random.stateless_normal's, got shape %s."
+                         % (fn, seed.shape))
+    return seed
 
 
 def joint_gaussian(shapes, seed, stddev, dtype):
@@ -219,15 +226,16 @@ def add_stateless_gaussian(t, seed, stddev=1.0):
     `TensorStridedSliceUpdate`, which takes `t`'s buffer when nothing else
     holds it and copies it otherwise; the `InplaceAdd`s of the others then
     write to a buffer no other op reads (the seed goes through a stateful
-    `DeepCopy`, so Grappler never folds that update into a constant).
-    Not under XLA (`jit_compile`): `InplaceAdd` has no XLA kernel, and no
-    gradient. Bit for bit: each piece computes
-    its uniforms, angles and radii as the whole draw does, on ranges that
-    start on a 64-value boundary and end on one or at the array's end, so
-    every element takes the same kernel path (SIMD packets or the scalar
-    tail) as in the whole draw; a range's uniforms come from Philox's
-    counter advanced to its start (`_counters`). Any other tensor (or
-    eagerly): the whole draw, added.
+    `DeepCopy`, so Grappler never folds that update into a constant). Not
+    under XLA (`jit_compile`): `InplaceAdd` has no XLA kernel, and no
+    gradient.
+
+    Bit for bit: each piece computes its uniforms, angles and radii as the
+    whole draw does, on ranges that start on a 64-value boundary and end
+    on one or at the array's end, so every element takes the same kernel
+    path (SIMD packets or the scalar tail) as in the whole draw; a range's
+    uniforms come from Philox's counter advanced to its start
+    (`_counters`). Any other tensor (or eagerly): the whole draw, added.
 
     Args:
       t: a tensor.
@@ -235,8 +243,12 @@ def add_stateless_gaussian(t, seed, stddev=1.0):
 
     Returns:
       A tensor of `t`'s shape and dtype.
+
+    Raises:
+      ValueError: `seed` not of shape `[2]`.
     """
     t = tf.convert_to_tensor(t)
+    seed = _checked_seed(seed, "add_stateless_gaussian")
     pieces = None if tf.executing_eagerly() or t.dtype != tf.float32 \
         else _pieces(t.shape.num_elements())
     if pieces is None:
@@ -247,7 +259,7 @@ def add_stateless_gaussian(t, seed, stddev=1.0):
     # A stateful copy of the seed: no graph rewrite folds the first piece's
     # update into a constant (whose buffer the InplaceAdds would then write
     # into at every run: a constant t and seed did) or merges two calls.
-    seed = tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(seed))
+    seed = tf.raw_ops.DeepCopy(x=seed)
     seeds = tf.random.experimental.stateless_split(seed, 2)
     radii, angles = _counters(seeds[0], starts), _counters(seeds[1], starts)
     out = tf.reshape(t, [2, half // row, row])

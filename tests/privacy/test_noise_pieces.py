@@ -17,12 +17,13 @@ optimizers' `core.add_noise` draws with.
   the row; the Philox counter's carry into its high word (`_advanced`).
 """
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from benchmarks import memory
-from custagg.privacy import core
 from custagg.privacy import noise
 
 tf1 = tf.compat.v1
@@ -68,6 +69,15 @@ def test_shapes_dtypes_and_a_tensor_stddev(sess):
         want = x + noise.stateless_gaussian(tf.shape(x), seed, stddev, dtype)
         g, w = sess.run([got, want])
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("n", [784 * 256, 1000])
+def test_a_bad_seed_is_named(n):
+    # Both paths (pieces, and the whole draw for n = 1000) check the seed
+    # before any op reads it.
+    with pytest.raises(ValueError, match=re.escape(
+            "add_stateless_gaussian: `seed` must be a [2] int tensor")):
+        noise.add_stateless_gaussian(tf.zeros([n]), [1, 2, 3])
 
 
 def test_no_buffer_another_op_reads_is_written(sess):
