@@ -65,14 +65,20 @@ NOISE_STATE_COLLECTION = "custagg_noise_state"
 
 # Keys lie in [0, 2^62) and offsets `d` in [0, 2^62): their sum never
 # overflows int64. Multiplying by an odd constant is a bijection mod 2^62,
-# so distinct (replica, index) pairs get distinct offsets.
+# so distinct (site, replica, index) triples get distinct offsets.
 _KEY_BITS = 62
 _MIX = 0x1D8E4E27C47D124F  # odd
+_REPLICA_BITS, _INDEX_BITS = 30, 20
+# Draw sites of one stream in one graph (the rest of the 62 bits).
+_MAX_SITES = 1 << (_KEY_BITS - _REPLICA_BITS - _INDEX_BITS)
 
 
-def _offset(replica, index):
-    """`d(replica, index)`: distinct for replica < 2^42, index < 2^20."""
-    return (((replica << 20) + index) * _MIX) % (1 << _KEY_BITS)
+def _offset(replica, index, site=0):
+    """`d(replica, index, site)`: distinct for replica < 2^30, index <
+    2^20, site < 2^12; site 0 gives the offsets of a stream's first draw
+    site as they always were."""
+    return ((((site << _REPLICA_BITS) + replica) << _INDEX_BITS) + index) \
+        * _MIX % (1 << _KEY_BITS)
 
 
 def _hashed_key(graph_seed, name):
@@ -424,9 +430,9 @@ class NoiseStream:
         if replica is not None and (
                 isinstance(replica, (bool, np.bool_)) or
                 not isinstance(replica, numbers.Integral) or
-                not 0 <= replica < (1 << 42)):
+                not 0 <= replica < (1 << _REPLICA_BITS)):
             raise ValueError("NoiseStream: `replica` must be an int in [0, "
-                             "2^42) (the worker or replica index) or None, got "
+                             "2^30) (the worker or replica index) or None, got "
                              "%r." % (replica,))
         self.name = name
         # The int key given as `seed`, or None (the key in a variable).
@@ -438,6 +444,9 @@ class NoiseStream:
         self._eager_state = None
         # graph -> [(variable, its initial value's function)], for `_ready`.
         self._initial = weakref.WeakKeyDictionary()
+        # graph -> draw sites built so far (`_site`).
+        self._sites = weakref.WeakKeyDictionary()
+        self._eager_sites = 0
 
     def variables(self):
         """The stream's variables in the current graph (after a draw): the
@@ -555,8 +564,34 @@ class NoiseStream:
             tf.compat.v1.add_to_collection(NOISE_STATE_COLLECTION, v)
         return v
 
-    def _seed_pair(self, key, step, index, replica):
-        d = _offset(replica, index)
+    def _site(self):
+        """The next draw site's number in the current graph: 0, 1, ... in
+        the order the draws are built (the same order when the same code
+        builds the graph again, so a restored stream continues).
+
+        Each draw increments the counter and then reads it, two ops: two
+        draws of one stream that run in one `session.run` (two variables of
+        a nested query sharing one Gaussian query, two losses of one
+        optimizer) may both read the value after both increments. Their
+        sites tell their seeds apart, and one site never reads one counter
+        value twice (each of its reads follows its own increment)."""
+        if tf.executing_eagerly():
+            return 0         # draws run one after another as they are called
+        graph = self._graph_key()
+        if graph is None:    # a tf.function traced from eager code
+            site, self._eager_sites = self._eager_sites, self._eager_sites + 1
+        else:
+            site = self._sites.get(graph, 0)
+            self._sites[graph] = site + 1
+        if site >= _MAX_SITES:
+            raise ValueError(
+                "NoiseStream %r: more than %d noise draws built from one "
+                "stream in one graph; give the later ones a NoiseStream of "
+                "their own." % (self.name, _MAX_SITES))
+        return site
+
+    def _seed_pair(self, key, step, index, replica, site=0):
+        d = _offset(replica, index, site)
         if isinstance(key, int):
             # Wrapped to int64 as TF would; d = 0 for replica 0, index 0.
             first = (key + d + (1 << 63)) % (1 << 64) - (1 << 63)
@@ -575,10 +610,11 @@ class NoiseStream:
         key, counter = self._variables(None)
         replica = self._replica if self._replica is not None else \
             _current_replica()
+        site = self._site()
         with tf.control_dependencies(self._ready()):
             step = tf.compat.v1.assign_add(counter, 1)
             return tf.random.stateless_uniform(
-                [], seed=self._seed_pair(key, step, 0, replica), minval=0,
+                [], seed=self._seed_pair(key, step, 0, replica, site), minval=0,
                 maxval=1 << _KEY_BITS, dtype=tf.int64)
 
     def normal(self, like, stddev, dtype=None, joint=False,
@@ -652,6 +688,7 @@ class NoiseStream:
         key, counter = self._variables(colocate_with)
         replica = self._replica if self._replica is not None else \
             _current_replica()
+        site = self._site()
         with tf.control_dependencies(self._ready()):
             step = tf.compat.v1.assign_add(counter, 1)
             # The key is read after its initial value is in place.
@@ -660,7 +697,7 @@ class NoiseStream:
         if joint:
             pieces = iter(joint_gaussian(
                 [shape for shape, _ in present],
-                self._seed_pair(key, step, 0, replica), stddev,
+                self._seed_pair(key, step, 0, replica, site), stddev,
                 present[0][1]))
             noise = [None if e is None else next(pieces) for e in entries]
             return [plus(t, n) if add and n is not None else n
@@ -672,7 +709,7 @@ class NoiseStream:
                 out.append(None)
                 continue
             shape, dt = e
-            seed = self._seed_pair(key, step, index, replica)
+            seed = self._seed_pair(key, step, index, replica, site)
             index += 1
             if add and not isinstance(item, tf.IndexedSlices):
                 out.append(add_stateless_gaussian(item, seed, stddev))
