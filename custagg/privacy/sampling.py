@@ -10,18 +10,22 @@ another mechanism, which that analysis does not cover.
   `tf.data` transformation, `dataset.apply(poisson_batches(q))`: one
   batch per step, every element of the (finite) dataset kept with
   probability q, empty batches included (shape `[0, ...]`). Each step
-  reads the whole dataset once (Poisson sampling's cost).
+  reads the whole dataset once (Poisson sampling's cost). Without a seed
+  the key is drawn in the pipeline each time its iterator starts (in no
+  saved graph); a restarted run's batches are then new draws, as private
+  as the lost run's.
 * `PoissonSampler(n, q, seed=None)`: the same for feed_dict loops, with
   numpy: `sampler.indices(step)` (the step's example indices, sorted) and
   `sampler.batches(arrays, start_step, num_steps)`.
 
-The batch of step t is a function of `(seed, t)`: a run restarted from a
+The batch of step t is a function of `(key, t)`: a run restarted from a
 checkpoint resumes with `start_step` = the steps taken
-(`PrivacyBudget.steps`), so the batches keep their independence. The seed
+(`PrivacyBudget.steps`), so the batches keep their independence. The key
 is part of the mechanism: amplification by sampling assumes the adversary
 does not know which examples a step used, so leave `seed=None` (fresh
-entropy, kept in the sampler) for a private run, and give one only for
-tests and reproductions.
+entropy: `PoissonSampler` keeps it in Python, `poisson_batches` draws it
+in the pipeline, never in a GraphDef) for a private run, and give a seed
+only for tests and reproductions (it is then a constant of the graph).
 
 The DP optimizers take these batches as they are (a `[None, ...]` batch
 dimension, M = B): an empty batch's update is the noise alone, divided by
@@ -95,7 +99,11 @@ def poisson_batches(sampling_probability, seed=None, start_step=0,
     """
     fn = "custagg.privacy.sampling.poisson_batches"
     q = _check_q(sampling_probability, fn)
-    key = _check_seed(seed, fn)
+    # seed=None: the key is drawn in the input pipeline when its iterator
+    # starts (an unseeded random op; seeded by a graph-level seed where one
+    # is set, as the noise's key is), so it is in no GraphDef, `.meta` or
+    # `graph.pbtxt` a checkpoint writes, where a constant would be.
+    key = None if seed is None else _check_seed(seed, fn)
     _check_steps(start_step, num_steps, fn)
     if isinstance(max_batch_size, bool) or not isinstance(
             max_batch_size, numbers.Integral) or max_batch_size < 1:
@@ -111,11 +119,10 @@ def poisson_batches(sampling_probability, seed=None, start_step=0,
                                           for d in s.shape.as_list()],
                                    s.dtype), spec)
 
-        def one_step(step):
+        def one_step(key, step):
             def keep(i, _):
                 u = tf.random.stateless_uniform(
-                    [], seed=tf.stack([tf.constant(key, tf.int64),
-                                       step * _PER_STEP + i]),
+                    [], seed=tf.stack([key, step * _PER_STEP + i]),
                     dtype=tf.float64)
                 return u < q
             chosen = dataset.enumerate().filter(keep).map(lambda i, x: x)
@@ -139,7 +146,15 @@ def poisson_batches(sampling_probability, seed=None, start_step=0,
             with tf.control_dependencies([check]):
                 return tf.nest.map_structure(tf.identity, batch)
 
-        return tf.data.Dataset.range(start_step, end).flat_map(one_step)
+        def steps(key):
+            return tf.data.Dataset.range(start_step, end).flat_map(
+                lambda step: one_step(key, step))
+
+        if key is not None:
+            return steps(tf.constant(key, tf.int64))
+        fresh = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).map(
+            lambda _: tf.random.uniform([], 0, 1 << 62, dtype=tf.int64))
+        return fresh.flat_map(steps)
 
     return apply
 

@@ -250,3 +250,37 @@ def test_a_batch_over_max_batch_size_is_an_error_not_a_drop():
         _tf_batches(ds, 1.0, seed=0, num_steps=1, max_batch_size=3)
     with pytest.raises(ValueError, match="`max_batch_size`"):
         sampling.poisson_batches(0.5, max_batch_size=0)
+
+
+def test_unseeded_pipeline_key_is_in_no_graph_def(monkeypatch):
+    """`poisson_batches(q)` without a seed: the key is drawn in the
+    pipeline when its iterator starts, so the GraphDef (what a checkpoint's
+    `.meta` and `graph.pbtxt` hold) carries no constant it could be read
+    from. Entropy from `os.urandom`, pinned here, must not reach the graph
+    (it did: the key was a `tf.constant`)."""
+    pinned = (1 << 61) + 12345
+    monkeypatch.setattr(sampling.os, "urandom",
+                        lambda n: pinned.to_bytes(8, "little")[:n])
+    x = np.arange(N, dtype=np.float32)
+    with tf.Graph().as_default() as graph:
+        ds = tf.data.Dataset.from_tensor_slices(x).apply(
+            sampling.poisson_batches(0.5, num_steps=3))
+        first = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+        second = tf.compat.v1.data.make_one_shot_iterator(ds).get_next()
+        text = str(graph.as_graph_def())
+        with tf.compat.v1.Session() as sess:
+            a = [sess.run(first) for _ in range(3)]
+            b = [sess.run(second) for _ in range(3)]
+    assert str(pinned) not in text
+    assert "RandomUniformInt" in text
+    for batch in a + b:
+        assert set(batch) <= set(x) and np.all(np.diff(batch) > 0)
+    # Two iterators, two keys: the batches differ (60 examples at q = 0.5).
+    assert any(not np.array_equal(u, v) for u, v in zip(a, b))
+
+
+def test_unseeded_pipeline_batch_sizes_are_binomial():
+    x = np.arange(N, dtype=np.float32)
+    with tf.Graph().as_default():
+        batches = _tf_batches(tf.data.Dataset.from_tensor_slices(x), Q, None)
+    assert _binomial_fit([len(b) for b in batches], N, Q) > 1e-3
