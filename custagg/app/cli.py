@@ -104,8 +104,8 @@ FLAGS = [
      dict(type=_float(0.0, True), metavar="LR")),
     ("training", "--hidden", "hidden units of --model mlp",
      dict(_POSITIVE, default=128, metavar="H")),
-    ("training", "--seed", "seeds the data order, initialization and DP noise",
-     dict(type=int, default=0)),
+    ("training", "--seed", "seeds the data order and initialization (not "
+     "the DP noise: --noise-seed)", dict(type=int, default=0)),
     ("clipping and DP-SGD", "--l2-norm-clip",
      "clip norm C for --aggregation clip / dpsgd",
      dict(type=_float(0.0, True), default=1.0, metavar="C")),
@@ -121,6 +121,10 @@ FLAGS = [
      "(default: 1/n, n the training images)",
      dict(type=_number(float, "a number in (0, 1)", lambda v: 0 < v < 1),
           metavar="DELTA")),
+    ("clipping and DP-SGD", "--noise-seed",
+     "dpsgd: seeds the DP noise, for reproductions only (whoever knows the "
+     "seed can subtract the noise; default: fresh entropy, and no graph seed "
+     "on the noise)", dict(type=int, metavar="S")),
     ("clipping and DP-SGD", "--num-microbatches",
      "clip / dpsgd: microbatches per batch, must divide the batch size "
      "(default: one example each)", dict(_POSITIVE, metavar="M")),
@@ -197,7 +201,7 @@ def check_args(parser, args):
         if args.batch_size % args.num_microbatches:
             parser.error("--num-microbatches %d must divide --batch-size %d"
                          % (args.num_microbatches, args.batch_size))
-    for flag in ("target_epsilon", "delta"):
+    for flag in ("target_epsilon", "delta", "noise_seed"):
         if getattr(args, flag) is not None and args.aggregation != "dpsgd":
             parser.error("--%s applies to --aggregation dpsgd, not %s"
                          % (flag.replace("_", "-"), args.aggregation))

@@ -44,7 +44,8 @@ def _optimizer(args, lr, workers):
     get their noise once per step, from the chief."""
     inner = train.make_optimizer(args, lr)
     if isinstance(inner, opt_lib.DPOptimizer):   # clip and dpsgd
-        seed = args.seed if args.aggregation == "dpsgd" else None
+        seed = train.noise_seed(args) if args.aggregation == "dpsgd" \
+            else None
         return distributed.sync_replicas_dp_optimizer(inner, workers,
                                                       seed=seed), inner
     # sum / weighted: each worker's gradient is normalised on its own slice;
@@ -82,6 +83,7 @@ def _worker(a, args, spec, server):
             x, y, logits, variables, loss = per_example_loss(args, data,
                                                              local)
             step = tf.compat.v1.train.get_or_create_global_step()
+            train.unseed_the_noise(args)
             opt, inner = _optimizer(args, lr, workers)
             grad_loss = (tf.fill([local], 1.0 / local)
                          if args.aggregation == "sum" else None)

@@ -98,8 +98,23 @@ def make_optimizer(args, lr):
             strategy=args.strategy)
     return opt_lib.DPOptimizer(
         inner, args.l2_norm_clip, args.noise_multiplier,
-        num_microbatches=args.num_microbatches, seed=args.seed,
+        num_microbatches=args.num_microbatches, seed=noise_seed(args),
         strategy=args.strategy)
+
+
+def noise_seed(args):
+    """--noise-seed: None (fresh entropy) unless given."""
+    return getattr(args, "noise_seed", None)
+
+
+def unseed_the_noise(args):
+    """Call after the model is built, before the DP optimizer: without
+    --noise-seed the graph seed (set from --seed for the initialization)
+    is taken off the graph, else the noise's key would be a function of
+    --seed, known to whoever knows the command (docs/privacy.md, section
+    7)."""
+    if args.aggregation == "dpsgd" and noise_seed(args) is None:
+        tf.compat.v1.set_random_seed(None)
 
 
 def learning_rate(args):
@@ -152,6 +167,7 @@ def _run(args, out):
         d = data.num_features
         x, y, logits, variables, loss = per_example_loss(args, data, bsz)
         global_step = tf.compat.v1.train.get_or_create_global_step()
+        unseed_the_noise(args)
         opt = make_optimizer(args, lr)
         # sum: the gradient of the mean loss, as in the tutorial; the norms
         # stay those of each example's own loss.
@@ -258,20 +274,24 @@ def describe_epsilon(args, n, batch_size, epochs, pld=False):
     delta = _delta(args, n)
     eps, order = accounting.compute_dp_sgd_privacy(
         n, batch_size, args.noise_multiplier, epochs, delta)
-    text = "epsilon %.3f at delta %s (RDP order %s" % (
-        eps, "1/%d" % n if getattr(args, "delta", None) is None else
-        "%g" % delta, order)
+    figures = accounting.dp_sgd_epsilons(
+        n, batch_size, epochs, args.noise_multiplier, delta,
+        used_microbatching=_used_microbatching(args, batch_size))
+    # This job's batches are fixed-size batches of a shuffled order: the
+    # figure that holds for them leads (each example once per epoch, no
+    # amplification by sampling); the Poisson figures are what the same
+    # run would have with Poisson-sampled batches, which it does not take.
+    text = ("epsilon %.3f at delta %s for these batches (fixed size, "
+            "shuffled: each example once per epoch); had they been "
+            "Poisson-sampled at q = B/n: %.3f (RDP order %s" % (
+                figures["example_epsilon"],
+                "1/%d" % n if getattr(args, "delta", None) is None else
+                "%g" % delta, eps, order))
     if pld:
         text += "; PLD accountant: %.3f" % accounting.compute_dp_sgd_privacy(
             n, batch_size, args.noise_multiplier, epochs, delta,
             accountant="pld")[0]
-    figures = accounting.dp_sgd_epsilons(
-        n, batch_size, epochs, args.noise_multiplier, delta,
-        used_microbatching=_used_microbatching(args, batch_size))
-    return text + ("; statement: %.3f with each example once per epoch, "
-                   "%.3f assuming Poisson sampling)" % (
-                       figures["example_epsilon"],
-                       figures["example_epsilon_poisson"]))
+    return text + ")"
 
 
 def _delta(args, n):
@@ -293,7 +313,8 @@ def _calibrate(args, n, batch_size, say):
         raise UsageError("--target-epsilon %g: %s" % (args.target_epsilon,
                                                        e)) from None
     say("noise multiplier chosen for --target-epsilon %g at delta %g: %.6g "
-        "(RDP, Poisson sampling at q = %d/%d, %d epochs)" % (
+        "(RDP, for Poisson sampling at q = %d/%d, %d epochs; the figure for "
+        "this job's shuffled batches is printed after each epoch)" % (
             args.target_epsilon, delta, sigma, batch_size, n, args.epochs))
     return sigma
 
@@ -302,9 +323,14 @@ def _reached(args, n, batch_size):
     from custagg.privacy import accounting  # pylint: disable=g-import-not-at-top
     eps, _ = accounting.compute_dp_sgd_privacy(
         n, batch_size, args.noise_multiplier, args.epochs, _delta(args, n))
+    shuffled = accounting.dp_sgd_epsilons(
+        n, batch_size, args.epochs, args.noise_multiplier, _delta(args, n),
+        used_microbatching=_used_microbatching(args, batch_size))
     return ("epsilon reached: %.6g at delta %g (target %g, noise multiplier "
-            "%.6g)" % (eps, _delta(args, n), args.target_epsilon,
-                       args.noise_multiplier))
+            "%.6g) had the batches been Poisson-sampled; for this job's "
+            "shuffled batches: %.6g" % (
+                eps, _delta(args, n), args.target_epsilon,
+                args.noise_multiplier, shuffled["example_epsilon"]))
 
 
 def _used_microbatching(args, batch_size):
@@ -331,8 +357,9 @@ def _describe_aggregation(args):
         "clip": "clip (mean of per-example gradients clipped to "
                 "l2_norm_clip=%g%s)" % (args.l2_norm_clip, mb),
         "dpsgd": "dpsgd (l2_norm_clip=%g, noise_multiplier=%g%s, noise "
-                 "seed %d)" % (args.l2_norm_clip, args.noise_multiplier, mb,
-                               args.seed),
+                 "%s)" % (args.l2_norm_clip, args.noise_multiplier, mb,
+                          "from fresh entropy" if noise_seed(args) is None
+                          else "seed %d" % noise_seed(args)),
     }[args.aggregation]
 
 

@@ -71,12 +71,21 @@ def test_dpsgd_prints_noise(capsys):
     assert "l2_norm_clip=0.5, noise_multiplier=2" in out
     assert "noise std on the clipped sum: 1" in out
     assert "check:" not in out
-    # epsilon at delta = 1/n after each epoch and at the end (n = 128 here).
-    assert out.count("at delta 1/128 (RDP order") == 2
-    assert "privacy after 1 epochs: epsilon " in out and "PLD accountant" in out
+    # epsilon at delta = 1/n after each epoch and at the end (n = 128 here):
+    # first the figure for this job's fixed-size shuffled batches, then the
+    # Poisson figures it would have with Poisson-sampled batches.
+    assert out.count("at delta 1/128 for these batches (fixed size, "
+                     "shuffled") == 2
+    assert out.count("had they been Poisson-sampled at q = B/n") == 2
+    final = re.search(r"privacy after 1 epochs: epsilon ([\d.]+) at delta "
+                      r"1/128 .*Poisson-sampled at q = B/n: ([\d.]+) \(RDP "
+                      r"order .*PLD accountant", out)
+    assert final and float(final.group(1)) > 0 and float(final.group(2)) > 0
+    # The noise comes from fresh entropy, not from --seed.
+    assert "noise from fresh entropy" in out
     # TF Privacy's privacy statement (compute_dp_sgd_privacy_statement).
     assert "Epsilon assuming Poisson sampling (*):" in out
-    assert "with each example once per epoch" in out
+    assert "Epsilon with each example occurring once per epoch:" in out
 
 
 def test_target_epsilon_prints_sigma_and_epsilon_reached(capsys):
@@ -90,7 +99,10 @@ def test_target_epsilon_prints_sigma_and_epsilon_reached(capsys):
                           r"\(target 5,", out).group(1))
     assert 0.99 * 5 <= eps <= 5
     assert "noise_multiplier=%g" % sigma in out
-    assert "at delta 0.0001 (RDP order" in out
+    assert "at delta 0.0001 for these batches" in out
+    shuffled = float(re.search(r"for this job's shuffled batches: ([\d.]+)",
+                               out).group(1))
+    assert shuffled > 0
 
 
 def test_unreachable_target_epsilon_is_a_usage_error(capsys):
@@ -371,3 +383,28 @@ def test_total_counts_the_tensorflow_import(capsys):
     assert m, out
     total, before, after = (float(v) for v in m.groups())
     assert abs(total - before - after) <= 0.11
+
+
+def test_dpsgd_noise_is_fresh_unless_noise_seed(capsys):
+    """--seed seeds the data and the initialization, not the DP noise: two
+    runs of one command train the same model on the same batches with other
+    noise; --noise-seed makes them identical (it used to be --seed, which
+    made the noise a function of the command line)."""
+    def epoch_line(*flags):
+        status, out = run_main(capsys, "--aggregation", "dpsgd",
+                               "--no-check", *flags)
+        assert status == 0, out
+        return re.search(r"epoch  1  loss ([\d.]+)", out).group(1)
+    assert epoch_line() != epoch_line()
+    assert epoch_line("--noise-seed", "5") == epoch_line("--noise-seed", "5")
+    status, out = run_main(capsys, "--aggregation", "dpsgd", "--no-check",
+                           "--noise-seed", "5")
+    assert "noise seed 5" in out
+
+
+def test_noise_seed_applies_to_dpsgd_only(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(TINY + ["--aggregation", "clip", "--noise-seed", "1"])
+    assert e.value.code == 2
+    assert "--noise-seed applies to --aggregation dpsgd" in \
+        capsys.readouterr().err
