@@ -19,7 +19,16 @@ with `None` exactly where `tf.compat.v1.gradients` gives `None`:
    their per-example gradients through the conv's own gradient under pfor
    (a chain; or, under "pfor", the boundary form's pass back from the add),
    which must not meet TF's pfor fallback that drops `explicit_paddings`
-   (fresh randomized seeds 440733 and 740734).
+   (fresh randomized seeds 440733 and 740734);
+8. a `tf.roll` along a negative axis where pfor runs (a batch coupling's
+   whole pass, a boundary pass, a chain, the copies): TF's pfor converter
+   rolls along `axis + 1`, one axis too far for a negative axis (found by
+   a review: per-example gradients off by 2.08, norms wrong, no error);
+9. a table reached through a gather by constant ids (a chain) with a
+   dynamic batch: the chain's pfor was typed with the handle's dtype, and
+   the graph then failed in every `session.run`, the initializer's too;
+10. a Conv3D whose spatial sizes are known only at run time (two -1 in
+   one reshape).
 """
 
 import numpy as np
@@ -221,3 +230,46 @@ def test_gather_on_the_variable_stays_sparse(graph):
     g, = custagg.clipped_gradients(loss, [w], 1.0, strategy="rules")
     assert isinstance(g, tf.IndexedSlices)
     _check(graph, loss, [w], {ids: np.array([[1, 3], [4, 4], [0, 2]])})
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("coupled", [False, True])
+def test_roll_along_a_negative_axis(graph, rng, batch, coupled):
+    x = tf.compat.v1.placeholder(tf.float64, [None, 4, 3])
+    w = _var("w", [3, 5])
+    h = tf.einsum("btd,dk->btk", x, w)
+    if coupled:
+        h = h - tf.reduce_mean(h, 0)          # a batch coupling (whole pass)
+    h = tf.roll(h, shift=1, axis=-2)          # along time, within examples
+    loss = tf.reduce_sum(tf.sin(h), [1, 2])
+    _check(graph, loss, [w], {x: _batch(rng, [batch, 4, 3])},
+           strategies=("auto", "pfor", "loop") if coupled else ALL)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_chain_through_a_roll_of_a_weight(graph, rng, batch):
+    x = tf.compat.v1.placeholder(tf.float64, [None, 4, 5])
+    table = _var("table", [4, 5])
+    h = tf.tanh(x) * tf.roll(table, shift=1, axis=-1)
+    loss = tf.reduce_sum(tf.sin(h), [1, 2])
+    _check(graph, loss, [table], {x: _batch(rng, [batch, 4, 5])})
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_chain_through_a_gather_by_constant_ids_dynamic_batch(graph, rng,
+                                                               batch):
+    x = tf.compat.v1.placeholder(tf.float64, [None, 4, 5])
+    positions = _var("positions", [6, 5])
+    h = tf.tanh(x) + tf.gather(positions, [0, 2, 2, 5])
+    loss = tf.reduce_sum(tf.sin(h), [1, 2])
+    _check(graph, loss, [positions], {x: _batch(rng, [batch, 4, 5])})
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_conv3d_with_run_time_spatial_sizes(graph, rng, batch):
+    x = tf.compat.v1.placeholder(tf.float64, [None, None, None, None, 2])
+    k = _var("k", [2, 2, 2, 2, 3])
+    y = tf.nn.conv3d(x, k, strides=[1, 1, 1, 1, 1], padding="SAME")
+    loss = tf.reduce_sum(tf.square(y), [1, 2, 3, 4])
+    _check(graph, loss, [k], [{x: _batch(rng, [batch, 3, 4, 3, 2])},
+                              {x: _batch(rng, [batch, 2, 2, 5, 2])}])

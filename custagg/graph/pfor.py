@@ -11,6 +11,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from custagg._tf_compat import pfor_ops
+from custagg._tf_compat import resource_variable_ops
 
 
 # The most bytes of outputs one pass of `chunked_pfor` may produce when it
@@ -153,3 +154,64 @@ def later_pass_size(shapes, dtypes, chunk, max_pass_bytes):
                         for s, d in zip(shapes, dtypes))
     grown = max_pass_bytes // max(1, per_iteration)
     return int(max(chunk, min(grown, 2 ** 31 - 1)))
+
+
+def grad_dtype(t):
+    """The dtype of a gradient with respect to `t` (resource: its value's),
+    the dtype a pfor pass over such gradients stacks."""
+    if t.dtype == tf.resource:
+        data = resource_variable_ops.get_eager_safe_handle_data(t)
+        if data is not None and data.is_set and data.shape_and_type:
+            return tf.as_dtype(data.shape_and_type[0].dtype)
+        raise ValueError("custagg: cannot tell the value dtype of resource "
+                         "%s." % t.name)
+    return t.dtype.base_dtype
+
+
+def explicit_padding(op):
+    """The `[4, 2]` paddings of a Conv2D with explicit padding, else None."""
+    if op.type != "Conv2D":
+        return None
+    try:
+        if op.get_attr("padding") != b"EXPLICIT":
+            return None
+        pads = list(op.get_attr("explicit_paddings"))
+    except ValueError:
+        return None
+    return [pads[j:j + 2] for j in range(0, len(pads), 2)]
+
+
+def _rolls_by_negative_axis(op):
+    """A `Roll` whose axis is negative or not a constant: TF's pfor
+    converter rolls its stacked input along `axis + 1`, one axis too far
+    to the right for a negative axis (`tf.vectorized_map` of `tf.roll(t,
+    1, axis=-2)` rolls along -1)."""
+    if op.type != "Roll":
+        return False
+    axis = tf.get_static_value(op.inputs[2])
+    return axis is None or (axis < 0).any()
+
+
+def vectorizes_exactly(ops, copied=False):
+    """False when `ops` (those a vectorized pass differentiates or runs)
+    hold an op TF's pfor converts wrongly: a `Roll` along a negative (or
+    unknown) axis, or, unless `copied` (the copier pads such convolutions
+    with `tf.pad` itself), a Conv2D with explicit padding, whose
+    Conv2DBackpropFilter converter drops `explicit_paddings`. The caller
+    then runs the same iterations one at a time (`loop`)."""
+    return not any(_rolls_by_negative_axis(op) or (
+        not copied and explicit_padding(op) is not None) for op in ops)
+
+
+def loop(loop_fn, n, dtypes):
+    """`loop_fn(i)` for each i < n in a `tf.while_loop`, stacked: what
+    `chunked_pfor` gives, one iteration at a time."""
+    arrays = [tf.TensorArray(d, size=n, infer_shape=True) for d in dtypes]
+
+    def body(i, arrays):
+        return i + 1, [ta.write(i, tf.cast(g, ta.dtype))
+                       for ta, g in zip(arrays, loop_fn(i))]
+
+    _, arrays = tf.while_loop(lambda i, _: i < n, body,
+                              [tf.constant(0), arrays])
+    return [ta.stack() for ta in arrays]

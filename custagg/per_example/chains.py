@@ -54,9 +54,12 @@ def vjp(engine, chain, cotangents, a, batched):
         @tf.autograph.experimental.do_not_convert
         def one(i):
             return one_vjp([tf.gather(c, i) for c in cotangents])
-        parts = pfor_lib.chunked_pfor(
-            one, engine.shared.batch_size(), engine.chunk,
-            [t.dtype.base_dtype for t in wrt])
+        dtypes = [pfor_lib.grad_dtype(t) for t in wrt]
+        if pfor_lib.vectorizes_exactly([op], copied=True):
+            parts = pfor_lib.chunked_pfor(
+                one, engine.shared.batch_size(), engine.chunk, dtypes)
+        else:     # a roll along a negative axis: one example at a time
+            parts = pfor_lib.loop(one, engine.shared.batch_size(), dtypes)
     return [engine.to_x(p, a, batched) for p in parts]
 
 

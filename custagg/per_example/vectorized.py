@@ -35,7 +35,6 @@ from custagg import sparse
 from custagg._tf_compat import attr_value_pb2
 from custagg._tf_compat import backprop_util
 from custagg._tf_compat import pfor_ops
-from custagg._tf_compat import resource_variable_ops
 from custagg.traversal.gradients import gradients
 
 _Boundary = collections.namedtuple("_Boundary", ["op", "batch_inputs"])
@@ -89,19 +88,6 @@ def find_boundary(x_tensor, loss, loss_ancestors, region, batch_static):
     return found, None
 
 
-def _explicit_padding(op):
-    """The `[4, 2]` paddings of a Conv2D with explicit padding, else None."""
-    if op.type != "Conv2D":
-        return None
-    try:
-        if op.get_attr("padding") != b"EXPLICIT":
-            return None
-        pads = list(op.get_attr("explicit_paddings"))
-    except ValueError:
-        return None
-    return [pads[j:j + 2] for j in range(0, len(pads), 2)]
-
-
 def _copy_on_rows(op, batch_inputs, i):
     """Re-creates `op` on rows [i:i+1] of its batch inputs.
 
@@ -114,7 +100,7 @@ def _copy_on_rows(op, batch_inputs, i):
               else inp for k, inp in enumerate(op.inputs)]
     graph = tf.compat.v1.get_default_graph()
     attrs = {key: op.node_def.attr[key] for key in op.node_def.attr}
-    pads = _explicit_padding(op)
+    pads = pfor_lib.explicit_padding(op)
     if pads is not None:
         sliced = [inputs[k] for k in batch_inputs]
         inputs[0] = tf.pad(inputs[0], pads)
@@ -131,17 +117,6 @@ def _copy_on_rows(op, batch_inputs, i):
         name=op.name.split("/")[-1] + "_example", attrs=attrs,
         op_def=op.op_def)
     return new, [inputs[k] for k in batch_inputs]
-
-
-def _grad_dtype(t):
-    """The dtype of a gradient with respect to `t` (resource: its value's)."""
-    if t.dtype == tf.resource:
-        data = resource_variable_ops.get_eager_safe_handle_data(t)
-        if data is not None and data.is_set and data.shape_and_type:
-            return tf.as_dtype(data.shape_and_type[0].dtype)
-        raise ValueError("custagg: cannot tell the value dtype of resource "
-                         "%s." % t.name)
-    return t.dtype.base_dtype
 
 
 def boundary_per_example(loss, group, boundaries, batch, chunk):
@@ -190,43 +165,25 @@ def boundary_per_example(loss, group, boundaries, batch, chunk):
             results.append(sparse.dense(g))
         return results
 
-    dtypes = [_grad_dtype(a.tensor) for a in group]
-    # The pass from the boundary ops back to x may cross a convolution with
-    # explicit padding that is no boundary op (one that sees no batch data,
-    # between x and the boundary): pfor would drop its `explicit_paddings`
-    # (`_pfor_safe`), so the same passes then run one example at a time.
+    dtypes = [pfor_lib.grad_dtype(a.tensor) for a in group]
+    # The pass from the boundary ops back to x may cross an op pfor
+    # converts wrongly that is no boundary op (one that sees no batch data,
+    # between x and the boundary: a convolution with explicit padding, a
+    # roll along a negative axis; `graph.pfor.vectorizes_exactly`): the
+    # same passes then run one example at a time.
     behind = graph_lib.upstream(
         [t for bounds in boundaries for b in bounds for t in b.op.inputs])
-    if not _pfor_safe(behind):
-        return _loop_per_example(loop_fn, batch, dtypes)
+    if not pfor_lib.vectorizes_exactly(behind):
+        return pfor_lib.loop(loop_fn, batch, dtypes)
     return pfor_lib.chunked_pfor(loop_fn, batch, chunk, dtypes)
-
-
-def _pfor_safe(ops):
-    """False when `ops` (those a backward pass crosses) hold an op whose
-    gradient TF's pfor vectorizes wrongly: a Conv2D with explicit padding
-    (its Conv2DBackpropFilter converter drops `explicit_paddings`)."""
-    return not any(_explicit_padding(op) is not None for op in ops)
-
-
-def _loop_per_example(loop_fn, batch, dtypes):
-    """`loop_fn(i)` for each example in a `tf.while_loop`, stacked."""
-    arrays = [tf.TensorArray(d, size=batch, infer_shape=True) for d in dtypes]
-
-    def body(i, arrays):
-        return i + 1, [ta.write(i, tf.cast(g, ta.dtype))
-                       for ta, g in zip(arrays, loop_fn(i))]
-
-    _, arrays = tf.while_loop(lambda i, _: i < batch, body,
-                              [tf.constant(0), arrays])
-    return [ta.stack() for ta in arrays]
 
 
 def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
     """Per-example gradients by the one-hot-seeded full backward pass.
 
     Vectorized with pfor, except where pfor would build a wrong graph
-    (`_pfor_safe`): then the same passes run one example at a time.
+    (`graph.pfor.vectorizes_exactly`): then the same passes run one
+    example at a time.
     """
 
     # pfor runs loop_fn through autograph unless told not to; custagg's
@@ -238,9 +195,9 @@ def whole_pass_per_example(loss, tensors, zeros, batch, chunk):
         return [sparse.dense(g) if g is not None else z()
                 for g, z in zip(grads, zeros)]
 
-    dtypes = [_grad_dtype(t) for t in tensors]
-    if not _pfor_safe(graph_lib.ancestors(loss)):
-        return _loop_per_example(loop_fn, batch, dtypes)
+    dtypes = [pfor_lib.grad_dtype(t) for t in tensors]
+    if not pfor_lib.vectorizes_exactly(graph_lib.ancestors(loss)):
+        return pfor_lib.loop(loop_fn, batch, dtypes)
     # Each iteration holds a backward pass through the whole batch, which its
     # [*x.shape] outputs do not show: passes stay at `chunk`.
     return pfor_lib.chunked_pfor(loop_fn, batch, chunk, dtypes, max_pass_bytes=0)

@@ -60,9 +60,17 @@ class Conv3DRule(registry.Rule):
         g = _ndhwc(ctx.grad, fmt)
         # P static where the output's D, H, W are: the Outer's choice
         # between the Gram and the materialized norms reads it.
-        positions = g.shape[1:4].num_elements() or -1
-        patches = tf.reshape(patches, [-1, positions, kd * kh * kw * cin])
-        g = tf.reshape(g, [-1, positions, cout])
+        # Without them, B from the output gradient and P as the rest (one
+        # -1 per shape: B and P both unknown are two).
+        positions = g.shape[1:4].num_elements()
+        if positions is None:
+            batch = tf.shape(g)[0]
+            patches = tf.reshape(patches, tf.stack(
+                [batch, -1, kd * kh * kw * cin]))
+            g = tf.reshape(g, tf.stack([batch, -1, cout]))
+        else:
+            patches = tf.reshape(patches, [-1, positions, kd * kh * kw * cin])
+            g = tf.reshape(g, [-1, positions, cout])
         return _outer.Outer(patches, g,
                             _outer.layout([kd, kh, kw, cin], [cout], None))
 
