@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import tensorflow as tf
 
 from custagg import _tf_compat
@@ -254,12 +255,30 @@ def _vector_seed(y, gy, gradient_factors):
     return tf.reshape(f, [-1] + [1] * (rank - 1)) * _dense_seed(gy, dtype)
 
 
+def _one_term(y, gradient_factors):
+    """Whether a single non-scalar y is the list form's one term (B = 1):
+    one factor, where y's leading axis (static) is not of length 1, so the
+    vector form could only fail. (With a leading axis of 1 both forms give
+    `f_0 y`.)"""
+    shape = getattr(gradient_factors, "shape", None)
+    if shape is None:
+        shape = np.shape(gradient_factors)
+    shape = tf.TensorShape(shape)
+    if shape.rank != 1 or tf.compat.dimension_value(shape[0]) != 1 or \
+            y.shape.rank is None:
+        return False
+    lead = tf.compat.dimension_value(y.shape[0])
+    return lead is not None and lead != 1
+
+
 def custom_seeds(ys, grad_ys, gradient_factors):
     """Turns per-example terms and factors into seeds for one backward pass.
 
     Args:
       ys: list of `Tensor`. Either B per-example terms (list form), or one
-        tensor `[B, ...]` whose leading axis is the batch (vector form).
+        tensor `[B, ...]` whose leading axis is the batch (vector form). One
+        non-scalar y with one factor is the list form's single term when
+        its leading axis (static) is not 1.
       grad_ys: list aligned with `ys` (entries may be `None`); multiplies in.
       gradient_factors: `[B]` factors.
 
@@ -269,7 +288,8 @@ def custom_seeds(ys, grad_ys, gradient_factors):
       `[B, ...]` seed, so the list form costs one backward pass like the
       vector form.
     """
-    if len(ys) == 1 and (ys[0].shape.rank is None or ys[0].shape.rank >= 1):
+    if len(ys) == 1 and (ys[0].shape.rank is None or ys[0].shape.rank >= 1) \
+            and not _one_term(ys[0], gradient_factors):
         return [ys[0]], [_vector_seed(ys[0], grad_ys[0], gradient_factors)]
 
     n_terms = len(ys)

@@ -397,6 +397,30 @@ def test_per_example_terms_that_are_not_scalars(sess, rng):
     _assert_all_close(a[0][4], a[1][2], rtol=1e-12)
 
 
+@pytest.mark.parametrize("placeholder", [False, True])
+def test_one_per_example_term_that_is_not_a_scalar(sess, rng, placeholder):
+    """B = 1, list form, ys = [out[0]] of shape [3]: one term, one factor
+    (a review found it taken for the vector form, whose batch axis of 3
+    then did not match the one factor). A `[1, 3]` y stays the vector
+    form (the same result either way)."""
+    x = tf.compat.v1.placeholder(tf.float64, [1, 2])
+    w = tf.compat.v1.Variable(rng.normal(size=(2, 3)))
+    out = tf.sin(tf.matmul(x, w))                          # [1, 3]
+    f = (tf.compat.v1.placeholder(tf.float64, [1]) if placeholder
+         else np.array([2.5]))
+    got = [custagg.gradients([out[0]], [w], aggregation_method=CUSTOM,
+                             gradient_factors=f),
+           custagg.gradients([out], [w], aggregation_method=CUSTOM,
+                             gradient_factors=f)]
+    want = reference([out[0]], [w], f)
+    feed = {x: rng.normal(size=(1, 2))}
+    if placeholder:
+        feed[f] = [2.5]
+    a = _run(sess, [got, want], feed)
+    _assert_all_close(a[0][0], a[1], rtol=1e-12)
+    _assert_all_close(a[0][1], a[1], rtol=1e-12)
+
+
 def test_partial_grad_ys_in_list_form(sess, rng):
     batch = 4
     loss, xs, data, _ = softmax_regression(rng, batch, 3)
