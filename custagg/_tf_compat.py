@@ -217,9 +217,19 @@ def track_trackable(obj, child, name):
 
 
 def create_non_slot_variable(optimizer, initial_value, name, colocate_with):
-    """An optimizer variable that is not per-parameter (one per graph)."""
-    return optimizer._create_non_slot_variable(
-        initial_value=initial_value, name=name, colocate_with=colocate_with)
+    """An optimizer variable that is not per-parameter (one per graph),
+    always a resource variable: TF makes it a ref variable when
+    `colocate_with` is one, and the noise streams' variables are assigned
+    inside v2 control flow, which takes no ref input (every DP optimizer
+    failed to build on a model of ref variables)."""
+    def resource(next_creator, **kwargs):
+        kwargs["use_resource"] = True
+        return next_creator(**kwargs)
+
+    with tf.compat.v1.variable_creator_scope(resource):
+        return optimizer._create_non_slot_variable(
+            initial_value=initial_value, name=name,
+            colocate_with=colocate_with)
 
 
 def non_slot_variables(optimizer):
