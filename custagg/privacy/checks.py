@@ -7,9 +7,12 @@ Every error names the argument, says what was expected and what to do.
 from __future__ import annotations
 
 import numbers
+import sys
 
 import numpy as np
 import tensorflow as tf
+
+from custagg._tf_compat import ops
 
 __all__ = ["ComputeGradientsNotCalledError", "check_compute_gradients_called",
            "check_group_ids", "check_microbatches", "check_positive",
@@ -48,7 +51,11 @@ def check_positive(value, arg, cls_name, allow_zero=False):
         static = (tf.get_static_value(value)
                   if isinstance(value, tf.Tensor) else None)
         if static is not None:
-            check_positive(float(static), arg, cls_name, allow_zero)
+            number = check_positive(float(static), arg, cls_name, allow_zero)
+            if isinstance(value, ops.EagerTensor):
+                # Made eagerly (before eager execution was turned off): its
+                # value, as a number (the graph cannot capture it).
+                return number
         return value
     if not _is_number(value):
         # ValueError, as this check always raised (TF Privacy raises none).
@@ -63,6 +70,32 @@ def check_positive(value, arg, cls_name, allow_zero=False):
             " The clip norm C bounds each per-example gradient's L2 norm; "
             "use e.g. 1.0." if arg.startswith("l2_norm_clip") else ""))
     return float(value)
+
+
+def check_not_loss_scaled(optimizer, fn):
+    """Raises when `optimizer`'s gradients are being computed for a loss-scale
+    optimizer that wraps it (`tf.compat.v1.mixed_precision.
+    MixedPrecisionLossScaleOptimizer`): it passes the loss times the scale
+    S and divides the gradients by S afterwards, so the clip would bound
+    S times each gradient and the noise would come out S times smaller than
+    the privacy accounting assumes. Looks for the wrapper among the few
+    callers above (it calls `compute_gradients` directly)."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return
+        caller = frame.f_locals.get("self")
+        if (caller is not None and caller is not optimizer and
+                getattr(caller, "_optimizer", None) is optimizer and
+                hasattr(caller, "_loss_scale")):
+            raise ValueError(
+                "%s: this optimizer is wrapped by a loss-scale optimizer "
+                "(%s), which scales the loss: clipping and the DP noise would "
+                "act on scaled gradients, and the noise would come out smaller "
+                "by the loss scale than the privacy accounting assumes. Train "
+                "without loss scaling (float32 variables and loss)."
+                % (fn, type(caller).__name__))
 
 
 def check_microbatches(num_microbatches, owner, allow_tensor=False):

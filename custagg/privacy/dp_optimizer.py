@@ -176,6 +176,7 @@ def make_optimizer_class(cls):
             arguments; `loss` is `[B]` or `[B, ...]`."""
             del aggregation_method, colocate_gradients_with_ops
             name = type(self).__name__ + ".compute_gradients"
+            checks.check_not_loss_scaled(self, name)
             self._was_compute_gradients_called = True
             if tf.executing_eagerly():
                 if self._group_ids is not None:

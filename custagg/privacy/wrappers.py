@@ -256,6 +256,8 @@ class DPOptimizer(training.PerExampleOptimizer):
 
     def _aggregate(self, loss, var_list, grad_loss, gate_gradients,
                    aggregation_method, colocate_gradients_with_ops):
+        checks.check_not_loss_scaled(self, type(self).__name__ +
+                                     ".compute_gradients")
         if grad_loss is not None:
             loss = loss * tf.stop_gradient(grad_loss)
             self._last_loss = loss

@@ -117,6 +117,7 @@ def per_example_loss_vector(loss, grad_loss, fn):
             "tf.nn.sparse_softmax_cross_entropy_with_logits(...) without "
             "tf.reduce_mean." % (fn, loss.shape))
     if grad_loss is not None:
+        errors.check_graph_tensor(grad_loss, "grad_loss", fn)
         grad_loss = tf.convert_to_tensor(grad_loss, dtype=loss.dtype)
         if not grad_loss.shape.is_compatible_with(loss.shape):
             raise ValueError("%s: grad_loss must have the shape of the loss "
@@ -172,6 +173,11 @@ class PerExampleOptimizer(_Optimizer):
             raise TypeError("%s: strategy must be a string such as 'auto', "
                             "'rules', 'pfor' or 'loop'; got %r."
                             % (cls_name, strategy))
+        if strategy not in per_example_api.STRATEGIES:
+            raise ValueError("%s: strategy must be one of %s; got %r."
+                             % (cls_name, ", ".join(
+                                 repr(s) for s in per_example_api.STRATEGIES),
+                                strategy))
         super().__init__(use_locking=False,
                          name=name or self._name_prefix + optimizer.get_name())
         self._optimizer = optimizer
@@ -259,9 +265,10 @@ class PerExampleOptimizer(_Optimizer):
         return list(zip(grads, var_list))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        """Applies gradients with the wrapped optimizer (TF1 semantics)."""
+        """Applies gradients with the wrapped optimizer (TF1 semantics; the
+        update op is named as the wrapped optimizer names it)."""
         return self._optimizer.apply_gradients(
-            grads_and_vars, global_step=global_step, name=name or self._name)
+            grads_and_vars, global_step=global_step, name=name)
 
     def minimize(self, loss=None, global_step=None, var_list=None,
                  gate_gradients=_Optimizer.GATE_OP, aggregation_method=None,
@@ -350,11 +357,23 @@ class PerExampleOptimizer(_Optimizer):
             raise ValueError("%s.compute_gradients: no variables to optimize "
                              "(var_list is empty and the graph has no "
                              "trainable variables)." % cls_name)
-        for v in var_list:
+        for i, v in enumerate(var_list):
             if not isinstance(v, tf.Variable):
                 raise TypeError(
                     "%s.compute_gradients: var_list must hold tf.Variables; "
                     "got %r." % (cls_name, v))
+            try:
+                graph = v.graph
+            except (AttributeError, RuntimeError):   # an eager variable
+                graph = None
+            if graph is not loss.graph and not _tf_compat.building_function(
+                    loss.graph):
+                raise ValueError(
+                    "%s.compute_gradients: var_list[%d] (%s) is %s; create "
+                    "the variables in the graph that builds the loss." % (
+                        cls_name, i, v.name, "an eager variable"
+                        if graph is None else "of another graph than the "
+                        "loss"))
         self._last_loss = loss
         self._norms = None
         return loss, list(var_list), grad_loss
@@ -400,26 +419,40 @@ class WeightedOptimizer(PerExampleOptimizer):
                 "got %r. To use fixed weights, wrap them in tf.constant."
                 % (gradient_factors,))
         self._factors = gradient_factors
+        # The placeholders made when none was given: one per (graph, loss
+        # dtype, static B), so the optimizer works in another graph or on a
+        # loss of another batch size as a TF1 optimizer does; the latest is
+        # `gradient_factors`.
+        self._made = {}
+        self._latest = None
 
     @property
     def gradient_factors(self):
-        """The `[B]` factors tensor (to feed); created by compute_gradients."""
-        if self._factors is None:
+        """The `[B]` factors tensor to feed: the one given, else the
+        placeholder the last compute_gradients()/minimize() made."""
+        if self._factors is not None:
+            return self._factors
+        if self._latest is None:
             raise ValueError(
                 "WeightedOptimizer.gradient_factors: the placeholder is "
                 "created by compute_gradients()/minimize(); call it first, or "
                 "pass gradient_factors= to the constructor.")
-        return self._factors
+        return self._latest
 
     def _aggregate(self, loss, var_list, grad_loss, gate_gradients,
                    aggregation_method, colocate_gradients_with_ops):
-        if self._factors is None:
-            with loss.graph.name_scope(None):
-                self._factors = tf.compat.v1.placeholder(
-                    loss.dtype, [tf.compat.dimension_value(loss.shape[0])],
-                    name="gradient_factors")
+        factors = self._factors
+        if factors is None:
+            batch = tf.compat.dimension_value(loss.shape[0])
+            key = (loss.graph, loss.dtype.base_dtype, batch)
+            factors = self._made.get(key)
+            if factors is None:
+                with loss.graph.name_scope(None):
+                    factors = self._made[key] = tf.compat.v1.placeholder(
+                        loss.dtype, [batch], name="gradient_factors")
+            self._latest = factors
         return list(traversal_gradients.gradients(
             loss, var_list, grad_ys=grad_loss, gate_gradients=gate_gradients,
             aggregation_method=aggregation.AggregationMethod.CUSTOM,
-            gradient_factors=self._factors,
+            gradient_factors=factors,
             colocate_gradients_with_ops=colocate_gradients_with_ops))
