@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 
 from benchmarks import memory
+from custagg.privacy import gaussian
 from custagg.privacy import noise
 
 tf1 = tf.compat.v1
@@ -44,7 +45,7 @@ def test_bit_for_bit_the_whole_draw_added(graph, threads):
     rng = np.random.RandomState(threads)
     cases = []
     for n in PIECED + WHOLE:
-        assert (noise._pieces(n) is not None) == (n in PIECED), n
+        assert (gaussian._pieces(n) is not None) == (n in PIECED), n
         t = tf1.placeholder_with_default(
             rng.normal(size=[n]).astype(np.float32), [n])
         seed = tf1.placeholder_with_default(
@@ -82,7 +83,7 @@ def test_a_bad_seed_is_named(n):
 
 def test_no_buffer_another_op_reads_is_written(sess):
     n = 784 * 256
-    assert noise._pieces(n) is not None
+    assert gaussian._pieces(n) is not None
     value = np.random.RandomState(0).normal(size=[n]).astype(np.float32)
     v = tf1.Variable(value, use_resource=True)
     fed = tf1.placeholder(tf.float32, [n])
@@ -112,6 +113,7 @@ def test_no_buffer_another_op_reads_is_written(sess):
 
 _FOLDABLE = """
 import numpy as np, tensorflow as tf
+from custagg.privacy import gaussian
 from custagg.privacy import noise
 tf1 = tf.compat.v1
 tf1.disable_eager_execution()
@@ -169,7 +171,7 @@ def _peak(build, n):
 
 def test_the_peak_is_t_and_one_piece():
     n = 1 << 21          # 8 MB of float32; pieces of 2^17 values
-    assert len(noise._pieces(n)[1]) > 4
+    assert len(gaussian._pieces(n)[1]) > 4
     pieces = _peak(lambda t, s: noise.add_stateless_gaussian(t, s), n)
     whole = _peak(lambda t, s: t + noise.stateless_gaussian([n], s), n)
     assert pieces <= 1.3 * 4 * n, pieces / (4.0 * n)
@@ -182,7 +184,7 @@ def test_the_peak_is_t_and_one_piece():
 
 @pytest.mark.parametrize("n", PIECED + [1 << 21, 2 * 1024 * 97, 2 * 1024 * 65])
 def test_pieces_cover_the_half_on_aligned_bounds(n):
-    row, bounds = noise._pieces(n)
+    row, bounds = gaussian._pieces(n)
     half = n // 2
     assert 256 <= row <= 1024 and half % row == 0
     assert bounds[0][0] == 0 and bounds[-1][1] == half
@@ -207,9 +209,9 @@ def test_uniform_ranges_continue_the_counter_with_its_carry(sess):
     near = tf.bitcast(tf.constant([-4, 77], tf.int64), tf.uint64)
     whole = tf.raw_ops.StatelessRandomUniformV2(
         shape=[24], key=key, counter=near, alg=alg, dtype=tf.float32)
-    advanced = noise._advanced(near, [0, 8, 16])
+    advanced = gaussian._advanced(near, [0, 8, 16])
     state = (key, advanced, alg)
-    parts = tf.concat([noise._uniform(state, k, 8) for k in range(3)], 0)
+    parts = tf.concat([gaussian._uniform(state, k, 8) for k in range(3)], 0)
     w, p, c = sess.run([whole, parts, tf.bitcast(advanced, tf.int64)])
     np.testing.assert_array_equal(p, w)
     np.testing.assert_array_equal(c, [[-4, 77], [-2, 77], [0, 78]])
