@@ -14,6 +14,31 @@ class FunctionNotFound(ValueError):
         self.op = op
 
 
+def _named(op, name):
+    """The FuncGraph of function `name`, looked up from `op`'s graph
+    outwards, or None."""
+    graph = op.graph
+    while graph is not None:
+        func = _tf_compat.get_function(graph, name)
+        if func is not None and getattr(func, "graph", None) is not None:
+            return func.graph
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def nested_ops(op):
+    """The ops inside `op`'s functions (a While's body and cond, a cond's
+    branches, a call's function), and inside theirs, recursively."""
+    for value in op.node_def.attr.values():
+        names = ([value.func.name] if value.HasField("func") else
+                 [f.name for f in value.list.func])
+        for name in names:
+            graph = _named(op, name)
+            for inner in graph.get_operations() if graph is not None else ():
+                yield inner
+                yield from nested_ops(inner)
+
+
 def func_graph(op, attr):
     """The FuncGraph of `op`'s function attr `attr` ("body", "cond", "f").
 
@@ -24,12 +49,9 @@ def func_graph(op, attr):
       FunctionNotFound: naming the op and the function.
     """
     name = op.get_attr(attr).name
-    graph = op.graph
-    while graph is not None:
-        func = _tf_compat.get_function(graph, name)
-        if func is not None and getattr(func, "graph", None) is not None:
-            return func.graph
-        graph = getattr(graph, "outer_graph", None)
+    graph = _named(op, name)
+    if graph is not None:
+        return graph
     raise FunctionNotFound(
         "cannot find the %s function '%s' of op '%s' (type %s)"
         % (attr, name, op.name, op.type), op)

@@ -40,6 +40,7 @@ giving wrong gradients.
 from __future__ import annotations
 
 import collections
+import itertools
 
 import tensorflow as tf
 
@@ -51,6 +52,7 @@ from custagg.batch_axis import separation
 from custagg.batch_axis import sources
 from custagg.batch_axis import table
 from custagg.graph import copier
+from custagg.graph import functions
 from custagg.graph import pfor as pfor_lib
 from custagg.graph.copier import CannotCopy
 from custagg._tf_compat import indexed_slices as indexed_slices_lib
@@ -169,14 +171,21 @@ def analyze(loss, loss_ancestors, static_b):
                 "copy; tf.compat.v1.enable_control_flow_v2() builds conds it "
                 "can copy" % (op.name, op.type), op)
     for op in ops:
-        if op.type in op_kinds.RANDOM:
-            # Anywhere in the copied ops, not only on the batch's path: a
-            # mask drawn from tf.shape(x) is copied too, and draws anew.
+        # Anywhere in the copied ops, not only on the batch's path (a mask
+        # drawn from tf.shape(x) is copied too, and draws anew), and inside
+        # their loop bodies and branches (a DropoutWrapper in an RNN cell:
+        # the copies' losses never matched the batch's, and every step ran
+        # the copies and then the exact form).
+        drawn = next((c for c in itertools.chain([op], functions.nested_ops(
+            op)) if c.type in op_kinds.RANDOM), None)
+        if drawn is not None:
             raise CannotCopy(
                 "op '%s' (type %s) draws random numbers between the inputs "
-                "and the loss, and a per-example copy would draw new ones; "
+                "and the loss%s, and a per-example copy would draw new ones; "
                 "pass the random tensor in as a placeholder, or use "
-                "strategy='loop'" % (op.name, op.type), op)
+                "strategy='loop'" % (
+                    drawn.name, drawn.type, "" if drawn is op else
+                    " (inside '%s')" % op.name), op)
     _check_examples_apart(inputs, ops, loss, loss_ancestors, static_b)
     if static_b is not None and static_b > 1:
         # A static batch is folded into constants (tensordot's reshape
