@@ -639,6 +639,21 @@ def _wrong_exact_form(monkeypatch):
             fill(self, a, tf.zeros([0], tf.int32)) for a in group])
 
 
+def _rules_run_and_checks_hold(graph, monkeypatch, x, y, loss, xs, batches,
+                               feed, label):
+    """With the exact form wrong (`_wrong_exact_form`), every value is
+    still exact and every certificate holds, at each B."""
+    _wrong_exact_form(monkeypatch)
+    for b, values in _run(graph, x, y, loss, xs, batches,
+                          feed_fn=feed).items():
+        _check_exact(values, "%s B=%d" % (label, b))
+    certs = _certificates(graph)
+    assert certs, "no certified tf.cond in the graph"
+    for b, oks in _checks(graph, certs, x, y, batches, seed=2,
+                          feed_fn=feed).items():
+        assert all(oks), b
+
+
 def _fold_feed(x, y):
     def feed(rng, b):
         # A shorter T at the first B: a T frozen at the first run shows.
@@ -669,16 +684,8 @@ def test_fold_rows_are_certified_and_the_rules_run(
     assert fold.either == time_major, fold
     assert rows_lib.non_example_rows(rows, 0, loss) is None
 
-    _wrong_exact_form(monkeypatch)
-    feed = _fold_feed(x, y)
-    for b, values in _run(graph, x, y, loss, xs, batches,
-                          feed_fn=feed).items():
-        _check_exact(values, "fold B=%d" % b)
-    certs = _certificates(graph)
-    assert certs, "no certified tf.cond in the graph"
-    for b, oks in _checks(graph, certs, x, y, batches, seed=2,
-                          feed_fn=feed).items():
-        assert all(oks), b
+    _rules_run_and_checks_hold(graph, monkeypatch, x, y, loss, xs, batches,
+                               _fold_feed(x, y), "fold")
 
 
 @pytest.mark.parametrize("time_major", [False, True],
@@ -1057,12 +1064,5 @@ def test_dilated_convolution_rows_are_certified_and_the_rules_run(
         return {x: rng.normal(size=[b, size, size, 2]),
                 y: rng.integers(0, 3, size=[b])}
 
-    _wrong_exact_form(monkeypatch)
-    for b, values in _run(graph, x, y, loss, xs, batches,
-                          feed_fn=feed).items():
-        _check_exact(values, "dilated B=%d" % b)
-    certs = _certificates(graph)
-    assert certs, "no certified tf.cond in the graph"
-    for b, oks in _checks(graph, certs, x, y, batches, seed=2,
-                          feed_fn=feed).items():
-        assert all(oks), b
+    _rules_run_and_checks_hold(graph, monkeypatch, x, y, loss, xs, batches,
+                               feed, "dilated")

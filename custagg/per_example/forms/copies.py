@@ -237,17 +237,6 @@ def copy_forward(forward, rows):
     return mapping[forward.loss.ref()]
 
 
-def grad_dtype(t):
-    """The dtype of a gradient with respect to `t` (resource: its value's)."""
-    if t.dtype == tf.resource:
-        data = _tf_compat.resource_variable_ops.get_eager_safe_handle_data(t)
-        if data is not None and data.is_set and data.shape_and_type:
-            return tf.as_dtype(data.shape_and_type[0].dtype)
-        raise ValueError("custagg: cannot tell the value dtype of resource "
-                         "%s." % t.name)
-    return t.dtype.base_dtype
-
-
 def _dense(g):
     if isinstance(g, indexed_slices_lib.IndexedSlices):
         return tf.convert_to_tensor(g)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from custagg import batch_axis
+from custagg.graph import pfor as pfor_lib
 from custagg.graph.copier import CannotCopy
 from custagg.per_example import vectorized
 from custagg.per_example.forms import base
@@ -96,7 +97,7 @@ class CopiesForm(_PforForm):
 
     def _args(self, engine, group):
         tensors = [a.tensor for a in group]
-        dtypes = [copies.grad_dtype(t) for t in tensors]
+        dtypes = [pfor_lib.grad_dtype(t) for t in tensors]
         batch = copies.batch_size(group[0].forward, engine.batch_size)
         return tensors, _zeros(engine, group), dtypes, batch
 
