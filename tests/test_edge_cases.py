@@ -21,7 +21,8 @@ with `None` exactly where `tf.compat.v1.gradients` gives `None`:
    which must not meet TF's pfor fallback that drops `explicit_paddings`
    (fresh randomized seeds 440733 and 740734);
 8. a `tf.roll` along a negative axis where pfor runs (a batch coupling's
-   whole pass, a boundary pass, a chain, the copies): TF's pfor converter
+   whole pass, a boundary pass, a chain, the copies, planned as their
+   while loop): TF's pfor converter
    rolls along `axis + 1`, one axis too far for a negative axis (found by
    a review: per-example gradients off by 2.08, norms wrong, no error);
 9. a table reached through a gather by constant ids (a chain) with a
@@ -245,6 +246,32 @@ def test_roll_along_a_negative_axis(graph, rng, batch, coupled):
     loss = tf.reduce_sum(tf.sin(h), [1, 2])
     _check(graph, loss, [w], {x: _batch(rng, [batch, 4, 3])},
            strategies=("auto", "pfor", "loop") if coupled else ALL)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_roll_after_a_loop_plans_the_copies_loop(graph, rng, batch):
+    """The per-example copies (a loop with no rule inside) with a roll along
+    a negative axis after them: planned as the copies' while loop, so the
+    plan says what runs (pfor of the copies would roll the wrong axis)."""
+    steps = 4
+    x = tf.compat.v1.placeholder(tf.float64, [None, steps, 3])
+    power = _var("power", [3])
+    x_tm = tf.transpose(x, [1, 0, 2])
+
+    def body(t, h):
+        k = tf.math.pow(1.0 + tf.square(tf.gather(x_tm, t)), power)
+        return t + 1, 0.5 * h + 0.5 * tf.tanh(k - 0.5)
+
+    _, h = tf.compat.v1.while_loop(lambda t, h: t < steps, body,
+                                   (tf.constant(0), tf.zeros_like(x[:, 0])))
+    h = tf.roll(h, shift=1, axis=-1)
+    loss = tf.reduce_sum(tf.sin(h) * tf.range(1.0, 4.0, dtype=tf.float64), 1)
+    for strategy in ("auto", "pfor"):
+        plan = custagg.plan_per_example(loss, [power], strategy=strategy)
+        assert plan.forms() == ["recompute-loop"], str(plan)
+        assert "pfor converts wrongly" in str(plan), str(plan)
+    _check(graph, loss, [power], {x: _batch(rng, [batch, steps, 3])},
+           strategies=("auto", "pfor", "loop"))
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from custagg._tf_compat import pfor_ops
 from custagg._tf_compat import resource_variable_ops
+from custagg.graph import functions
 
 
 # The most bytes of outputs one pass of `chunked_pfor` may produce when it
@@ -193,14 +194,19 @@ def _rolls_by_negative_axis(op):
 
 
 def vectorizes_exactly(ops, copied=False):
-    """False when `ops` (those a vectorized pass differentiates or runs)
-    hold an op TF's pfor converts wrongly: a `Roll` along a negative (or
-    unknown) axis, or, unless `copied` (the copier pads such convolutions
-    with `tf.pad` itself), a Conv2D with explicit padding, whose
-    Conv2DBackpropFilter converter drops `explicit_paddings`. The caller
-    then runs the same iterations one at a time (`loop`)."""
-    return not any(_rolls_by_negative_axis(op) or (
-        not copied and explicit_padding(op) is not None) for op in ops)
+    """False when `ops` (those a vectorized pass differentiates or runs),
+    or the bodies and branches of their loops, conds and calls (pfor
+    converts those ops too), hold an op TF's pfor converts wrongly: a
+    `Roll` along a negative (or unknown) axis, or, unless `copied` (the
+    copier pads such convolutions with `tf.pad` itself), a Conv2D with
+    explicit padding, whose Conv2DBackpropFilter converter drops
+    `explicit_paddings`. The caller then runs the same iterations one at a
+    time (`loop`)."""
+    def wrong(op):
+        return _rolls_by_negative_axis(op) or (
+            not copied and explicit_padding(op) is not None)
+    return not any(wrong(op) or any(map(wrong, functions.nested_ops(op)))
+                   for op in ops)
 
 
 def loop(loop_fn, n, dtypes):

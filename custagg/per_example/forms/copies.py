@@ -301,12 +301,7 @@ def per_example_pfor(forward, tensors, zeros, dtypes, batch, chunk,
     def loop_fn(i):
         return _one_example(forward, tensors, zeros, i, gradients)
 
-    if not pfor_lib.vectorizes_exactly(forward.ops, copied=True):
-        # An op pfor converts wrongly (a roll along a negative axis): the
-        # same copies one example at a time.
-        out = pfor_lib.loop(loop_fn, batch,
-                            list(dtypes) + [forward.loss.dtype])
-    elif has_v1_loops(forward):
+    if has_v1_loops(forward):
         # The gradient of a v1 loop cannot be built inside another v1 loop
         # (the chunks' while loop): one pfor over the whole batch.
         out = pfor_ops.pfor(loop_fn, batch)

@@ -93,6 +93,10 @@ class CopiesForm(_PforForm):
                 "the loop '%s' runs as many iterations as the batch data "
                 "asks (a condition on batch data), which pfor's conversion "
                 "of the copies does not run correctly" % varying.name))
+        if not pfor_lib.vectorizes_exactly(forward.ops, copied=True):
+            return base.Choice(COPIES_LOOP, forward=forward, note=(
+                "the copies hold an op pfor converts wrongly (a tf.roll "
+                "along a negative axis)"))
         return base.Choice(self, forward=forward)
 
     def _args(self, engine, group):
