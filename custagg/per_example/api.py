@@ -109,7 +109,9 @@ def _rank_checked(loss, fn_name):
     return loss
 
 
-def _check_strategy(strategy, fn_name):
+def check_strategy(strategy, fn_name):
+    """A ValueError naming `fn_name` unless `strategy` is one of
+    `STRATEGIES`."""
     if strategy not in STRATEGIES:
         raise ValueError("%s: unknown strategy %r; expected one of %s."
                          % (fn_name, strategy, ", ".join(map(repr,
@@ -146,7 +148,7 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
     """
     fn = "custagg.plan_per_example"
     loss = _check_loss(per_example_loss, fn)
-    _check_strategy(strategy, fn)
+    check_strategy(strategy, fn)
     registry = registry or registry_lib.default_registry()
     xs = list(xs) if isinstance(xs, (list, tuple)) else [xs]
     tensors = []
@@ -161,7 +163,7 @@ def plan_per_example(per_example_loss, xs, strategy="auto", registry=None):
 
 
 def _engine(per_example_loss, xs, strategy, registry, pfor_chunk_size, fn):
-    _check_strategy(strategy, fn)
+    check_strategy(strategy, fn)
     plan = plan_per_example(per_example_loss, xs, strategy, registry)
     warn_slow(plan)
     return plan, engine_lib.Engine(plan, pfor_chunk_size)

@@ -173,11 +173,7 @@ class PerExampleOptimizer(_Optimizer):
             raise TypeError("%s: strategy must be a string such as 'auto', "
                             "'rules', 'pfor' or 'loop'; got %r."
                             % (cls_name, strategy))
-        if strategy not in per_example_api.STRATEGIES:
-            raise ValueError("%s: strategy must be one of %s; got %r."
-                             % (cls_name, ", ".join(
-                                 repr(s) for s in per_example_api.STRATEGIES),
-                                strategy))
+        per_example_api.check_strategy(strategy, cls_name)
         super().__init__(use_locking=False,
                          name=name or self._name_prefix + optimizer.get_name())
         self._optimizer = optimizer
